@@ -1,0 +1,182 @@
+"""``pipeline``: one command per stage, plus the single-machine cluster driver.
+
+    pipeline up        start Redis + feeder + generators + verifiers + trainer, train, report
+    pipeline down      stop a cluster left running
+    pipeline pretrain  build and warm up the tiny base model
+    pipeline feed | generate | verify | train   run one stage (one OS process each)
+    pipeline status    queue depths and trainer progress of a run
+    pipeline account   what became of every prompt of a run
+
+Every command takes ``--config run.toml`` and dotted overrides such as
+``--trainer.lr 3e-4`` or ``--verifier.reward single:mod9``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+from pipeline.config import ConfigError, RunConfig, load_config
+
+STAGES = {
+    "feed": "feeder: stream training prompts into {ns}:prompts",
+    "generate": "generator: sample G completions per prompt with the current policy",
+    "verify": "verifier: score completions with weak verifiers, aggregate into rewards",
+    "train": "trainer: GRPO on bounded-staleness batches, publish each new version",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pipeline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def add(name: str, help_: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help_, description=help_ + ". Any config field can be set as --section.field VALUE.")
+        sp.add_argument("--config", help="TOML config file (see configs/default.toml)")
+        sp.add_argument("--run-id", dest="run_id", help="run id = Redis namespace (same as --run_id)")
+        sp.add_argument("--redis-url", dest="redis_url", help="Redis URL (same as --redis.url; default $REDIS_URL)")
+        return sp
+
+    add("up", "start a whole cluster on this machine, train, and write the run summary")
+    down = sub.add_parser("down", help="stop a cluster that `pipeline up` left running")
+    down.add_argument("--runs-dir", default="runs")
+    add("pretrain", "build the tiny base model and warm it up on the task (skipped if it exists)").add_argument(
+        "--force", action="store_true", help="rebuild even if the checkpoint exists")
+    for name, help_ in STAGES.items():
+        sp = add(name, help_)
+        if name in ("generate", "verify"):
+            sp.add_argument("--worker-id", required=True, help="unique consumer name, e.g. gen-0")
+            sp.add_argument("--max-batches", type=int, help="stop after this many batches (tests, debugging)")
+    add("status", "print queue depths, worker heartbeats and trainer progress as JSON")
+    add("account", "print the end-to-end accounting of every prompt as JSON")
+    return p
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, RunConfig]:
+    """Parse known flags; every other ``--a.b VALUE`` / ``--a.b=VALUE`` pair is a config override."""
+    args, rest = _parser().parse_known_args(argv)
+    overrides: dict[str, str] = {}
+    i = 0
+    while i < len(rest):
+        flag = rest[i]
+        if not flag.startswith("--"):
+            raise ConfigError(f"unexpected argument {flag!r}; config overrides look like --trainer.lr 3e-4")
+        name, eq, value = flag[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(rest):
+                raise ConfigError(f"{name}: missing value")
+            value, i = rest[i + 1], i + 1
+        overrides[name] = value
+        i += 1
+    if getattr(args, "run_id", None):
+        overrides["run_id"] = args.run_id
+    if getattr(args, "redis_url", None):
+        overrides["redis.url"] = args.redis_url
+    return args, load_config(getattr(args, "config", None), overrides)
+
+
+def _worker_context(cfg: RunConfig, stage: str, worker: str):
+    from pipeline.keys import Keys
+    from pipeline.logs import setup_logging
+    from pipeline.streams import connect
+
+    if not cfg.run_id:
+        raise ConfigError("run_id: required for stage commands (--run-id NAME)")
+    url = cfg.redis.url or os.environ.get("REDIS_URL", "")
+    if not url:
+        raise ConfigError("redis.url: empty and $REDIS_URL is unset; pass --redis-url or use `pipeline up`")
+    log = setup_logging(cfg.run_dir / "logs", stage=stage, worker=worker)
+    return connect(url, name=f"{cfg.run_id}:{worker}"), Keys(cfg.run_id), log
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _sigterm_exits() -> None:
+    # SIGTERM unwinds like Ctrl-C: work in hand stays unacked and is redelivered.
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args, cfg = parse(argv)
+    except ConfigError as e:
+        print(f"pipeline: config error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return _dispatch(args, cfg)
+    except ConfigError as e:
+        print(f"pipeline: config error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 - the top of the process: report clearly, exit non-zero
+        import redis
+
+        if isinstance(e, redis.ConnectionError):
+            print(f"pipeline: {e}", file=sys.stderr)
+            return 3
+        raise
+
+
+def _dispatch(args: argparse.Namespace, cfg: RunConfig) -> int:
+    cmd = args.command
+    if cmd == "up":
+        from pipeline.cluster import up
+
+        return up(cfg)
+    if cmd == "down":
+        from pipeline.cluster import down
+
+        return down(Path(args.runs_dir))
+    if cmd == "pretrain":
+        from pipeline.cluster import ensure_base_model
+
+        ensure_base_model(cfg, force=args.force)
+        return 0
+    if cmd in ("status", "account"):
+        from pipeline.accounting import account
+        from pipeline.streams import queue_depths, read_stats
+
+        r, keys, _ = _worker_context(cfg, cmd, cmd)
+        if cmd == "account":
+            out = account(r, keys)
+        else:
+            out = {"queues": queue_depths(r, keys), "stats": read_stats(r, keys),
+                   "trainer": {k.decode(): v.decode() for k, v in r.hgetall(keys.trainer).items()},
+                   "workers": {k.decode(): json.loads(v) for k, v in r.hgetall(keys.workers).items()}}
+        print(json.dumps(out, indent=2))
+        return 0
+    _sigterm_exits()
+    if cmd == "feed":
+        from pipeline.model import CharTokenizer
+        from pipeline.producers.feeder import run_feeder
+
+        r, keys, log = _worker_context(cfg, "feeder", "feeder")
+        run_feeder(cfg, r, keys, log, tokenizer=CharTokenizer.load(cfg.model.base_dir))
+    elif cmd == "generate":
+        from pipeline.producers.generator import run_generator
+
+        r, keys, log = _worker_context(cfg, "generator", args.worker_id)
+        run_generator(cfg, r, keys, args.worker_id, log, max_batches=args.max_batches)
+    elif cmd == "verify":
+        from pipeline.consumers.verifier import run_verifier
+
+        r, keys, log = _worker_context(cfg, "verifier", args.worker_id)
+        run_verifier(cfg, r, keys, args.worker_id, log, max_batches=args.max_batches)
+    elif cmd == "train":
+        from pipeline.consumers.trainer import run_trainer
+
+        r, keys, log = _worker_context(cfg, "trainer", "trainer")
+        run_trainer(cfg, r, keys, log, run_dir=cfg.run_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

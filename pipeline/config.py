@@ -1,0 +1,333 @@
+"""Run configuration: one small dataclass per component under one root.
+
+Loaded from TOML (``--config run.toml``) and overridden by dotted CLI flags
+(``--trainer.lr 3e-4``). Every field is validated with a ``ValueError`` that names
+the field and what it allows. This module imports neither torch nor redis, so every
+CLI can parse and check its config before paying for heavy imports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config value is missing, unknown or out of bounds; the message names the field."""
+
+
+def _check(ok: bool, name: str, allowed: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{name}: must be {allowed}; got {value!r}")
+
+
+@dataclass(kw_only=True)
+class RedisConfig:
+    url: str = ""
+    """Redis URL (``redis://``, ``rediss://``). Empty: ``$REDIS_URL``, else a local server started for the run."""
+    appendfsync: str = "everysec"
+    """AOF fsync policy of a server we start: ``everysec`` (loses <= ~1 s on a crash) or ``always``."""
+    block_ms: int = 1000
+    """Longest a blocking stream read waits before the loop re-checks its stop conditions, ms."""
+
+    def validate(self, p: str) -> None:
+        _check(self.appendfsync in ("always", "everysec", "no"), f"{p}.appendfsync", "always|everysec|no", self.appendfsync)
+        _check(10 <= self.block_ms <= 60_000, f"{p}.block_ms", "in [10, 60000]", self.block_ms)
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    base_dir: str = "artifacts/base-model"
+    """Directory of the base checkpoint (HF layout, safetensors). Built by ``pipeline pretrain`` if absent."""
+    hidden_size: int = 128
+    """Width of the tiny Qwen3 model built by pretraining."""
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 512
+    pretrain_steps: int = 800
+    """Supervised warm-up steps. Fixed (not accuracy-targeted) so the base model is reproducible."""
+    pretrain_batch_size: int = 128
+    pretrain_lr: float = 2e-3
+    seed: int = 0
+
+    def validate(self, p: str) -> None:
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "pretrain_batch_size"):
+            _check(getattr(self, name) >= 1, f"{p}.{name}", ">= 1", getattr(self, name))
+        _check(self.hidden_size % self.num_heads == 0, f"{p}.hidden_size", "a multiple of num_heads", self.hidden_size)
+        _check(self.num_heads % self.num_kv_heads == 0, f"{p}.num_kv_heads", "a divisor of num_heads", self.num_kv_heads)
+        _check(self.pretrain_steps >= 0, f"{p}.pretrain_steps", ">= 0", self.pretrain_steps)
+        _check(0 < self.pretrain_lr < 1, f"{p}.pretrain_lr", "in (0, 1)", self.pretrain_lr)
+
+
+@dataclass(kw_only=True)
+class TaskConfig:
+    digits: int = 3
+    """Operand width in digits."""
+    ops: list[str] = field(default_factory=lambda: ["+"])
+    """Operators drawn from, any of ``+`` and ``*``."""
+    heldout_size: int = 1000
+    """Held-out problems for greedy evaluation (>= 1000 gives ~±1.5 points of standard error)."""
+    heldout_seed: int = 1234
+    max_new_tokens: int = 6
+    """Longest completion sampled, tokens (answer digits plus end-of-sequence)."""
+
+    def validate(self, p: str) -> None:
+        _check(1 <= self.digits <= 6, f"{p}.digits", "in [1, 6]", self.digits)
+        _check(bool(self.ops) and all(o in ("+", "*") for o in self.ops), f"{p}.ops", "a non-empty list of '+' and '*'", self.ops)
+        _check(self.heldout_size >= 1, f"{p}.heldout_size", ">= 1", self.heldout_size)
+        _check(1 <= self.max_new_tokens <= 64, f"{p}.max_new_tokens", "in [1, 64]", self.max_new_tokens)
+
+
+@dataclass(kw_only=True)
+class FeederConfig:
+    backlog: int = 256
+    """Prompts kept waiting in ``{ns}:prompts`` beyond what generators have taken."""
+    seed: int = 0
+    """Seed of the training problem stream."""
+    max_prompts: int = 0
+    """Stop after issuing this many prompts (0: until stopped)."""
+
+    def validate(self, p: str) -> None:
+        _check(self.backlog >= 1, f"{p}.backlog", ">= 1", self.backlog)
+        _check(self.max_prompts >= 0, f"{p}.max_prompts", ">= 0", self.max_prompts)
+
+
+@dataclass(kw_only=True)
+class GeneratorConfig:
+    backend: str = "torch"
+    """Inference backend. ``torch``: the embedded CPU default."""
+    group_size: int = 8
+    """Completions sampled per prompt (G)."""
+    prompts_per_batch: int = 16
+    """Prompts sampled together in one generation batch; weights swap only between batches."""
+    temperature: float = 1.0
+    threads: int = 1
+    """torch intra-op threads per generator process."""
+    seed: int = 0
+
+    def validate(self, p: str) -> None:
+        _check(self.backend in ("torch",), f"{p}.backend", "'torch' (vllm arrives with its own issue)", self.backend)
+        _check(2 <= self.group_size <= 256, f"{p}.group_size", "in [2, 256]", self.group_size)
+        _check(self.prompts_per_batch >= 1, f"{p}.prompts_per_batch", ">= 1", self.prompts_per_batch)
+        _check(0 <= self.temperature <= 10, f"{p}.temperature", "in [0, 10]", self.temperature)
+        _check(self.threads >= 1, f"{p}.threads", ">= 1", self.threads)
+
+
+@dataclass(kw_only=True)
+class VerifierConfig:
+    reward: str = "weaver"
+    """Reward mode: ``weaver`` (soft posterior), ``weaver-hard``, ``single:<verifier>``, ``majority``, ``ground_truth``."""
+    verifiers: list[str] = field(
+        default_factory=lambda: ["format", "units_digit", "mod9", "magnitude", "majority", "leading_digit"]
+    )
+    """Weak verifiers in the ensemble, by registry name. None sees the reference answer."""
+    batch: int = 16
+    """Rollout groups read per stream read."""
+    window: int = 4096
+    """Completions in the sliding window the label model is fitted on."""
+    refit_every: int = 32
+    """Refit the label model after this many new groups (by whichever replica takes the lock)."""
+    min_fit_rows: int = 128
+    """Completions needed before the first fit."""
+
+    def validate(self, p: str) -> None:
+        _check(len(self.verifiers) >= 1, f"{p}.verifiers", "a non-empty list", self.verifiers)
+        _check(self.batch >= 1, f"{p}.batch", ">= 1", self.batch)
+        _check(self.window >= self.min_fit_rows >= 8, f"{p}.window", ">= min_fit_rows >= 8", (self.window, self.min_fit_rows))
+        _check(self.refit_every >= 1, f"{p}.refit_every", ">= 1", self.refit_every)
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    steps: int = 120
+    """Optimizer steps to run (the policy version reaches this number)."""
+    groups_per_step: int = 32
+    """Prompt groups consumed per step (B)."""
+    max_staleness: int = 1
+    """η: a group is trained only if trainer version − its min version <= η. 0 = synchronous on-policy."""
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    clip_eps: float = 0.2
+    clip_eps_high: float = 0.0
+    """Upper clip range (DAPO-style); 0 means the same as clip_eps."""
+    advantage: str = "grpo"
+    """Advantage estimator: ``grpo`` (mean/std within group) or ``drgrpo`` (no std division)."""
+    loss: str = "decoupled_ppo"
+    """Policy loss: ``decoupled_ppo`` (AReaL) or ``tis`` (truncated importance sampling)."""
+    is_cap: float = 2.0
+    """Cap on the behaviour importance weight π_prox/π_behav."""
+    kl_coef: float = 0.0
+    """k3 KL penalty to the base model (0: off, no reference model kept)."""
+    eval_every: int = 10
+    """Greedy held-out evaluation every this many steps (and at the start and end)."""
+    threads: int = 2
+    """torch intra-op threads of the trainer process."""
+    seed: int = 0
+
+    def validate(self, p: str) -> None:
+        _check(self.steps >= 1, f"{p}.steps", ">= 1", self.steps)
+        _check(self.groups_per_step >= 1, f"{p}.groups_per_step", ">= 1", self.groups_per_step)
+        _check(self.max_staleness >= 0, f"{p}.max_staleness", ">= 0", self.max_staleness)
+        _check(0 < self.lr < 1, f"{p}.lr", "in (0, 1)", self.lr)
+        _check(0 < self.clip_eps < 1, f"{p}.clip_eps", "in (0, 1)", self.clip_eps)
+        _check(0 <= self.clip_eps_high < 1, f"{p}.clip_eps_high", "in [0, 1)", self.clip_eps_high)
+        _check(self.advantage in ("grpo", "drgrpo"), f"{p}.advantage", "grpo|drgrpo", self.advantage)
+        _check(self.loss in ("decoupled_ppo", "tis"), f"{p}.loss", "decoupled_ppo|tis", self.loss)
+        _check(self.is_cap >= 1, f"{p}.is_cap", ">= 1", self.is_cap)
+        _check(self.kl_coef >= 0, f"{p}.kl_coef", ">= 0", self.kl_coef)
+        _check(self.eval_every >= 1, f"{p}.eval_every", ">= 1", self.eval_every)
+        _check(self.threads >= 1, f"{p}.threads", ">= 1", self.threads)
+
+
+@dataclass(kw_only=True)
+class WeightsConfig:
+    transport: str = "shm"
+    """How generators fetch new versions: ``shm`` (same host) or ``tcp`` (ZeroMQ)."""
+    keep_versions: int = 3
+    """Versions kept fetchable by the publisher."""
+    tcp_host: str = "127.0.0.1"
+    """Address the tcp publisher binds to (loopback by default)."""
+
+    def validate(self, p: str) -> None:
+        _check(self.transport in ("shm", "tcp"), f"{p}.transport", "shm|tcp", self.transport)
+        _check(self.keep_versions >= 1, f"{p}.keep_versions", ">= 1", self.keep_versions)
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    generators: int = 2
+    """Generator processes ``pipeline up`` starts."""
+    verifiers: int = 2
+    """Verifier processes ``pipeline up`` starts."""
+    progress_every_s: float = 3.0
+    """Seconds between live progress lines."""
+    timeout_s: float = 1800.0
+    """Give up (and stop everything) if the trainer has not finished by then."""
+
+    def validate(self, p: str) -> None:
+        _check(self.generators >= 1, f"{p}.generators", ">= 1", self.generators)
+        _check(self.verifiers >= 1, f"{p}.verifiers", ">= 1", self.verifiers)
+        _check(self.progress_every_s > 0, f"{p}.progress_every_s", "> 0", self.progress_every_s)
+        _check(self.timeout_s > 0, f"{p}.timeout_s", "> 0", self.timeout_s)
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    run_id: str = ""
+    """Run id; also the Redis key namespace. Empty: ``pipeline up`` makes one from the time."""
+    runs_dir: str = "runs"
+    """Logs, metrics, checkpoints and the summary go to ``<runs_dir>/<run_id>/``."""
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    feeder: FeederConfig = field(default_factory=FeederConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    def validate(self) -> "RunConfig":
+        _check(all(c.isalnum() or c in "-_." for c in self.run_id), "run_id", "letters, digits, '-', '_' or '.'", self.run_id)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if dataclasses.is_dataclass(value):
+                value.validate(f.name)
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.runs_dir) / self.run_id
+
+
+def _coerce(value: Any, hint: Any, name: str) -> Any:
+    """Convert a TOML or command-line value to the field's declared type."""
+    origin = typing.get_origin(hint)
+    if origin is list:
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, list):
+            raise ConfigError(f"{name}: must be a list; got {value!r}")
+        (item,) = typing.get_args(hint)
+        return [_coerce(v, item, name) for v in value]
+    try:
+        if hint is bool:
+            if isinstance(value, str):
+                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError
+                return value.lower() in ("true", "1", "yes")
+            return bool(value)
+        if hint is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError
+        return hint(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: must be {hint.__name__}; got {value!r}") from None
+
+
+def _apply(obj: Any, values: dict[str, Any], prefix: str) -> None:
+    hints = typing.get_type_hints(type(obj))
+    names = {f.name for f in dataclasses.fields(obj)}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(f"{name}: unknown field; allowed: {', '.join(sorted(names))}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{name}: must be a table of fields; got {value!r}")
+            _apply(current, value, f"{name}.")
+        else:
+            setattr(obj, key, _coerce(value, hints[key], name))
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Defaults, then the TOML file, then dotted overrides (``{"trainer.lr": "3e-4"}``), validated."""
+    cfg = RunConfig()
+    if path:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+        _apply(cfg, data, "")
+    for dotted, value in (overrides or {}).items():
+        nested: dict[str, Any] = {}
+        node = nested
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+        _apply(cfg, nested, "")
+    return cfg.validate()
+
+
+def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def to_toml(cfg: RunConfig) -> str:
+    """The config as TOML, so a run directory records exactly what ran."""
+    top: list[str] = []
+    tables: list[str] = []
+    for key, value in config_to_dict(cfg).items():
+        if isinstance(value, dict):
+            tables.append(f"\n[{key}]")
+            tables.extend(f"{k} = {_toml_value(v)}" for k, v in value.items())
+        else:
+            top.append(f"{key} = {_toml_value(value)}")
+    return "\n".join(top + tables) + "\n"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return repr(v)

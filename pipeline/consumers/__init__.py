@@ -1,0 +1,1 @@
+"""Consumers: the verifiers (rewards) and the trainer (policy updates)."""

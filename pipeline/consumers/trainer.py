@@ -1,0 +1,198 @@
+"""Trainer: GRPO on bounded-staleness batches of scored groups; publishes each new version.
+
+consumes:     ScoredGroup records from {ns}:scored (group "trainer"), acked after the step
+produces:     policy version v+1 after each step ({ns}:weights, {ns}:versions); the ledger
+              entry of every consumed prompt ({ns}:ledger); metrics.jsonl; a final checkpoint
+waits for:    groups_per_step (B) scored groups
+unblocked by: verifiers
+Staleness is checked at consumption: a group with v − min_version > η is dropped
+(acked, counted, recorded), and the invariant is re-checked on what is trained.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipeline import task
+from pipeline.config import RunConfig
+from pipeline.keys import TRAINER_GROUP, Keys
+from pipeline.logs import MetricsFile
+from pipeline.losses import ADVANTAGES, LOSSES, LossSettings, kl_k3
+from pipeline.model import completion_logprobs, greedy_accuracy, load_checkpoint, save_checkpoint, state_tensors
+from pipeline.records import RecordError, ScoredGroup
+from pipeline.streams import GroupReader, dead_letter, ensure_all_groups, incr_stats, stop_requested
+from pipeline.weights import make_publisher
+
+
+def collect_batch(reader: GroupReader, r, keys: Keys, *, size: int, block_ms: int, log):
+    """Read until ``size`` new groups are in hand; None if a stop is requested first.
+
+    Undecodable entries are dead-lettered; a prompt already in the ledger (trained or
+    dropped before, e.g. redone by a generator after a crash) is acked and counted, never
+    trained twice.
+    """
+    batch: list[tuple] = []
+    seen: set[str] = set()
+    while len(batch) < size:
+        if stop_requested(r, keys):
+            return None
+        entries = reader.read(size - len(batch), block_ms)
+        if not entries:
+            continue
+        pipe = r.pipeline(transaction=True)
+        decoded = []
+        for e in entries:
+            try:
+                if e.payload is None:
+                    raise RecordError("entry has no payload field")
+                decoded.append((e, ScoredGroup.decode(e.payload)))
+            except RecordError as err:
+                log.warning("dead_letter", id=e.id, reason=str(err))
+                dead_letter(pipe, keys, stream=keys.scored, group=TRAINER_GROUP, entry=e, reason=str(err),
+                            consumer="trainer", release_admission=True)
+        known = r.hmget(keys.ledger, [g.rollout.prompt_id for _, g in decoded]) if decoded else []
+        for (e, g), outcome in zip(decoded, known):
+            if outcome is not None or g.rollout.prompt_id in seen:
+                log.warning("duplicate_skipped", prompt_id=g.rollout.prompt_id, group_id=g.rollout.group_id,
+                            earlier=outcome.decode() if outcome else "this batch")
+                pipe.xack(keys.scored, TRAINER_GROUP, e.id)
+                pipe.hincrby(keys.stats, "duplicates_skipped_total", 1)
+            else:
+                seen.add(g.rollout.prompt_id)
+                batch.append((e, g))
+        pipe.execute()
+    return batch
+
+
+def pad_batch(groups: list[ScoredGroup], pad_id: int):
+    """Stack completions of all groups: prompt ids [N,P], completion ids [N,T], behaviour log-probs [N,T], mask [N,T]."""
+    prompts, comps, behav = [], [], []
+    for g in groups:
+        ro = g.rollout
+        for ids, lp in zip(ro.split(ro.completion_ids), ro.split(ro.behaviour_logprobs)):
+            prompts.append(ro.prompt_ids)
+            comps.append(ids)
+            behav.append(lp)
+    n, t = len(comps), max(len(c) for c in comps)
+    ids = torch.full((n, t), pad_id, dtype=torch.long)
+    lp = torch.zeros((n, t))
+    mask = torch.zeros((n, t))
+    for i, (c, b) in enumerate(zip(comps, behav)):
+        ids[i, : len(c)] = torch.from_numpy(c.astype(np.int64))
+        lp[i, : len(b)] = torch.from_numpy(b.copy())
+        mask[i, : len(c)] = 1
+    return torch.from_numpy(np.stack(prompts).astype(np.int64)), ids, lp, mask
+
+
+def train_step(model, opt, groups: list[ScoredGroup], cfg: RunConfig, *, pad_id: int, ref_model=None) -> dict:
+    t = cfg.trainer
+    prompt_ids, comp_ids, behav, mask = pad_batch(groups, pad_id)
+    adv = torch.cat([ADVANTAGES[t.advantage](torch.from_numpy(g.rewards.copy())) for g in groups])
+    model.train()
+    logp, entropy = completion_logprobs(model, prompt_ids, comp_ids, with_entropy=True)
+    settings = LossSettings(clip_eps=t.clip_eps, clip_eps_high=t.clip_eps_high, is_cap=t.is_cap)
+    # One optimizer step per batch: the proximal policy is the current one, detached.
+    loss, stats = LOSSES[t.loss](logp, logp.detach(), behav, adv, mask, settings)
+    if ref_model is not None:
+        with torch.no_grad():
+            ref_logp = completion_logprobs(ref_model, prompt_ids, comp_ids)
+        kl = (kl_k3(logp, ref_logp) * mask).sum() / mask.sum()
+        loss = loss + t.kl_coef * kl
+        stats["kl_ref"] = float(kl)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+    opt.step()
+    model.eval()
+    return {"loss": float(loss), "grad_norm": float(grad_norm),
+            "entropy": float((entropy.detach() * mask).sum() / mask.sum()), "tokens": int(mask.sum()), **stats}
+
+
+def run_trainer(cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = None) -> dict:
+    """Train for ``trainer.steps`` steps (or until stopped); returns a summary of the run."""
+    t = cfg.trainer
+    torch.manual_seed(t.seed)
+    torch.set_num_threads(t.threads)
+    model, tok = load_checkpoint(cfg.model.base_dir)
+    model.eval()
+    ref_model = load_checkpoint(cfg.model.base_dir)[0].eval() if t.kl_coef > 0 else None
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    heldout = task.heldout_problems(n=cfg.task.heldout_size, seed=cfg.task.heldout_seed,
+                                    digits=cfg.task.digits, ops=tuple(cfg.task.ops))
+    transport_opts = {"host": cfg.weights.tcp_host} if cfg.weights.transport == "tcp" else {}
+    publisher = make_publisher(cfg.weights.transport, r, keys.weights, ns=keys.ns,
+                               keep_versions=cfg.weights.keep_versions, **transport_opts)
+    metrics = MetricsFile(run_dir / "metrics.jsonl" if run_dir else None)
+    ensure_all_groups(r, keys)
+    reader = GroupReader(r, keys.scored, TRAINER_GROUP, "trainer")
+
+    def publish(version: int) -> None:
+        publisher.publish(version, state_tensors(model))
+        r.xadd(keys.versions, {"version": version}, maxlen=10_000, approximate=True)
+
+    def evaluate(version: int) -> float:
+        t0 = time.perf_counter()
+        acc = greedy_accuracy(model, tok, heldout)
+        metrics.write("eval", version=version, heldout_accuracy=acc, n=len(heldout))
+        log.info("evaluated", version=version, heldout_accuracy=acc, seconds=round(time.perf_counter() - t0, 3))
+        r.hset(keys.trainer, mapping={"eval_accuracy": acc, "eval_version": version})
+        return acc
+
+    version = 0
+    publish(version)
+    evals = {0: evaluate(0)}
+    r.hset(keys.trainer, mapping={"base_accuracy": evals[0], "version": 0, "steps": t.steps, "state": "training"})
+    log.info("trainer_started", steps=t.steps, groups_per_step=t.groups_per_step, max_staleness=t.max_staleness)
+    while version < t.steps:
+        t_wait = time.perf_counter()
+        batch = collect_batch(reader, r, keys, size=t.groups_per_step, block_ms=cfg.redis.block_ms, log=log)
+        if batch is None:
+            log.info("stop_requested", version=version)
+            break
+        t_step = time.perf_counter()
+        staleness = [version - g.rollout.min_version for _, g in batch]
+        fresh = [g for (_, g), s in zip(batch, staleness) if s <= t.max_staleness]
+        if any(version - g.rollout.min_version > t.max_staleness for g in fresh):
+            raise RuntimeError(f"staleness invariant violated at version {version}")
+        signal = [g for g in fresh if np.ptp(g.rewards) > 1e-6]
+        stats = train_step(model, opt, signal, cfg, pad_id=tok.pad_id, ref_model=ref_model) if signal else {}
+        version += 1
+        publish(version)
+        outcomes = {}
+        for (_, g), s in zip(batch, staleness):
+            kind = "stale" if s > t.max_staleness else ("trained" if np.ptp(g.rewards) > 1e-6 else "nosignal")
+            outcomes[g.rollout.prompt_id] = f"{kind}:{version}"
+        rewards = np.concatenate([g.rewards for g in fresh]) if fresh else np.zeros(0)
+        truth = np.concatenate([g.truth for g in fresh]) if fresh else np.zeros(0)
+        row = {
+            "version": version, "groups_trained": len(signal), "groups_nosignal": len(fresh) - len(signal),
+            "groups_stale": len(batch) - len(fresh), "reward_mean": float(rewards.mean()) if rewards.size else 0.0,
+            "reward_std": float(rewards.std()) if rewards.size else 0.0,
+            "sample_accuracy": float(truth.mean()) if truth.size else 0.0,
+            "staleness_hist": np.bincount(staleness).tolist(), "wait_seconds": t_step - t_wait,
+            "step_seconds": time.perf_counter() - t_step, "labelmodel_versions": sorted({g.labelmodel_version for g in fresh}),
+            **stats,
+        }
+        pipe = r.pipeline(transaction=True)
+        for pid, outcome in outcomes.items():
+            pipe.hsetnx(keys.ledger, pid, outcome)
+        pipe.xack(keys.scored, TRAINER_GROUP, *[e.id for e, _ in batch])
+        incr_stats(pipe, keys, groups_trained_total=row["groups_trained"], groups_nosignal_total=row["groups_nosignal"],
+                   dropped_stale_total=row["groups_stale"], tokens_trained_total=stats.get("tokens", 0))
+        pipe.hset(keys.trainer, mapping={"version": version, "reward_mean": row["reward_mean"],
+                                         "sample_accuracy": row["sample_accuracy"], "updated_at": time.time()})
+        pipe.execute()
+        metrics.write("step", **row)
+        log.info("step", **{k: (round(v, 5) if isinstance(v, float) else v) for k, v in row.items()})
+        if version % t.eval_every == 0 or version == t.steps:
+            evals[version] = evaluate(version)
+    if run_dir is not None:
+        save_checkpoint(model, tok, run_dir / "checkpoints" / "final")
+    r.hset(keys.trainer, "state", "finished" if version >= t.steps else "stopped")
+    publisher.close()
+    log.info("trainer_finished", version=version, evals=evals)
+    return {"version": version, "evals": evals}

@@ -1,0 +1,147 @@
+"""Verifier: scores every completion with weak verifiers and aggregates them into a reward.
+
+consumes:     RolloutGroup records from {ns}:rollouts (group "verifiers"), acked with the output
+produces:     ScoredGroup records on {ns}:scored, each naming the label-model version used
+waits for:    rollout groups; on first start, a label model fitted by some replica
+unblocked by: generators
+Weak verifiers never see the reference answer; it is used only for the hidden accuracy
+logged beside the reward (and by the ``ground_truth`` reward mode for experiments).
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import numpy as np
+
+from pipeline.config import RunConfig, VerifierConfig
+from pipeline.keys import VERIFIERS_GROUP, Keys
+from pipeline.labelmodel import LabelModel, fit_label_model
+from pipeline.model import CharTokenizer
+from pipeline.records import RecordError, RolloutGroup, ScoredGroup
+from pipeline.rewards import compute_rewards, needs_label_model, parse_reward_mode
+from pipeline.streams import FIELD, GroupReader, dead_letter, ensure_all_groups, heartbeat, incr_stats, stop_requested
+from pipeline.verifiers import correctness, score_group
+
+FIRST_MODEL_WAIT_S = 60.0
+LOCK_TTL_MS = 30_000
+
+
+class SharedLabelModel:
+    """The label model all verifier replicas score with (DESIGN §5 step 8).
+
+    Each replica appends its groups' votes to the ``{ns}:votes`` window; whichever
+    replica takes ``{ns}:labelmodel:lock`` refits on the window and stores the result
+    with the next version in ``{ns}:labelmodel``; every replica then scores with that
+    version, so the replicas never disagree about the reward of the same votes.
+    """
+
+    def __init__(self, r, keys: Keys, cfg: VerifierConfig, worker_id: str, log):
+        self.r, self.keys, self.cfg, self.worker_id, self.log = r, keys, cfg, worker_id, log
+        self.model: LabelModel | None = None
+        self.version = -1
+
+    def add_votes(self, votes: list[np.ndarray]) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        for v in votes:
+            pipe.lpush(self.keys.votes, np.ascontiguousarray(v, dtype="<f4").tobytes())
+        max_groups = max(1, self.cfg.window // max(1, votes[0].shape[0]))
+        pipe.ltrim(self.keys.votes, 0, max_groups - 1)
+        pipe.hincrby(self.keys.labelmodel, "new_groups", len(votes))
+        pipe.execute()
+
+    def _refit(self, version: int) -> None:
+        if not self.r.set(self.keys.labelmodel_lock, self.worker_id, nx=True, px=LOCK_TTL_MS):
+            return  # another replica is fitting
+        try:
+            m = len(self.cfg.verifiers)
+            rows = [np.frombuffer(b, dtype="<f4").reshape(-1, m) for b in self.r.lrange(self.keys.votes, 0, -1)]
+            votes = np.concatenate(rows)
+            t0 = time.perf_counter()
+            lm = fit_label_model(votes, list(self.cfg.verifiers), version=version + 1)
+            self.r.hset(self.keys.labelmodel, mapping={
+                "version": version + 1, "params": msgpack.packb(lm.to_dict()), "rows": len(votes), "new_groups": 0})
+            self.log.info("labelmodel_fitted", version=version + 1, rows=len(votes),
+                          seconds=round(time.perf_counter() - t0, 4), **lm.summary())
+        finally:
+            self.r.delete(self.keys.labelmodel_lock)
+
+    def current(self) -> LabelModel:
+        deadline = time.monotonic() + FIRST_MODEL_WAIT_S
+        while True:
+            version, new, rows = self.r.hmget(self.keys.labelmodel, "version", "new_groups", "rows")
+            version = int(version) if version is not None else -1
+            if version < 0 or int(new or 0) >= self.cfg.refit_every or int(rows or 0) < self.cfg.min_fit_rows:
+                self._refit(version)
+                version = int(self.r.hget(self.keys.labelmodel, "version") or -1)
+            if version != self.version and version >= 0:
+                params = self.r.hget(self.keys.labelmodel, "params")
+                self.model, self.version = LabelModel.from_dict(msgpack.unpackb(params)), version
+            if self.model is not None:
+                return self.model
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no label model in {self.keys.labelmodel} after {FIRST_MODEL_WAIT_S} s")
+            time.sleep(0.05)  # another replica holds the lock for the first fit
+
+
+def decode_rollouts(entries, *, vocab_size: int):
+    good, bad = [], []
+    for e in entries:
+        try:
+            if e.payload is None:
+                raise RecordError("entry has no payload field")
+            g = RolloutGroup.decode(e.payload)
+            if g.completion_ids.min() < 0 or g.completion_ids.max() >= vocab_size:
+                raise RecordError(f"completion token id outside the vocabulary [0, {vocab_size})")
+            good.append((e, g))
+        except RecordError as err:
+            bad.append((e, str(err)))
+    return good, bad
+
+
+def run_verifier(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batches: int | None = None) -> int:
+    """Score rollout groups until stopped (or ``max_batches`` non-empty reads); returns groups scored."""
+    v = cfg.verifier
+    parse_reward_mode(v.reward, v.verifiers)  # fail at start, naming the field, not per message
+    ensure_all_groups(r, keys)
+    vocab_size = CharTokenizer.load(cfg.model.base_dir).vocab_size
+    shared = SharedLabelModel(r, keys, v, worker_id, log) if needs_label_model(v.reward) else None
+    reader = GroupReader(r, keys.rollouts, VERIFIERS_GROUP, worker_id)
+    batches, scored = 0, 0
+    log.info("verifier_started", reward=v.reward, verifiers=v.verifiers)
+    while not stop_requested(r, keys) and (max_batches is None or batches < max_batches):
+        entries = reader.read(v.batch, cfg.redis.block_ms)
+        if not entries:
+            heartbeat(r, keys, worker_id, "verifier", "idle")
+            continue
+        batches += 1
+        t0 = time.perf_counter()
+        good, bad = decode_rollouts(entries, vocab_size=vocab_size)
+        votes = [score_group(g.prompt, g.completions, v.verifiers) for _, g in good]
+        lm = None
+        if shared is not None and good:
+            shared.add_votes(votes)
+            lm = shared.current()
+        pipe = r.pipeline(transaction=True)
+        for (e, g), vt in zip(good, votes):
+            truth = correctness(g.reference, g.completions)
+            rewards = compute_rewards(v.reward, votes=vt, names=v.verifiers, label_model=lm, truth=truth)
+            rec = ScoredGroup(rollout=g, verifier_names=tuple(v.verifiers), votes=vt.astype(np.float32),
+                              rewards=rewards.astype(np.float32), truth=truth.astype(np.float32),
+                              reward_mode=v.reward, labelmodel_version=shared.version if shared else -1,
+                              verifier_id=worker_id, scored_at=time.time())
+            pipe.xadd(keys.scored, {FIELD: rec.encode()})
+            pipe.xack(keys.rollouts, VERIFIERS_GROUP, e.id)
+        for e, reason in bad:
+            log.warning("dead_letter", id=e.id, reason=reason)
+            dead_letter(pipe, keys, stream=keys.rollouts, group=VERIFIERS_GROUP, entry=e, reason=reason,
+                        consumer=worker_id, release_admission=True)
+        incr_stats(pipe, keys, groups_scored_total=len(good), verify_seconds_total=time.perf_counter() - t0)
+        pipe.execute()
+        scored += len(good)
+        heartbeat(r, keys, worker_id, "verifier", "scored", groups=scored)
+        log.info("batch_scored", groups=len(good), dead=len(bad), labelmodel_version=shared.version if shared else -1,
+                 seconds=round(time.perf_counter() - t0, 4))
+    log.info("verifier_stopped", groups=scored)
+    return scored

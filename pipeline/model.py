@@ -1,0 +1,475 @@
+"""The tiny policy model, its tokenizer, and the torch kernels every stage shares.
+
+The generator samples with :func:`sample`, the trainer re-scores the same tokens
+with :func:`completion_logprobs`; the two must agree on the log-probability of a
+sampled token (at temperature 1) or the importance ratios of the RL objective are
+wrong from the first step. ``tests/test_model.py`` pins that invariant.
+
+The model is a stock ``transformers`` Qwen3 so that checkpoints are plain HF
+directories (safetensors + ``config.json`` + ``tokenizer.json``) that any HF-aware
+inference engine can load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers.utils import logging as hf_logging
+
+from pipeline import task
+
+PAD_TOKEN = "<pad>"
+EOS_TOKEN = "<eos>"
+CHARACTERS = "0123456789+*= "
+"""Every character a prompt or a completion of the arithmetic task can contain."""
+
+MAX_POSITIONS = 64
+"""Context length of the model: prompt + completion never come close (3-digit ``*``
+is 8 + 7 tokens), and a small table keeps RoPE caches and checkpoints tiny."""
+
+ATTN_IMPLEMENTATION = "sdpa"
+"""Measured on CPU at the default shape: sdpa is slightly faster than eager for both
+sampling and training steps (see the report in ``pretrain``'s docs)."""
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+class CharTokenizer:
+    """Character-level tokenizer: ``<pad>`` (0), ``<eos>`` (1), then one id per character.
+
+    Encoding/decoding is pure python dictionary lookups (faster than a round trip
+    through ``tokenizers`` for 10-character strings); :meth:`save` additionally writes
+    an equivalent HF ``tokenizer.json`` so HF tooling and inference engines can load
+    the checkpoint directory.
+    """
+
+    def __init__(self, tokens: Sequence[str] | None = None) -> None:
+        if tokens is None:
+            tokens = [PAD_TOKEN, EOS_TOKEN, *CHARACTERS]
+        tokens = list(tokens)
+        if tokens[:2] != [PAD_TOKEN, EOS_TOKEN]:
+            raise ValueError(f"vocabulary must start with {PAD_TOKEN!r}, {EOS_TOKEN!r}; got {tokens[:2]}")
+        if len(set(tokens)) != len(tokens):
+            raise ValueError("vocabulary has duplicate tokens")
+        for tok in tokens[2:]:
+            if len(tok) != 1:
+                raise ValueError(f"non-special token {tok!r} is not a single character")
+        self._tokens: list[str] = tokens
+        self._ids: dict[str, int] = {tok: i for i, tok in enumerate(tokens) if i >= 2}
+
+    @property
+    def pad_id(self) -> int:
+        return 0
+
+    @property
+    def eos_id(self) -> int:
+        return 1
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def tokens(self) -> list[str]:
+        """The vocabulary in id order (a copy)."""
+        return list(self._tokens)
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of the characters of ``text`` (no eos appended)."""
+        ids = self._ids
+        try:
+            return [ids[ch] for ch in text]
+        except KeyError as err:
+            raise ValueError(f"character {err.args[0]!r} is not in the vocabulary {CHARACTERS!r}") from None
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids`` up to (excluding) the first eos; pads are skipped."""
+        out: list[str] = []
+        tokens = self._tokens
+        for i in ids:
+            i = int(i)
+            if i == 1:
+                break
+            if i == 0:
+                continue
+            if not 0 <= i < len(tokens):
+                raise ValueError(f"token id {i} is outside the vocabulary (size {len(tokens)})")
+            out.append(tokens[i])
+        return "".join(out)
+
+    def to_hf_json(self) -> str:
+        """The HF ``tokenizer.json`` equivalent of this tokenizer."""
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+        from tokenizers import AddedToken
+
+        vocab = {tok: i for i, tok in enumerate(self._tokens)}
+        hf = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
+        # One pre-token per character (spaces included: they are real tokens here, the
+        # prompts are right-aligned with them), so the WordLevel lookup sees characters.
+        hf.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+        # Fuse concatenates decoded tokens; the default would join them with spaces.
+        hf.decoder = decoders.Fuse()
+        hf.add_special_tokens([AddedToken(PAD_TOKEN, special=True), AddedToken(EOS_TOKEN, special=True)])
+        return hf.to_str(pretty=True)
+
+    def save(self, directory: str | os.PathLike[str]) -> None:
+        """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json``."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "tokenizer.json").write_text(self.to_hf_json(), encoding="utf-8")
+        special = {"pad_token": PAD_TOKEN, "eos_token": EOS_TOKEN}
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **special,
+            "model_max_length": MAX_POSITIONS,
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+        }
+        (d / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        (d / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike[str]) -> CharTokenizer:
+        """Read the vocabulary back from ``directory/tokenizer.json``."""
+        data = json.loads((Path(directory) / "tokenizer.json").read_text(encoding="utf-8"))
+        model = data.get("model", {})
+        if model.get("type") != "WordLevel":
+            raise ValueError(f"{directory}/tokenizer.json is not a WordLevel tokenizer")
+        vocab: dict[str, int] = model["vocab"]
+        tokens = sorted(vocab, key=vocab.__getitem__)
+        if [vocab[t] for t in tokens] != list(range(len(tokens))):
+            raise ValueError(f"{directory}/tokenizer.json has non-contiguous token ids")
+        return cls(tokens)
+
+
+def encode_prompts(tokenizer: CharTokenizer, prompts: Sequence[str]) -> torch.Tensor:
+    """``LongTensor[N, P]`` of the prompts; they must all have the same length."""
+    if not prompts:
+        raise ValueError("no prompts")
+    rows = [tokenizer.encode(p) for p in prompts]
+    width = len(rows[0])
+    for p, r in zip(prompts, rows):
+        if len(r) != width:
+            raise ValueError(f"prompts differ in length: {prompts[0]!r} has {width} tokens, {p!r} has {len(r)}")
+    return torch.tensor(rows, dtype=torch.long)
+
+
+# --------------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """Architecture of the policy; the defaults give ~0.8M parameters."""
+
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 512
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}")
+
+
+def model_config(shape: ModelShape, vocab_size: int, *, pad_id: int = 0, eos_id: int = 1) -> Qwen3Config:
+    """The HF config of a policy of ``shape``."""
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        # Qwen3's default head_dim is 128 regardless of hidden_size; pin it.
+        head_dim=shape.hidden_size // shape.num_heads,
+        max_position_embeddings=MAX_POSITIONS,
+        # Tied embeddings break vLLM's CPU reload of updated weights.
+        tie_word_embeddings=False,
+        pad_token_id=pad_id,
+        eos_token_id=eos_id,
+        bos_token_id=None,
+        attn_implementation=ATTN_IMPLEMENTATION,
+    )
+
+
+def build_model(shape: ModelShape, vocab_size: int, *, seed: int) -> Qwen3ForCausalLM:
+    """A freshly initialised float32 Qwen3 policy; the init depends only on ``seed``."""
+    config = model_config(shape, vocab_size)
+    # fork_rng: seeding must not disturb the caller's global RNG stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
+    return model.float()
+
+
+def num_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+@contextmanager
+def _no_hf_progress_bars() -> Iterator[None]:
+    """Silence the tqdm bars transformers 5 draws on every save/load; with several
+    processes reloading weights they would flood stderr and garble rich's display."""
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def save_checkpoint(model: Qwen3ForCausalLM, tokenizer: CharTokenizer, directory: str | os.PathLike[str]) -> Path:
+    """Write an HF checkpoint (safetensors) plus tokenizer files to ``directory``.
+
+    The files are written to a sibling temp directory that is then renamed into
+    place, so a reader never sees a half-written checkpoint. An existing checkpoint
+    at ``directory`` is replaced (moved aside, then deleted after the rename).
+    """
+    final = Path(directory)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = final.parent / f".{final.name}.tmp-{tag}"
+    try:
+        # transformers 5 always writes safetensors (safe_serialization was removed).
+        with _no_hf_progress_bars():
+            model.save_pretrained(tmp)
+        tokenizer.save(tmp)
+        if not (tmp / "model.safetensors").exists():
+            raise RuntimeError(f"save_pretrained wrote no model.safetensors in {tmp}")
+        old: Path | None = None
+        if final.exists():
+            old = final.parent / f".{final.name}.old-{tag}"
+            os.rename(final, old)
+        os.rename(tmp, final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(directory: str | os.PathLike[str]) -> tuple[Qwen3ForCausalLM, CharTokenizer]:
+    """Load a checkpoint written by :func:`save_checkpoint` (safetensors only, never pickle)."""
+    d = Path(directory)
+    if not (d / "model.safetensors").is_file():
+        raise FileNotFoundError(f"no model.safetensors in {d}")
+    with _no_hf_progress_bars():
+        model = Qwen3ForCausalLM.from_pretrained(
+            d,
+            use_safetensors=True,
+            local_files_only=True,
+            dtype=torch.float32,
+            attn_implementation=ATTN_IMPLEMENTATION,
+        )
+    model.eval()
+    return model, CharTokenizer.load(d)
+
+
+def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A snapshot of the weights under their HF names: detached contiguous CPU clones,
+    so later optimizer steps (in-place updates) cannot change it."""
+    return {
+        name: t.detach().to("cpu", copy=True).contiguous() for name, t in model.state_dict().items()
+    }
+
+
+def load_state_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy ``tensors`` into ``model`` in place; names and shapes must match exactly."""
+    expected = {name: t.shape for name, t in model.state_dict().items()}
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    mismatched = sorted(
+        f"{name}: expected {tuple(expected[name])}, got {tuple(tensors[name].shape)}"
+        for name in set(expected) & set(tensors)
+        if tuple(tensors[name].shape) != tuple(expected[name])
+    )
+    if missing or unexpected or mismatched:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing}")
+        if unexpected:
+            parts.append(f"unexpected {unexpected}")
+        if mismatched:
+            parts.append(f"shape mismatch {mismatched}")
+        raise ValueError("state tensors do not fit the model: " + "; ".join(parts))
+    with torch.no_grad():
+        model.load_state_dict(tensors, strict=True)
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@torch.no_grad()
+def sample(
+    model: Qwen3ForCausalLM,
+    prompt_ids: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    eos_id: int,
+    pad_id: int,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sample completions of equal-length prompts with the KV cache.
+
+    Returns ``(tokens[N, T], logprobs[N, T], lengths[N])`` with ``T = max_new_tokens``
+    (always, even when every row stopped early, so batches have a fixed shape).
+    ``logprobs`` is the behaviour log-probability of each sampled token under
+    ``softmax(logits / temperature)``; for ``temperature == 0`` (greedy) it is the
+    argmax token's log-probability at temperature 1. ``lengths`` counts generated
+    tokens including the eos (``max_new_tokens`` when no eos came). After a row's
+    eos, tokens are ``pad_id`` and logprobs 0.
+    """
+    if prompt_ids.dim() != 2 or prompt_ids.shape[1] == 0:
+        raise ValueError(f"prompt_ids must be [N, P] with P > 0, got {tuple(prompt_ids.shape)}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    n, p = prompt_ids.shape
+    limit = model.config.max_position_embeddings
+    if p + max_new_tokens > limit:
+        raise ValueError(f"prompt ({p}) + max_new_tokens ({max_new_tokens}) exceeds the context of {limit}")
+
+    device = prompt_ids.device
+    tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)
+    lengths = torch.full((n,), max_new_tokens, dtype=torch.long, device=device)
+    finished = torch.zeros(n, dtype=torch.bool, device=device)
+
+    # transformers 5 renamed the kwarg/attribute past_key_values -> cache.
+    out = model(input_ids=prompt_ids, use_cache=True, logits_to_keep=1)
+    cache = out.cache
+    logits = out.logits[:, -1, :].float()
+    for t in range(max_new_tokens):
+        if temperature == 0:
+            logp = F.log_softmax(logits, dim=-1)
+            nxt = logp.argmax(dim=-1)
+        else:
+            logp = F.log_softmax(logits / temperature, dim=-1)
+            nxt = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
+        lp = logp.gather(1, nxt.unsqueeze(1)).squeeze(1)
+        nxt = torch.where(finished, pad_id, nxt)
+        tokens[:, t] = nxt
+        logprobs[:, t] = torch.where(finished, 0.0, lp)
+        ended = (nxt == eos_id) & ~finished
+        lengths[ended] = t + 1
+        finished |= ended
+        if t + 1 == max_new_tokens or bool(finished.all()):
+            break
+        # Finished rows keep being fed pad: without masks they only affect themselves.
+        out = model(input_ids=nxt.unsqueeze(1), cache=cache, use_cache=True)
+        cache = out.cache
+        logits = out.logits[:, -1, :].float()
+    return tokens, logprobs, lengths
+
+
+def completion_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """``BoolTensor[N, width]``: True on the generated tokens (eos included) of each row."""
+    return torch.arange(width, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)
+
+
+def completion_logprobs(
+    model: Qwen3ForCausalLM,
+    prompt_ids: torch.Tensor,
+    completion_ids: torch.Tensor,
+    *,
+    with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities (temperature 1) of ``completion_ids[N, T]`` after ``prompt_ids[N, P]``.
+
+    One forward over the concatenation, with autograd. Positions after a row's eos
+    get the log-probability of whatever token is there (pad); mask them with
+    :func:`completion_mask`. With ``with_entropy`` also returns the entropy of the
+    next-token distribution at each completion position (no gradient through it).
+    """
+    if prompt_ids.dim() != 2 or completion_ids.dim() != 2 or prompt_ids.shape[0] != completion_ids.shape[0]:
+        raise ValueError(
+            f"need prompt_ids [N, P] and completion_ids [N, T]; got {tuple(prompt_ids.shape)}, "
+            f"{tuple(completion_ids.shape)}"
+        )
+    t = completion_ids.shape[1]
+    # The last completion token predicts nothing we score, so it is not fed in.
+    inputs = torch.cat([prompt_ids, completion_ids[:, :-1]], dim=1)
+    # logits_to_keep=T: only the positions that predict completion tokens reach lm_head.
+    logits = model(input_ids=inputs, use_cache=False, logits_to_keep=t).logits.float()
+    logp = F.log_softmax(logits, dim=-1)
+    chosen = logp.gather(2, completion_ids.unsqueeze(2)).squeeze(2)
+    if not with_entropy:
+        return chosen
+    with torch.no_grad():
+        entropy = -(logp.exp() * logp).sum(dim=-1)
+    return chosen, entropy
+
+
+def greedy_answers(
+    model: Qwen3ForCausalLM,
+    tokenizer: CharTokenizer,
+    problems: Sequence[task.Problem],
+    *,
+    batch_size: int = 1000,
+) -> list[str]:
+    """Decoded greedy completions of ``problems``, in order.
+
+    Each batch decodes one token more than the longest correct answer in it (room
+    for the eos), so an over-long answer shows up as an extra digit (and is wrong).
+    """
+    out: list[str] = [""] * len(problems)
+    # Problems of different widths cannot share a batch (no attention mask).
+    by_width: dict[int, list[int]] = {}
+    for i, prob in enumerate(problems):
+        by_width.setdefault(len(prob.prompt), []).append(i)
+    was_training = model.training
+    model.eval()
+    try:
+        for indices in by_width.values():
+            for start in range(0, len(indices), batch_size):
+                chunk = indices[start : start + batch_size]
+                probs = [problems[i] for i in chunk]
+                prompt_ids = encode_prompts(tokenizer, [p.prompt for p in probs])
+                longest = max(task.answer_max_length(p.digits, (p.op,)) for p in probs)
+                tokens, _, _ = sample(
+                    model,
+                    prompt_ids,
+                    max_new_tokens=longest + 1,
+                    temperature=0.0,
+                    eos_id=tokenizer.eos_id,
+                    pad_id=tokenizer.pad_id,
+                )
+                for i, row in zip(chunk, tokens.tolist()):
+                    out[i] = tokenizer.decode(row)
+    finally:
+        model.train(was_training)
+    return out
+
+
+def greedy_accuracy(
+    model: Qwen3ForCausalLM,
+    tokenizer: CharTokenizer,
+    problems: Sequence[task.Problem],
+    *,
+    batch_size: int = 1000,
+) -> float:
+    """Fraction of ``problems`` whose greedy completion states the right answer."""
+    if not problems:
+        raise ValueError("no problems")
+    answers = greedy_answers(model, tokenizer, problems, batch_size=batch_size)
+    correct = sum(task.extract_answer(a) == p.answer for a, p in zip(answers, problems))
+    return correct / len(problems)

@@ -1,0 +1,1 @@
+"""Producers: the feeder (prompts) and the generators (rollout groups)."""

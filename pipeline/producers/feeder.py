@@ -1,0 +1,68 @@
+"""Feeder: streams training prompts into ``{ns}:prompts`` with a bounded backlog.
+
+consumes:     the task's endless problem stream (never a held-out problem)
+produces:     PromptTask records on {ns}:prompts, ids p00000000, p00000001, ...
+waits for:    the generators' group lag to fall below ``feeder.backlog``
+unblocked by: generators reading prompts
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+
+from pipeline import task
+from pipeline.config import RunConfig
+from pipeline.keys import Keys
+from pipeline.records import PromptTask
+from pipeline.streams import FIELD, ensure_all_groups, heartbeat, queue_depths, stop_requested
+
+IDLE_WAIT_S = 0.05
+"""No blocking read exists for "the backlog shrank", so the feeder re-checks at this period."""
+
+
+def prompt_id(seq: int) -> str:
+    return f"p{seq:08d}"
+
+
+def run_feeder(cfg: RunConfig, r, keys: Keys, log, *, tokenizer, max_rounds: int | None = None) -> int:
+    """Issue prompts until stopped (or ``feeder.max_prompts``); returns prompts issued by this call."""
+    ensure_all_groups(r, keys)
+    t = cfg.task
+    heldout = set(task.heldout_problems(n=t.heldout_size, seed=t.heldout_seed, digits=t.digits, ops=tuple(t.ops)))
+    problems = task.training_problems(seed=cfg.feeder.seed, digits=t.digits, ops=tuple(t.ops), exclude=heldout)
+    # A restarted feeder resumes the same deterministic problem stream where it stopped.
+    seq = int(r.hget(keys.stats, "prompts_issued") or 0)
+    problems = itertools.islice(problems, seq, None)
+    issued = 0
+    rounds = 0
+    log.info("feeder_started", resume_from=seq, backlog=cfg.feeder.backlog)
+    while not stop_requested(r, keys) and (max_rounds is None or rounds < max_rounds):
+        rounds += 1
+        if cfg.feeder.max_prompts and seq >= cfg.feeder.max_prompts:
+            log.info("feeder_exhausted", issued=seq)
+            break
+        room = cfg.feeder.backlog - queue_depths(r, keys)["prompts"]["lag"]
+        if cfg.feeder.max_prompts:
+            room = min(room, cfg.feeder.max_prompts - seq)
+        if room <= 0:
+            heartbeat(r, keys, "feeder", "feeder", "backlog_full")
+            time.sleep(IDLE_WAIT_S)
+            continue
+        pipe = r.pipeline(transaction=True)
+        for p in itertools.islice(problems, room):
+            rec = PromptTask(prompt_id=prompt_id(seq), prompt=p.prompt,
+                             prompt_ids=np.asarray(tokenizer.encode(p.prompt), dtype=np.int32),
+                             reference=p.answer, issued_at=time.time())
+            pipe.xadd(keys.prompts, {FIELD: rec.encode()})
+            seq += 1
+            issued += 1
+        pipe.hset(keys.stats, "prompts_issued", seq)
+        pipe.execute()
+        heartbeat(r, keys, "feeder", "feeder", "issued", issued=seq)
+    log.info("feeder_stopped", issued=issued, total=seq)
+    return issued
+
+

@@ -1,0 +1,245 @@
+"""Weak verifiers for the arithmetic task (DESIGN §5, §7).
+
+A weak verifier looks at the prompt (``" 42+317="``) and the G completions of one
+rollout group and scores each completion in [0, 1], or abstains with NaN when its
+check does not apply. Verifiers NEVER see the reference answer: each one checks a
+*necessary* property of the true result that it can compute cheaply from the
+operands (units digit, residue mod 9, rough magnitude, ...), so each one passes
+some wrong answers. That weakness is the point: the Weaver label model
+(``pipeline.labelmodel``) learns how far to trust each of them without labels.
+
+Registry: ``VERIFIERS[name](prompt, completions) -> float32 [G]``, filled with
+``@register(name)``. ``score_group`` runs a list of them over one group and turns a
+verifier that raises into an abstaining column (and counts it), so one buggy check
+can never take the verifier stage down.
+
+``correctness`` is the hidden truth, for evaluation and the ``ground_truth`` reward
+mode only; it is not a verifier and is not in the registry.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from pipeline.task import evaluate, extract_answer, parse_prompt
+
+Verifier = Callable[[str, Sequence[str]], np.ndarray]
+"""``(prompt, completions) -> float32 [G]`` scores in [0, 1], NaN = abstain."""
+
+VERIFIERS: dict[str, Verifier] = {}
+"""All registered weak verifiers by name."""
+
+DEFAULT_VERIFIERS: tuple[str, ...] = ("format", "units_digit", "mod9", "magnitude", "majority", "leading_digit")
+"""The ensemble the pipeline uses unless configured otherwise (matches ``VerifierConfig``)."""
+
+_CANONICAL = re.compile(r"0|[1-9][0-9]*")
+
+
+def register(name: str) -> Callable[[Verifier], Verifier]:
+    """Decorator: add a verifier to ``VERIFIERS`` under ``name`` (names are unique)."""
+
+    def deco(fn: Verifier) -> Verifier:
+        if name in VERIFIERS:
+            raise ValueError(f"verifier {name!r} is already registered")
+        VERIFIERS[name] = fn
+        return fn
+
+    return deco
+
+
+def _answers(completions: Sequence[str]) -> list[int | None]:
+    """The integer each completion states (its leading digits), or None."""
+    out: list[int | None] = []
+    for c in completions:
+        a = extract_answer(c)
+        out.append(None if a is None else int(a))
+    return out
+
+
+def _per_answer(completions: Sequence[str], check: Callable[[int], bool]) -> np.ndarray:
+    """Score 1/0 per completion by ``check(answer)``; NaN where no answer can be extracted.
+
+    Abstaining (rather than failing) on unparseable completions keeps these checks
+    about *their* property only: a missing answer is ``format``'s business, and
+    letting every check fail it would make them all look correlated to the label model.
+    """
+    out = np.full(len(completions), np.nan, dtype=np.float32)
+    for i, ans in enumerate(_answers(completions)):
+        if ans is not None:
+            out[i] = 1.0 if check(ans) else 0.0
+    return out
+
+
+def _top_interval(x: int, keep: int) -> tuple[int, int]:
+    """The interval of all integers that share ``x``'s length and its ``keep`` leading digits.
+
+    ``_top_interval(317, 1) == (300, 399)``; numbers with at most ``keep`` digits are exact.
+    Verifiers reason from these intervals so they never compute the exact answer.
+    """
+    drop = max(len(str(x)) - keep, 0)
+    scale = 10**drop
+    lo = (x // scale) * scale
+    return lo, lo + scale - 1
+
+
+def _result_interval(a: int, op: str, b: int, keep: int) -> tuple[int, int]:
+    """Bounds on ``a op b`` knowing only ``keep`` leading digits of each operand.
+
+    Both operators are monotone on non-negative integers, so the bounds are the
+    operator applied to the interval ends.
+    """
+    a_lo, a_hi = _top_interval(a, keep)
+    b_lo, b_hi = _top_interval(b, keep)
+    return evaluate(a_lo, op, b_lo), evaluate(a_hi, op, b_hi)
+
+
+@register("format")
+def format_check(prompt: str, completions: Sequence[str]) -> np.ndarray:
+    """1 if the completion is exactly a canonical non-negative integer, else 0.
+
+    Canonical: non-empty, only digits, no leading zero unless the number is "0";
+    surrounding whitespace is tolerated (detokenisers may add it). Never abstains:
+    an unparseable completion is a clear failure of this check. Weak: any well-formed
+    wrong number passes.
+    """
+    del prompt  # the format does not depend on the problem
+    return np.array([1.0 if _CANONICAL.fullmatch(c.strip()) else 0.0 for c in completions], dtype=np.float32)
+
+
+@register("units_digit")
+def units_digit(prompt: str, completions: Sequence[str]) -> np.ndarray:
+    """1 if the answer's last digit equals that of (a op b), computed from the operands' units digits.
+
+    Abstains when no answer can be extracted. Weak: passes every carry error
+    (±10, ±100), every error in a higher digit, and 1 in 10 random answers.
+    """
+    a, op, b = parse_prompt(prompt)
+    expected = evaluate(a % 10, op, b % 10) % 10
+    return _per_answer(completions, lambda ans: ans % 10 == expected)
+
+
+@register("mod9")
+def mod9(prompt: str, completions: Sequence[str]) -> np.ndarray:
+    """Casting out nines: 1 if answer ≡ (a mod 9) op (b mod 9) (mod 9).
+
+    Abstains when no answer can be extracted. Weak: passes any permutation of the
+    right digits (digit swaps), errors that are multiples of 9, and 1 in 9 random answers.
+    """
+    a, op, b = parse_prompt(prompt)
+    expected = evaluate(a % 9, op, b % 9) % 9
+    return _per_answer(completions, lambda ans: ans % 9 == expected)
+
+
+@register("magnitude")
+def magnitude(prompt: str, completions: Sequence[str]) -> np.ndarray:
+    """1 if the answer's digit count is possible given only the operands' leading digits.
+
+    Each operand is known only to lie in the interval of numbers sharing its length
+    and leading digit; the result then lies in [lo, hi] and the answer's digit count
+    must be between len(lo) and len(hi). Abstains when no answer can be extracted.
+    Weak: any answer with a plausible number of digits passes.
+    """
+    a, op, b = parse_prompt(prompt)
+    lo, hi = _result_interval(a, op, b, keep=1)
+    n_lo, n_hi = len(str(lo)), len(str(hi))
+    return _per_answer(completions, lambda ans: n_lo <= len(str(ans)) <= n_hi)
+
+
+@register("leading_digit")
+def leading_digit(prompt: str, completions: Sequence[str]) -> np.ndarray:
+    """1 if the answer's leading digit is consistent with an estimate from the operands' top two digits.
+
+    The result lies in [lo, hi] (operands known to two leading digits). An answer of
+    length L with leading digit d passes when [d·10^(L-1), (d+1)·10^(L-1)) meets
+    [lo, hi]. Abstains when no answer can be extracted, and when no value in
+    [lo, hi] has L digits at all: the length is ``magnitude``'s question, and
+    answering it twice would make the two checks look more correlated than they are.
+    Weak: everything after the leading digit is unchecked.
+    """
+    a, op, b = parse_prompt(prompt)
+    lo, hi = _result_interval(a, op, b, keep=2)
+    out = np.full(len(completions), np.nan, dtype=np.float32)
+    for i, ans in enumerate(_answers(completions)):
+        if ans is None:
+            continue
+        length = len(str(ans))
+        span_lo, span_hi = (0 if length == 1 else 10 ** (length - 1)), 10**length - 1
+        if span_hi < lo or span_lo > hi:
+            continue  # wrong length: abstain
+        d = int(str(ans)[0])
+        d_lo = d * 10 ** (length - 1)
+        d_hi = (d + 1) * 10 ** (length - 1) - 1
+        out[i] = 1.0 if d_lo <= hi and d_hi >= lo else 0.0
+    return out
+
+
+@register("majority")
+def majority(prompt: str, completions: Sequence[str]) -> np.ndarray:
+    """Weaver's majority-vote pseudo-verifier: min–max rescaled frequency of each answer in its group.
+
+    Let c_i be how many completions of the group state completion i's answer. The
+    score is (c_i − min c) / (max c − min c) over the completions with an answer, and
+    1 for all of them when every answer is equally frequent (Weaver's rule, so
+    all-agreeing groups score 1). A completion without an answer scores 0 (it agrees
+    with nobody); a group where no completion has an answer abstains throughout.
+    Weak: a group that agrees on a wrong answer passes it.
+    """
+    del prompt
+    answers = _answers(completions)
+    counts = Counter(a for a in answers if a is not None)
+    if not counts:
+        return np.full(len(completions), np.nan, dtype=np.float32)
+    c_min, c_max = min(counts.values()), max(counts.values())
+    out = np.zeros(len(completions), dtype=np.float32)
+    for i, ans in enumerate(answers):
+        if ans is not None:
+            out[i] = 1.0 if c_max == c_min else (counts[ans] - c_min) / (c_max - c_min)
+    return out
+
+
+def score_group(prompt: str, completions: Sequence[str], names: Sequence[str]) -> tuple[np.ndarray, dict[str, int]]:
+    """Run the named verifiers over one group.
+
+    Returns ``(votes, errors)``: ``votes`` is float32 [G, len(names)] with NaN where a
+    verifier abstained; ``errors[name]`` is 1 if that verifier raised or returned
+    something malformed (wrong shape, values outside [0, 1]), else 0. A failing
+    verifier's column becomes all-NaN (abstain), never 0, so it cannot push the
+    rewards of the group in either direction.
+
+    Raises ValueError, before running anything, for a name not in ``VERIFIERS``.
+    """
+    unknown = [n for n in names if n not in VERIFIERS]
+    if unknown:
+        raise ValueError(f"unknown verifier(s) {unknown}; allowed: {sorted(VERIFIERS)}")
+    g = len(completions)
+    votes = np.full((g, len(names)), np.nan, dtype=np.float32)
+    errors: dict[str, int] = {}
+    for j, name in enumerate(names):
+        errors[name] = 0
+        try:
+            col = np.asarray(VERIFIERS[name](prompt, completions), dtype=np.float32)
+            if col.shape != (g,):
+                raise ValueError(f"verifier {name!r} returned shape {col.shape}, expected ({g},)")
+            finite = col[~np.isnan(col)]
+            if ((finite < 0) | (finite > 1)).any():
+                raise ValueError(f"verifier {name!r} returned scores outside [0, 1]")
+        except Exception:  # noqa: BLE001 - any failure of one check is an abstention, counted
+            errors[name] = 1
+            continue
+        votes[:, j] = col
+    return votes, errors
+
+
+def correctness(reference: str, completions: Sequence[str]) -> np.ndarray:
+    """HIDDEN TRUTH: float32 [G], 1.0 where the completion's extracted answer equals ``reference``.
+
+    For evaluation, logging and the ``ground_truth`` reward mode ONLY. It reads the
+    reference answer, so it must never feed a weak verifier or the label model.
+    Like ``extract_answer`` it judges the stated number, not the format.
+    """
+    ref = extract_answer(reference)
+    return np.array([1.0 if ref is not None and extract_answer(c) == ref else 0.0 for c in completions], dtype=np.float32)

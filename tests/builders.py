@@ -1,0 +1,36 @@
+"""Keyword-only builders of valid records for tests."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from pipeline.records import PromptTask, RolloutGroup, ScoredGroup
+
+
+def make_prompt(*, prompt_id: str = "p00000001", prompt: str = " 12+345=", reference: str = "357") -> PromptTask:
+    return PromptTask(prompt_id=prompt_id, prompt=prompt, prompt_ids=np.arange(8, dtype=np.int32) % 17,
+                      reference=reference, issued_at=time.time())
+
+
+def make_rollout(*, prompt_id: str = "p00000001", version: int = 0, group_size: int = 4,
+                 completions: tuple[str, ...] | None = None) -> RolloutGroup:
+    completions = completions or tuple(["357", "356", "357", "12"][i % 4] for i in range(group_size))
+    lens = np.array([len(c) + 1 for c in completions], dtype=np.int32)
+    n = int(lens.sum())
+    return RolloutGroup(
+        prompt_id=prompt_id, group_id=f"{prompt_id}:gen-0:1", generator_id="gen-0", prompt=" 12+345=",
+        prompt_ids=np.arange(8, dtype=np.int32) % 17, reference="357", completions=completions,
+        completion_ids=(np.arange(n, dtype=np.int32) % 10) + 2, completion_lens=lens,
+        behaviour_logprobs=-np.linspace(0.1, 2.0, n).astype(np.float32),
+        min_version=version, max_version=version, created_at=time.time())
+
+
+def make_scored(*, prompt_id: str = "p00000001", version: int = 0, rewards=None) -> ScoredGroup:
+    ro = make_rollout(prompt_id=prompt_id, version=version)
+    g = ro.group_size
+    rewards = np.asarray(rewards if rewards is not None else [1, 0, 1, 0][:g], dtype=np.float32)
+    return ScoredGroup(rollout=ro, verifier_names=("format", "mod9"), votes=np.ones((g, 2), dtype=np.float32),
+                       rewards=rewards, truth=rewards.copy(), reward_mode="weaver", labelmodel_version=3,
+                       verifier_id="ver-0", scored_at=time.time())

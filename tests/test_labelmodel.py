@@ -1,0 +1,296 @@
+"""Weaver label model: recovery on synthetic votes with known truth, and on the real arithmetic task."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import msgpack
+import numpy as np
+import pytest
+
+from pipeline.labelmodel import DEPENDENCE_CORR, LabelModel, _select, fit_label_model
+from pipeline.task import random_problem
+from pipeline.verifiers import DEFAULT_VERIFIERS, correctness, score_group
+
+# Conditionally independent verifiers with accuracies in 0.6–0.85 and unequal TPR/TNR.
+TPR = np.array([0.60, 0.70, 0.85, 0.75, 0.65, 0.80, 0.70])
+TNR = np.array([0.70, 0.60, 0.80, 0.85, 0.75, 0.65, 0.80])
+NAMES = [f"v{j}" for j in range(len(TPR))]
+
+
+def synthetic(n: int, pi: float, *, seed: int, tpr=TPR, tnr=TNR) -> tuple[np.ndarray, np.ndarray]:
+    """(truth [n], binary votes [n, m]) with P(vote=1 | y) = TPR if y else 1 − TNR, independently."""
+    rng = np.random.default_rng(seed)
+    y = (rng.random(n) < pi).astype(np.float64)
+    p_one = np.where(y[:, None] == 1.0, tpr, 1.0 - tnr)
+    return y, (rng.random((n, len(tpr))) < p_one).astype(np.float64)
+
+
+def accuracy(score: np.ndarray, y: np.ndarray, threshold: float = 0.5) -> float:
+    return float(((score > threshold) == (y == 1.0)).mean())
+
+
+def selection_accuracy(score: np.ndarray, y: np.ndarray, group_size: int) -> float:
+    """Share of groups (with at least one correct answer) whose top-scored answer is correct.
+
+    Rows are consecutive groups of ``group_size``. Ties are resolved in expectation (the
+    mean truth over the tied top answers), so a coarse score is neither helped nor hurt
+    by an arbitrary tie-break.
+    """
+    s, t = score.reshape(-1, group_size), y.reshape(-1, group_size)
+    top = s >= s.max(axis=1, keepdims=True) - 1e-12
+    hit = (t * top).sum(axis=1) / top.sum(axis=1)
+    return float(hit[t.max(axis=1) > 0].mean())
+
+
+def ece(p: np.ndarray, y: np.ndarray, bins: int = 10) -> float:
+    idx = np.minimum((p * bins).astype(int), bins - 1)
+    return float(sum(abs(p[idx == k].mean() - y[idx == k].mean()) * (idx == k).mean() for k in range(bins) if (idx == k).any()))
+
+
+# --------------------------------------------------------------- synthetic truth
+@pytest.fixture(scope="module", params=[0.3, 0.7], ids=["pi=0.3", "pi=0.7"])
+def synth_fit(request):
+    pi = request.param
+    y, votes = synthetic(40_000, pi, seed=int(pi * 10))
+    return pi, y, votes, fit_label_model(votes, NAMES)
+
+
+def test_the_posterior_beats_majority_vote_and_the_best_single_verifier(synth_fit):
+    _, y, votes, model = synth_fit
+    post = model.posterior(votes)
+    weaver = accuracy(post, y)
+    majority = accuracy(votes.mean(axis=1), y)
+    best_single = max(accuracy(votes[:, j], y) for j in range(votes.shape[1]))
+    assert weaver > majority + 0.005 and weaver > best_single + 0.05, (weaver, majority, best_single)
+
+    # Read as 5000 prompts with 8 answers each: pick the top-scored answer per prompt.
+    weaver_sel = selection_accuracy(post, y, 8)
+    majority_sel = selection_accuracy(votes.mean(axis=1), y, 8)
+    single_sel = max(selection_accuracy(votes[:, j], y, 8) for j in range(votes.shape[1]))
+    assert weaver_sel > majority_sel and weaver_sel > single_sel, (weaver_sel, majority_sel, single_sel)
+
+
+def test_tpr_tnr_and_class_balance_are_recovered_without_labels(synth_fit):
+    pi, _, _, model = synth_fit
+    assert model.kept == (True,) * len(NAMES) and model.dropped == {}
+    assert model.pi == pytest.approx(pi, abs=0.03)
+    np.testing.assert_allclose(model.tpr, TPR, atol=0.05)
+    np.testing.assert_allclose(model.tnr, TNR, atol=0.05)
+    assert model.converged and model.fitted_rows == 40_000
+
+
+def test_mu_matches_the_reported_tpr_and_tnr(synth_fit):
+    _, _, _, model = synth_fit
+    mu = model.mu
+    assert mu.shape == (2 * len(NAMES), 2)
+    np.testing.assert_allclose(mu[1::2, 1], model.tpr)  # μ[2k+1, 1] = TPR
+    np.testing.assert_allclose(mu[0::2, 0], model.tnr)  # μ[2k, 0] = TNR
+    np.testing.assert_allclose(mu[0::2] + mu[1::2], 1.0)  # each verifier's rows sum to 1 per class
+
+
+def test_the_posterior_is_calibrated(synth_fit):
+    _, y, votes, model = synth_fit
+    assert ece(model.posterior(votes), y) <= 0.05
+
+
+def test_the_label_swap_is_broken_towards_better_than_random_verifiers():
+    # With π = 0.7 the mirrored solution (π = 0.3, worse-than-random verifiers) fits the
+    # votes equally well; the fit must pick the better-than-random one.
+    _, votes = synthetic(20_000, 0.7, seed=11)
+    model = fit_label_model(votes, NAMES)
+    assert model.pi > 0.5 and all(t + n > 1.0 for t, n in zip(model.tpr, model.tnr))
+
+
+def test_abstentions_do_not_bias_the_estimates():
+    y, votes = synthetic(40_000, 0.3, seed=5)
+    rng = np.random.default_rng(6)
+    missing = votes.copy()
+    for j, rate in [(0, 0.4), (2, 0.3), (5, 0.5)]:
+        missing[rng.random(len(y)) < rate, j] = np.nan
+    model = fit_label_model(missing, NAMES)
+    assert model.pi == pytest.approx(0.3, abs=0.03)
+    np.testing.assert_allclose(model.tpr, TPR, atol=0.05)
+    np.testing.assert_allclose(model.tnr, TNR, atol=0.05)
+    assert ece(model.posterior(missing), y) <= 0.05
+    # Reading an abstention as a 0 vote would bias those verifiers' rates by the abstention rate:
+    zeroed = fit_label_model(np.nan_to_num(missing, nan=0.0), NAMES)
+    assert abs(zeroed.tpr[5] - TPR[5]) > 0.2
+
+
+def test_an_abstaining_verifier_contributes_nothing_to_the_posterior():
+    _, votes = synthetic(5_000, 0.3, seed=7)
+    model = fit_label_model(votes, NAMES)
+    rows = votes[:4].copy()
+    rows[:, 3] = np.nan
+    # Expected: §5 step 7 by hand, over every verifier except the abstaining one.
+    lp = np.log(model.pi / (1 - model.pi))
+    for j in range(len(NAMES)):
+        if j == 3:
+            continue
+        tpr, tnr = np.clip(model.tpr[j], 0.01, 0.99), np.clip(model.tnr[j], 0.01, 0.99)
+        lp = lp + np.where(rows[:, j] == 1, np.log(tpr / (1 - tnr)), np.log((1 - tpr) / tnr))
+    np.testing.assert_allclose(model.posterior(rows), 1 / (1 + np.exp(-lp)))
+    # Everything abstaining leaves the prior.
+    assert model.posterior(np.full((1, len(NAMES)), np.nan))[0] == pytest.approx(model.pi)
+
+
+def test_a_duplicated_verifier_is_detected_and_dropped_with_its_reason():
+    y, votes = synthetic(20_000, 0.3, seed=8)
+    dup = np.column_stack([votes, votes[:, 2]])
+    model = fit_label_model(dup, [*NAMES, "v2_copy"])
+    assert model.kept == (True,) * len(NAMES) + (False,)
+    assert "dependent on 'v2'" in model.dropped["v2_copy"] and str(DEPENDENCE_CORR) in model.dropped["v2_copy"]
+    np.testing.assert_allclose(model.tpr[: len(NAMES)], TPR, atol=0.05)
+    assert ece(model.posterior(dup), y) <= 0.05
+
+
+def test_an_inverted_copy_is_also_one_check_counted_twice():
+    _, votes = synthetic(10_000, 0.3, seed=9)
+    model = fit_label_model(np.column_stack([votes, 1.0 - votes[:, 0]]), [*NAMES, "not_v0"])
+    assert "not_v0" in model.dropped and sum(model.kept) == len(NAMES)
+
+
+def test_degenerate_verifiers_are_filtered_by_positive_rate():
+    _, votes = synthetic(10_000, 0.3, seed=10)
+    rng = np.random.default_rng(0)
+    lenient = (rng.random(len(votes)) < 0.97).astype(np.float64)  # passes nearly everything
+    model = fit_label_model(np.column_stack([votes, lenient, np.zeros(len(votes))]), [*NAMES, "lenient", "never"])
+    assert "degenerate positive rate" in model.dropped["lenient"]
+    assert "never" in model.dropped
+    assert model.kept[: len(NAMES)] == (True,) * len(NAMES)
+    assert np.isnan(model.tpr[-1]) and np.isnan(model.tnr[-2])
+
+
+def test_filtering_keeps_the_best_behaved_two_rather_than_none():
+    rng = np.random.default_rng(1)
+    n = 5_000
+    votes = np.column_stack([(rng.random(n) < r).astype(np.float64) for r in (0.95, 0.93, 0.97, 1.0)])
+    # At π = 0.5 every rate is degenerate; the two closest to π come back, a constant never does.
+    kept, dropped = _select(votes, votes.mean(axis=0), 0.5, ("a", "b", "c", "d"))
+    assert kept.tolist() == [True, True, False, False] and set(dropped) == {"c", "d"}
+    model = fit_label_model(votes, ["a", "b", "c", "d"])
+    assert sum(model.kept) >= 2 and model.kept[3] is False
+    assert np.isfinite(model.posterior(votes)).all()
+
+
+def test_continuous_scores_are_normalised_and_thresholded_at_the_class_balance_quantile():
+    y, votes = synthetic(20_000, 0.3, seed=12)
+    rng = np.random.default_rng(3)
+    # A score on an arbitrary scale (0..10): higher for correct answers, noisy.
+    score = 10.0 / (1.0 + np.exp(-(2.0 * y - 1.0) * 1.5 - rng.normal(0, 1.0, len(y))))
+    model = fit_label_model(np.column_stack([votes, score]), [*NAMES, "score"])
+    assert model.kept[-1] and model.lo[-1] == pytest.approx(score.min()) and model.hi[-1] == pytest.approx(score.max())
+    # Quantile threshold: the verifier passes about a (π)-share of rows.
+    assert model.pos_rate[-1] == pytest.approx(model.pi, abs=0.02)
+    assert model.thresholds[:-1] == (0.5,) * len(NAMES)  # binary scores use 0.5
+    assert accuracy(model.posterior(np.column_stack([votes, score])), y) > accuracy(model.posterior(np.column_stack([votes, np.full(len(y), np.nan)])), y)
+
+
+def test_given_thresholds_override_the_label_free_choice():
+    _, votes = synthetic(2_000, 0.3, seed=13)
+    model = fit_label_model(votes, NAMES, thresholds={"v0": 0.9}, version=7)
+    assert model.thresholds[0] == 0.9 and model.version == 7
+    with pytest.raises(ValueError, match="unknown verifiers"):
+        fit_label_model(votes, NAMES, thresholds={"zz": 0.5})
+
+
+def test_round_trip_through_msgpack_gives_identical_posteriors():
+    _, votes = synthetic(4_000, 0.3, seed=14)
+    votes = np.column_stack([votes, votes[:, 0]])
+    votes[::7, 1] = np.nan
+    model = fit_label_model(votes, [*NAMES, "copy"], version=3)
+    wire = msgpack.packb(model.to_dict())
+    back = LabelModel.from_dict(msgpack.unpackb(wire))
+    assert back.version == 3 and back.dropped == model.dropped and back.kept == model.kept
+    assert np.array_equal(back.posterior(votes), model.posterior(votes))
+
+
+def test_from_dict_rejects_malformed_data():
+    _, votes = synthetic(1_000, 0.3, seed=15)
+    good = fit_label_model(votes, NAMES).to_dict()
+    for bad in ({**good, "schema": 99}, {**good, "tpr": good["tpr"][:-1]}, {**good, "pi": "x"},
+                {k: v for k, v in good.items() if k != "kept"}, [1, 2]):
+        with pytest.raises(ValueError):
+            LabelModel.from_dict(bad)
+
+
+def test_the_posterior_aligns_columns_by_name():
+    _, votes = synthetic(3_000, 0.3, seed=16)
+    model = fit_label_model(votes, NAMES)
+    perm = [3, 0, 6, 1, 5, 2, 4]
+    np.testing.assert_array_equal(model.posterior(votes[:, perm], [NAMES[j] for j in perm]), model.posterior(votes))
+    with pytest.raises(ValueError):
+        model.posterior(votes[:, :3])
+
+
+def test_fitting_4096_rows_of_7_verifiers_is_fast():
+    _, votes = synthetic(4_096, 0.3, seed=17)
+    votes[::5, 4] = np.nan
+    best = min(_timed(lambda: fit_label_model(votes, NAMES)) for _ in range(3))
+    assert best < 0.25, best
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+# ------------------------------------------------------------- the real task
+def corrupt(answer: int, rng: random.Random) -> str:
+    """A realistic wrong (or malformed) completion for ``answer``."""
+    s = str(answer)
+    kind = rng.choice(["carry10", "carry100", "swap", "off_by_one", "random", "dropped_digit", "format"])
+    if kind == "carry10":
+        wrong = answer + rng.choice([-10, 10])
+    elif kind == "carry100":
+        wrong = answer + rng.choice([-100, 100])
+    elif kind == "off_by_one":
+        wrong = answer + rng.choice([-1, 1])
+    elif kind == "swap" and len(s) >= 2:
+        i = rng.randrange(len(s) - 1)
+        wrong = int(s[:i] + s[i + 1] + s[i] + s[i + 2:])
+    elif kind == "random":
+        wrong = rng.randint(0, 10 ** len(s))
+    elif kind == "dropped_digit" and len(s) >= 2:
+        wrong = int(s[:-1])
+    elif kind == "format":
+        return rng.choice(["", "=", s + "+" + s, "x" + s])
+    else:
+        wrong = answer + 2
+    wrong = abs(wrong)
+    return str(wrong if wrong != answer else answer + 11)
+
+
+def arithmetic_window(n_prompts: int, *, group: int, seed: int):
+    """Score G completions for each of n prompts: ~40% correct, the rest drawn from a
+    per-prompt pool of three corruptions (a policy repeats its mistakes)."""
+    rng = random.Random(seed)
+    votes, truth = [], []
+    for _ in range(n_prompts):
+        p = random_problem(rng, digits=3, ops=("+", "*"))
+        pool = [corrupt(int(p.answer), rng) for _ in range(3)]
+        p_correct = rng.uniform(0.1, 0.7)  # prompts differ in difficulty; mean 0.4
+        comps = [p.answer if rng.random() < p_correct else rng.choice(pool) for _ in range(group)]
+        v, errors = score_group(p.prompt, comps, DEFAULT_VERIFIERS)
+        assert not any(errors.values())
+        votes.append(v)
+        truth.append(correctness(p.answer, comps))
+    return np.concatenate(votes).astype(np.float64), np.concatenate(truth).astype(np.float64)
+
+
+def test_on_the_arithmetic_task_weaver_ranks_better_than_the_plain_average_of_verifiers():
+    votes, truth = arithmetic_window(500, group=8, seed=0)
+    assert 0.3 < truth.mean() < 0.5
+    model = fit_label_model(votes, DEFAULT_VERIFIERS)
+    post = model.posterior(votes)
+    weaver = selection_accuracy(post, truth, 8)
+    average = selection_accuracy(np.nanmean(votes, axis=1), truth, 8)
+    single = {n: selection_accuracy(np.nan_to_num(votes[:, j], nan=0.0), truth, 8) for j, n in enumerate(DEFAULT_VERIFIERS)}
+    assert weaver > average + 0.02, (weaver, average, single)
+    assert weaver > max(single.values()), (weaver, single)
+    assert accuracy(post, truth) > accuracy(np.nanmean(votes, axis=1), truth)
+    # Label-free π lands near the hidden accuracy.
+    assert model.pi == pytest.approx(truth.mean(), abs=0.1)

@@ -1,0 +1,177 @@
+"""Weak verifiers: each passes the truth, catches some errors, and (being weak) passes others."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline import verifiers as V
+from pipeline.task import Problem
+from pipeline.verifiers import DEFAULT_VERIFIERS, VERIFIERS, correctness, register, score_group
+
+ADD = " 42+317="  # 359
+MUL = " 42*317="  # 13314
+
+
+def scores(name: str, prompt: str, *completions: str) -> list[float]:
+    out = VERIFIERS[name](prompt, list(completions))
+    assert out.dtype == np.float32 and out.shape == (len(completions),)
+    return [float(x) for x in out]
+
+
+def is_nan(x: float) -> bool:
+    return math.isnan(x)
+
+
+def test_the_default_ensemble_is_registered_and_includes_the_design_checks():
+    assert set(DEFAULT_VERIFIERS) <= set(VERIFIERS)
+    assert {"format", "units_digit", "mod9", "magnitude", "majority"} <= set(DEFAULT_VERIFIERS)
+
+
+def test_registering_a_name_twice_is_refused():
+    with pytest.raises(ValueError, match="already registered"):
+        register("mod9")(lambda p, c: np.zeros(len(c), np.float32))
+
+
+def test_format_passes_canonical_numbers_and_fails_everything_else_without_abstaining():
+    assert scores("format", ADD, "359", "0", " 359\n") == [1.0, 1.0, 1.0]
+    assert scores("format", ADD, "0359", "", "359+", "abc", "3 59", "-359", "00") == [0.0] * 7
+
+
+def test_format_is_weak_any_well_formed_wrong_number_passes():
+    assert scores("format", ADD, "358", "1") == [1.0, 1.0]
+
+
+def test_units_digit_checks_the_last_digit_from_the_operands_units_digits():
+    assert scores("units_digit", ADD, "359", "358", "360") == [1.0, 0.0, 0.0]
+    assert scores("units_digit", MUL, "13314", "13315") == [1.0, 0.0]
+
+
+def test_units_digit_is_weak_carry_errors_pass():
+    assert scores("units_digit", ADD, "349", "459", "9") == [1.0, 1.0, 1.0]
+
+
+def test_units_digit_abstains_when_there_is_no_answer():
+    assert all(is_nan(x) for x in scores("units_digit", ADD, "", "abc"))
+
+
+def test_mod9_casts_out_nines():
+    assert scores("mod9", ADD, "359", "360", "349", "459") == [1.0, 0.0, 0.0, 0.0]
+    assert scores("mod9", MUL, "13314", "13324") == [1.0, 0.0]
+
+
+def test_mod9_is_weak_digit_swaps_and_multiples_of_nine_pass():
+    assert scores("mod9", ADD, "395", "539", "368", "350") == [1.0, 1.0, 1.0, 1.0]
+
+
+def test_mod9_abstains_when_there_is_no_answer():
+    assert is_nan(scores("mod9", MUL, "x13314")[0])
+
+
+def test_magnitude_checks_the_digit_count_from_leading_digit_intervals():
+    assert scores("magnitude", ADD, "359", "3590", "35") == [1.0, 0.0, 0.0]
+    assert scores("magnitude", MUL, "13314", "1331", "133140") == [1.0, 0.0, 0.0]
+
+
+def test_magnitude_is_weak_any_answer_with_a_plausible_length_passes():
+    assert scores("magnitude", ADD, "999", "100") == [1.0, 1.0]
+    # 95+9: from leading digits the sum is in [99, 108], so both 2 and 3 digits are plausible.
+    assert scores("magnitude", "95+ 9=", "104", "99", "10") == [1.0, 1.0, 1.0]
+
+
+def test_leading_digit_checks_the_leading_digit_against_a_two_digit_estimate():
+    assert scores("leading_digit", ADD, "359", "459", "259") == [1.0, 0.0, 0.0]
+    assert scores("leading_digit", MUL, "13314", "23314") == [1.0, 0.0]
+
+
+def test_leading_digit_is_weak_and_leaves_the_length_to_magnitude():
+    assert scores("leading_digit", ADD, "301", "399") == [1.0, 1.0]
+    # Wrong length: the length is magnitude's question, so leading_digit abstains.
+    assert all(is_nan(x) for x in scores("leading_digit", ADD, "3590", "35", ""))
+
+
+def test_majority_scores_min_max_rescaled_answer_frequency_within_the_group():
+    got = scores("majority", ADD, "359", "359", "359", "358", "358", "7")
+    assert got == pytest.approx([1.0, 1.0, 1.0, 0.5, 0.5, 0.0])
+
+
+def test_majority_gives_one_when_all_frequencies_are_equal_and_zero_without_an_answer():
+    assert scores("majority", ADD, "359", "0359", "x") == [1.0, 1.0, 0.0]  # 0359 states 359
+    assert scores("majority", ADD, "1", "2", "3") == [1.0, 1.0, 1.0]
+
+
+def test_majority_is_weak_a_group_agreeing_on_a_wrong_answer_passes_it():
+    assert scores("majority", ADD, "349", "349", "359") == [1.0, 1.0, 0.0]
+
+
+def test_majority_abstains_when_no_completion_has_an_answer():
+    assert all(is_nan(x) for x in scores("majority", ADD, "", "x"))
+
+
+@settings(max_examples=200, deadline=None)
+@given(a=st.integers(0, 99_999), b=st.integers(0, 99_999), op=st.sampled_from(["+", "*"]))
+def test_every_answer_free_check_passes_the_true_answer(a, b, op):
+    # The checks are necessary conditions of the true result: they may pass wrong
+    # answers but must never fail (or abstain on) the right one.
+    p = Problem(a=a, op=op, b=b, digits=5)
+    for name in ("format", "units_digit", "mod9", "magnitude", "leading_digit"):
+        assert scores(name, p.prompt, p.answer) == [1.0], name
+
+
+def test_no_verifier_reads_the_reference_answer():
+    # Signature-level guarantee: a verifier only gets (prompt, completions).
+    import inspect
+
+    for name, fn in VERIFIERS.items():
+        assert list(inspect.signature(fn).parameters) == ["prompt", "completions"], name
+
+
+def test_score_group_returns_one_column_per_named_verifier():
+    votes, errors = score_group(ADD, ["359", "349", "x"], DEFAULT_VERIFIERS)
+    assert votes.shape == (3, len(DEFAULT_VERIFIERS)) and votes.dtype == np.float32
+    assert errors == {n: 0 for n in DEFAULT_VERIFIERS}
+    col = {n: j for j, n in enumerate(DEFAULT_VERIFIERS)}
+    assert votes[0, col["mod9"]] == 1.0 and votes[1, col["mod9"]] == 0.0 and np.isnan(votes[2, col["mod9"]])
+    assert votes[2, col["format"]] == 0.0
+
+
+def test_score_group_turns_a_raising_verifier_into_an_abstaining_column_and_counts_it(monkeypatch):
+    def broken(prompt, completions):
+        raise RuntimeError("boom")
+
+    monkeypatch.setitem(VERIFIERS, "broken", broken)
+    votes, errors = score_group(ADD, ["359", "349"], ["mod9", "broken"])
+    assert np.isnan(votes[:, 1]).all()
+    assert votes[:, 0].tolist() == [1.0, 0.0]
+    assert errors == {"mod9": 0, "broken": 1}
+
+
+def test_score_group_treats_malformed_verifier_output_as_an_error(monkeypatch):
+    monkeypatch.setitem(VERIFIERS, "short", lambda p, c: np.ones(len(c) - 1, np.float32))
+    monkeypatch.setitem(VERIFIERS, "big", lambda p, c: np.full(len(c), 2.0, np.float32))
+    votes, errors = score_group(ADD, ["359", "349"], ["short", "big"])
+    assert np.isnan(votes).all() and errors == {"short": 1, "big": 1}
+
+
+def test_score_group_abstains_throughout_on_an_unparseable_prompt_but_format_still_works():
+    votes, errors = score_group("garbage", ["359"], ["format", "mod9"])
+    assert votes[0, 0] == 1.0 and np.isnan(votes[0, 1]) and errors == {"format": 0, "mod9": 1}
+
+
+def test_score_group_rejects_an_unknown_name_and_lists_the_allowed_ones():
+    with pytest.raises(ValueError, match="unknown verifier.*'nope'.*allowed.*mod9"):
+        score_group(ADD, ["359"], ["mod9", "nope"])
+
+
+def test_correctness_is_the_hidden_truth_on_the_stated_number():
+    got = correctness("359", ["359", "0359", "359+", "349", "", "x"])
+    assert got.dtype == np.float32
+    assert got.tolist() == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+
+
+def test_correctness_is_not_a_registered_verifier():
+    assert V.correctness not in VERIFIERS.values()
