@@ -187,7 +187,7 @@ class LabelModel:
 
     # ----------------------------------------------------------- serialisation
     def to_dict(self) -> dict[str, Any]:
-        """Plain msgpack-able data: lists, floats, ints, bools, strings."""
+        """Plain msgpack-able data: lists, floats, ints, bools, strings (NaN TPR/TNR mark dropped verifiers)."""
         return {
             "schema": SCHEMA,
             "names": list(self.names),

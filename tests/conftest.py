@@ -34,3 +34,20 @@ def redis_client(redis_url):
     client = redis.Redis.from_url(redis_url)
     yield client
     client.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_base_model(tmp_path_factory):
+    """A small base checkpoint built by the real pretraining code in a few seconds.
+
+    Its accuracy is irrelevant: the plumbing tests need a real checkpoint, not a good one.
+    """
+    from pipeline import task
+    from pipeline.model import ModelShape
+    from pipeline.pretrain import pretrain
+
+    out = tmp_path_factory.mktemp("base") / "model"
+    pretrain(out, shape=ModelShape(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64),
+             digits=3, ops=("+",), steps=20, batch_size=32, lr=2e-3, seed=0,
+             heldout=task.heldout_problems(n=50, seed=1234, digits=3, ops=("+",)), progress=False)
+    return out

@@ -15,14 +15,14 @@ import time
 import msgpack
 import numpy as np
 
-from pipeline.config import RunConfig, VerifierConfig
+from pipeline.config import ConfigError, RunConfig, VerifierConfig
 from pipeline.keys import VERIFIERS_GROUP, Keys
 from pipeline.labelmodel import LabelModel, fit_label_model
 from pipeline.model import CharTokenizer
 from pipeline.records import RecordError, RolloutGroup, ScoredGroup
-from pipeline.rewards import compute_rewards, needs_label_model, parse_reward_mode
+from pipeline.rewards import RewardMode, parse_reward_mode
 from pipeline.streams import FIELD, GroupReader, dead_letter, ensure_all_groups, heartbeat, incr_stats, stop_requested
-from pipeline.verifiers import correctness, score_group
+from pipeline.verifiers import VERIFIERS, correctness, score_group
 
 FIRST_MODEL_WAIT_S = 60.0
 LOCK_TTL_MS = 30_000
@@ -62,8 +62,10 @@ class SharedLabelModel:
             lm = fit_label_model(votes, list(self.cfg.verifiers), version=version + 1)
             self.r.hset(self.keys.labelmodel, mapping={
                 "version": version + 1, "params": msgpack.packb(lm.to_dict()), "rows": len(votes), "new_groups": 0})
-            self.log.info("labelmodel_fitted", version=version + 1, rows=len(votes),
-                          seconds=round(time.perf_counter() - t0, 4), **lm.summary())
+            self.log.info("labelmodel_fitted", version=version + 1, rows=len(votes), pi=round(lm.pi, 4),
+                          seconds=round(time.perf_counter() - t0, 4), dropped=lm.dropped,
+                          verifiers={n: {k: round(float(x), 3) for k, x in st.items()}
+                                     for n, st in lm.verifier_stats().items()})
         finally:
             self.r.delete(self.keys.labelmodel_lock)
 
@@ -100,13 +102,27 @@ def decode_rollouts(entries, *, vocab_size: int):
     return good, bad
 
 
+def reward_mode(v: VerifierConfig) -> RewardMode:
+    """The configured reward mode, refused at start (naming the field) rather than per message."""
+    unknown = [n for n in v.verifiers if n not in VERIFIERS]
+    if unknown:
+        raise ConfigError(f"verifier.verifiers: unknown {unknown}; allowed: {sorted(VERIFIERS)}")
+    try:
+        mode = parse_reward_mode(v.reward)
+    except ValueError as e:
+        raise ConfigError(f"verifier.reward: {e}") from None
+    if mode.verifier is not None and mode.verifier not in v.verifiers:
+        raise ConfigError(f"verifier.reward: {v.reward!r} names a verifier not in verifier.verifiers {v.verifiers}")
+    return mode
+
+
 def run_verifier(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batches: int | None = None) -> int:
     """Score rollout groups until stopped (or ``max_batches`` non-empty reads); returns groups scored."""
     v = cfg.verifier
-    parse_reward_mode(v.reward, v.verifiers)  # fail at start, naming the field, not per message
+    mode = reward_mode(v)
     ensure_all_groups(r, keys)
     vocab_size = CharTokenizer.load(cfg.model.base_dir).vocab_size
-    shared = SharedLabelModel(r, keys, v, worker_id, log) if needs_label_model(v.reward) else None
+    shared = SharedLabelModel(r, keys, v, worker_id, log) if mode.needs_label_model else None
     reader = GroupReader(r, keys.rollouts, VERIFIERS_GROUP, worker_id)
     batches, scored = 0, 0
     log.info("verifier_started", reward=v.reward, verifiers=v.verifiers)
@@ -118,7 +134,11 @@ def run_verifier(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batc
         batches += 1
         t0 = time.perf_counter()
         good, bad = decode_rollouts(entries, vocab_size=vocab_size)
-        votes = [score_group(g.prompt, g.completions, v.verifiers) for _, g in good]
+        votes, verifier_errors = [], 0
+        for _, g in good:
+            vt, errors = score_group(g.prompt, g.completions, v.verifiers)
+            votes.append(vt)
+            verifier_errors += sum(errors.values())
         lm = None
         if shared is not None and good:
             shared.add_votes(votes)
@@ -126,7 +146,7 @@ def run_verifier(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batc
         pipe = r.pipeline(transaction=True)
         for (e, g), vt in zip(good, votes):
             truth = correctness(g.reference, g.completions)
-            rewards = compute_rewards(v.reward, votes=vt, names=v.verifiers, label_model=lm, truth=truth)
+            rewards = mode(votes=vt, names=v.verifiers, completions=g.completions, label_model=lm, truth=truth)
             rec = ScoredGroup(rollout=g, verifier_names=tuple(v.verifiers), votes=vt.astype(np.float32),
                               rewards=rewards.astype(np.float32), truth=truth.astype(np.float32),
                               reward_mode=v.reward, labelmodel_version=shared.version if shared else -1,
@@ -137,7 +157,8 @@ def run_verifier(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batc
             log.warning("dead_letter", id=e.id, reason=reason)
             dead_letter(pipe, keys, stream=keys.rollouts, group=VERIFIERS_GROUP, entry=e, reason=reason,
                         consumer=worker_id, release_admission=True)
-        incr_stats(pipe, keys, groups_scored_total=len(good), verify_seconds_total=time.perf_counter() - t0)
+        incr_stats(pipe, keys, groups_scored_total=len(good), verifier_errors_total=verifier_errors,
+                   verify_seconds_total=time.perf_counter() - t0)
         pipe.execute()
         scored += len(good)
         heartbeat(r, keys, worker_id, "verifier", "scored", groups=scored)
