@@ -46,14 +46,21 @@ class ModelConfig:
     hidden_size: int = 128
     """Width of the tiny Qwen3 model built by pretraining."""
     num_layers: int = 4
+    """Transformer blocks."""
     num_heads: int = 4
+    """Attention heads (hidden_size must be a multiple)."""
     num_kv_heads: int = 2
+    """Key/value heads for grouped-query attention (a divisor of num_heads)."""
     intermediate_size: int = 512
+    """Width of the MLP inside each block."""
     pretrain_steps: int = 800
     """Supervised warm-up steps. Fixed (not accuracy-targeted) so the base model is reproducible."""
     pretrain_batch_size: int = 128
+    """Problems per supervised warm-up step."""
     pretrain_lr: float = 2e-3
+    """Peak learning rate of the warm-up (cosine schedule)."""
     seed: int = 0
+    """Seed of the model's initialisation and warm-up data."""
 
     def validate(self, p: str) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "pretrain_batch_size"):
@@ -73,6 +80,7 @@ class TaskConfig:
     heldout_size: int = 1000
     """Held-out problems for greedy evaluation (>= 1000 gives ~±1.5 points of standard error)."""
     heldout_seed: int = 1234
+    """Seed of the held-out set; training prompts never repeat a held-out problem."""
     max_new_tokens: int = 6
     """Longest completion sampled, tokens (answer digits plus end-of-sequence)."""
 
@@ -106,9 +114,11 @@ class GeneratorConfig:
     prompts_per_batch: int = 16
     """Prompts sampled together in one generation batch; weights swap only between batches."""
     temperature: float = 1.0
+    """Sampling temperature; the behaviour log-probs are those of this distribution."""
     threads: int = 1
     """torch intra-op threads per generator process."""
     seed: int = 0
+    """Sampling seed, mixed with the worker id so replicas draw different samples."""
 
     def validate(self, p: str) -> None:
         _check(self.backend in ("torch",), f"{p}.backend", "'torch' (vllm arrives with its own issue)", self.backend)
@@ -151,9 +161,13 @@ class TrainerConfig:
     max_staleness: int = 1
     """η: a group is trained only if trainer version − its min version <= η. 0 = synchronous on-policy."""
     lr: float = 1e-4
+    """AdamW learning rate of the policy."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     grad_clip: float = 1.0
+    """Gradient-norm clip per step."""
     clip_eps: float = 0.2
+    """PPO ratio clip range ε (lower side, and upper side unless clip_eps_high is set)."""
     clip_eps_high: float = 0.0
     """Upper clip range (DAPO-style); 0 means the same as clip_eps."""
     advantage: str = "grpo"
@@ -169,6 +183,7 @@ class TrainerConfig:
     threads: int = 2
     """torch intra-op threads of the trainer process."""
     seed: int = 0
+    """Seed of the trainer's torch RNG."""
 
     def validate(self, p: str) -> None:
         _check(self.steps >= 1, f"{p}.steps", ">= 1", self.steps)
@@ -224,14 +239,18 @@ class RunConfig:
     runs_dir: str = "runs"
     """Logs, metrics, checkpoints and the summary go to ``<runs_dir>/<run_id>/``."""
     redis: RedisConfig = field(default_factory=RedisConfig)
+    """The Redis-compatible server."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The base model and its supervised warm-up."""
     task: TaskConfig = field(default_factory=TaskConfig)
+    """The arithmetic task and its held-out evaluation set."""
     feeder: FeederConfig = field(default_factory=FeederConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """What ``pipeline up`` starts on this machine."""
 
     def validate(self) -> "RunConfig":
         _check(all(c.isalnum() or c in "-_." for c in self.run_id), "run_id", "letters, digits, '-', '_' or '.'", self.run_id)
