@@ -33,12 +33,12 @@ def ensure_base_model(cfg: RunConfig, *, force: bool = False) -> dict:
     if info.exists() and not force:
         return json.loads(info.read_text())
     m, t = cfg.model, cfg.task
-    print(f"building the base model in {base} (supervised warm-up, {m.pretrain_steps} steps)", flush=True)
+    print(f"building the base model in {base} (supervised warm-up, at most {m.pretrain_steps} steps)", flush=True)
     return pretrain(
         base, shape=ModelShape(hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
                                num_kv_heads=m.num_kv_heads, intermediate_size=m.intermediate_size),
         digits=t.digits, ops=tuple(t.ops), steps=m.pretrain_steps, batch_size=m.pretrain_batch_size,
-        lr=m.pretrain_lr, seed=m.seed,
+        lr=m.pretrain_lr, seed=m.seed, stop_loss=m.pretrain_stop_loss or None,
         heldout=task.heldout_problems(n=t.heldout_size, seed=t.heldout_seed, digits=t.digits, ops=tuple(t.ops)))
 
 

@@ -53,13 +53,18 @@ class ModelConfig:
     """Key/value heads for grouped-query attention (a divisor of num_heads)."""
     intermediate_size: int = 512
     """Width of the MLP inside each block."""
-    pretrain_steps: int = 800
-    """Supervised warm-up steps. Fixed (not accuracy-targeted) so the base model is reproducible."""
+    pretrain_steps: int = 1000
+    """Most supervised warm-up steps (a cap; the warm-up normally ends at pretrain_stop_loss)."""
+    pretrain_stop_loss: float = 0.45
+    """End the warm-up once the mean training loss of the last 20 steps falls below this.
+    Accuracy jumps sharply on this task and the step of the jump varies by seed, while a
+    loss of ~0.45 lands at a modest 30-50% held-out accuracy: RL then has room to show.
+    0 disables it (train exactly pretrain_steps)."""
     pretrain_batch_size: int = 128
     """Problems per supervised warm-up step."""
     pretrain_lr: float = 2e-3
     """Peak learning rate of the warm-up (cosine schedule)."""
-    seed: int = 0
+    seed: int = 2
     """Seed of the model's initialisation and warm-up data."""
 
     def validate(self, p: str) -> None:
@@ -69,6 +74,7 @@ class ModelConfig:
         _check(self.num_heads % self.num_kv_heads == 0, f"{p}.num_kv_heads", "a divisor of num_heads", self.num_kv_heads)
         _check(self.pretrain_steps >= 0, f"{p}.pretrain_steps", ">= 0", self.pretrain_steps)
         _check(0 < self.pretrain_lr < 1, f"{p}.pretrain_lr", "in (0, 1)", self.pretrain_lr)
+        _check(self.pretrain_stop_loss >= 0, f"{p}.pretrain_stop_loss", ">= 0", self.pretrain_stop_loss)
 
 
 @dataclass(kw_only=True)
@@ -154,14 +160,17 @@ class VerifierConfig:
 
 @dataclass(kw_only=True)
 class TrainerConfig:
-    steps: int = 120
+    steps: int = 200
     """Optimizer steps to run (the policy version reaches this number)."""
     groups_per_step: int = 32
     """Prompt groups consumed per step (B)."""
     max_staleness: int = 1
     """η: a group is trained only if trainer version − its min version <= η. 0 = synchronous on-policy."""
     lr: float = 1e-4
-    """AdamW learning rate of the policy."""
+    """AdamW learning rate of the policy (peak, after warm-up)."""
+    warmup_steps: int = 20
+    """Linear learning-rate warm-up: a fresh Adam's first updates are sign-like (every
+    parameter moves by ~lr), which wrecks a freshly warmed-up model at useful RL rates."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     grad_clip: float = 1.0
@@ -180,8 +189,9 @@ class TrainerConfig:
     """k3 KL penalty to the base model (0: off, no reference model kept)."""
     eval_every: int = 10
     """Greedy held-out evaluation every this many steps (and at the start and end)."""
-    threads: int = 2
-    """torch intra-op threads of the trainer process."""
+    threads: int = 1
+    """torch intra-op threads of the trainer process. More than 1 is slower when other
+    stages share the cores (measured: 400-700 ms per step with 2 threads vs ~170 ms with 1)."""
     seed: int = 0
     """Seed of the trainer's torch RNG."""
 
@@ -190,6 +200,7 @@ class TrainerConfig:
         _check(self.groups_per_step >= 1, f"{p}.groups_per_step", ">= 1", self.groups_per_step)
         _check(self.max_staleness >= 0, f"{p}.max_staleness", ">= 0", self.max_staleness)
         _check(0 < self.lr < 1, f"{p}.lr", "in (0, 1)", self.lr)
+        _check(self.warmup_steps >= 0, f"{p}.warmup_steps", ">= 0", self.warmup_steps)
         _check(0 < self.clip_eps < 1, f"{p}.clip_eps", "in (0, 1)", self.clip_eps)
         _check(0 <= self.clip_eps_high < 1, f"{p}.clip_eps_high", "in [0, 1)", self.clip_eps_high)
         _check(self.advantage in ("grpo", "drgrpo"), f"{p}.advantage", "grpo|drgrpo", self.advantage)

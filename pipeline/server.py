@@ -100,7 +100,10 @@ def start_local_server(
         "--maxmemory-policy", "noeviction",
         "--logfile", str(log_file.resolve()),
     ]
-    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # Its own session: a Ctrl-C in the terminal must not kill the server before the
+    # driver has stopped the workers and read the accounting back.
+    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
     url = f"redis://127.0.0.1:{port}/0"
     deadline = time.monotonic() + 15
     while True:

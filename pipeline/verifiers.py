@@ -134,6 +134,30 @@ def mod9(prompt: str, completions: Sequence[str]) -> np.ndarray:
     return _per_answer(completions, lambda ans: ans % 9 == expected)
 
 
+@register("mod11")
+def mod11(prompt: str, completions: Sequence[str]) -> np.ndarray:
+    """Casting out elevens: 1 if answer ≡ (a mod 11) op (b mod 11) (mod 11).
+
+    Abstains when no answer can be extracted. Weak: passes errors that are multiples
+    of 11, swaps of digits two places apart, and 1 in 11 random answers.
+    """
+    a, op, b = parse_prompt(prompt)
+    expected = evaluate(a % 11, op, b % 11) % 11
+    return _per_answer(completions, lambda ans: ans % 11 == expected)
+
+
+@register("mod7")
+def mod7(prompt: str, completions: Sequence[str]) -> np.ndarray:
+    """1 if answer ≡ (a mod 7) op (b mod 7) (mod 7).
+
+    Abstains when no answer can be extracted. Weak: passes errors that are multiples
+    of 7 (±7, ±70, ±700, ...) and 1 in 7 random answers.
+    """
+    a, op, b = parse_prompt(prompt)
+    expected = evaluate(a % 7, op, b % 7) % 7
+    return _per_answer(completions, lambda ans: ans % 7 == expected)
+
+
 @register("magnitude")
 def magnitude(prompt: str, completions: Sequence[str]) -> np.ndarray:
     """1 if the answer's digit count is possible given only the operands' leading digits.

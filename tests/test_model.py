@@ -29,6 +29,15 @@ from pipeline.pretrain import pretrain
 TINY = ModelShape(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    # The machine has 2 shared cores; a second torch thread only adds spin-waiting.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture
 def tokenizer() -> CharTokenizer:
     return CharTokenizer()
@@ -138,7 +147,7 @@ def test_sample_shapes_and_lengths_are_consistent_with_eos(model, tokenizer):
         else:
             assert length == 8
         assert all(x < 0 for x in lp[:length])
-    assert 1 < lengths.min() and lengths.min() < 8, "eos positions should vary at this temperature"
+    assert len(set(lengths.tolist())) > 2, "eos positions should vary at this temperature"
 
 
 def test_sample_logprobs_equal_recomputed_completion_logprobs(model, tokenizer):
@@ -186,6 +195,17 @@ def test_greedy_decoding_is_deterministic_and_picks_the_argmax(model, tokenizer)
         first = model(prompt_ids).logits[:, -1, :]
     assert torch.equal(a[0][:, 0], first.argmax(-1))
     assert torch.allclose(a[1][:, 0], torch.log_softmax(first, -1).max(-1).values, atol=1e-5)
+
+
+def test_sampling_repeated_prompts_matches_sampling_each_prompt(model, tokenizer):
+    # sample() runs the prompt forward once per distinct prompt and fans out the cache.
+    prompt_ids = _prompts(tokenizer, 6)
+    kwargs = dict(max_new_tokens=5, temperature=0.0, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+    single = sample(model, prompt_ids, **kwargs)
+    repeated = sample(model, prompt_ids.repeat_interleave(3, dim=0), **kwargs)
+    assert torch.equal(repeated[0], single[0].repeat_interleave(3, dim=0))
+    assert torch.equal(repeated[2], single[2].repeat_interleave(3, dim=0))
+    assert torch.allclose(repeated[1], single[1].repeat_interleave(3, dim=0), atol=1e-5)
 
 
 def test_sample_rejects_a_completion_beyond_the_context(model, tokenizer):

@@ -72,6 +72,15 @@ def test_mod9_abstains_when_there_is_no_answer():
     assert is_nan(scores("mod9", MUL, "x13314")[0])
 
 
+def test_mod11_and_mod7_check_residues_of_the_operands():
+    # 123 + 456 = 579: 579 % 11 = 7, 579 % 7 = 5.
+    v11 = VERIFIERS["mod11"]("123+456=", ["579", "590", "568", "x"])
+    assert v11[:3].tolist() == [1.0, 1.0, 1.0] and np.isnan(v11[3]), "±11 errors pass mod 11"
+    v7 = VERIFIERS["mod7"]("123+456=", ["579", "586", "580"])
+    assert v7.tolist() == [1.0, 1.0, 0.0], "a ±7 error passes mod 7, an off-by-one does not"
+    assert VERIFIERS["mod11"]("123+456=", ["589"]).tolist() == [0.0], "a carry error (+10) fails mod 11"
+
+
 def test_magnitude_checks_the_digit_count_from_leading_digit_intervals():
     assert scores("magnitude", ADD, "359", "3590", "35") == [1.0, 0.0, 0.0]
     assert scores("magnitude", MUL, "13314", "1331", "133140") == [1.0, 0.0, 0.0]

@@ -121,6 +121,7 @@ def run_trainer(cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = No
     model.eval()
     ref_model = load_checkpoint(cfg.model.base_dir)[0].eval() if t.kl_coef > 0 else None
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / (t.warmup_steps + 1)))
     heldout = task.heldout_problems(n=cfg.task.heldout_size, seed=cfg.task.heldout_seed,
                                     digits=cfg.task.digits, ops=tuple(cfg.task.ops))
     transport_opts = {"host": cfg.weights.tcp_host} if cfg.weights.transport == "tcp" else {}
@@ -160,6 +161,7 @@ def run_trainer(cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = No
             raise RuntimeError(f"staleness invariant violated at version {version}")
         signal = [g for g in fresh if np.ptp(g.rewards) > 1e-6]
         stats = train_step(model, opt, signal, cfg, pad_id=tok.pad_id, ref_model=ref_model) if signal else {}
+        sched.step()
         version += 1
         publish(version)
         outcomes = {}

@@ -19,7 +19,7 @@ from pipeline.keys import Keys
 from pipeline.records import PromptTask
 from pipeline.streams import FIELD, ensure_all_groups, heartbeat, queue_depths, stop_requested
 
-IDLE_WAIT_S = 0.05
+IDLE_WAIT_S = 0.2
 """No blocking read exists for "the backlog shrank", so the feeder re-checks at this period."""
 
 
