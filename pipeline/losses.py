@@ -15,6 +15,9 @@ from typing import Callable
 
 import torch
 
+NO_SIGNAL_STD = 1e-6
+"""A group whose rewards have a smaller standard deviation carries no GRPO signal."""
+
 ADVANTAGES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
 LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] = {}
 
@@ -28,8 +31,15 @@ def _register(table: dict, name: str):
 
 @_register(ADVANTAGES, "grpo")
 def grpo_advantage(rewards: torch.Tensor) -> torch.Tensor:
-    """(r − mean) / (std + 1e-6) within one group; rewards [G] -> advantages [G]."""
-    return (rewards - rewards.mean()) / (rewards.std(unbiased=False) + 1e-6)
+    """(r − mean) / (std + 1e-6) within one group; rewards [G] -> advantages [G].
+
+    A group whose rewards differ only by float rounding gets exactly zero: dividing
+    rounding noise by its own tiny std would turn it into advantages of order one.
+    """
+    std = rewards.std(unbiased=False)
+    if std < NO_SIGNAL_STD:
+        return torch.zeros_like(rewards)
+    return (rewards - rewards.mean()) / (std + 1e-6)
 
 
 @_register(ADVANTAGES, "drgrpo")

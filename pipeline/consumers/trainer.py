@@ -21,7 +21,7 @@ from pipeline import task
 from pipeline.config import RunConfig
 from pipeline.keys import TRAINER_GROUP, Keys
 from pipeline.logs import MetricsFile
-from pipeline.losses import ADVANTAGES, LOSSES, LossSettings, kl_k3
+from pipeline.losses import ADVANTAGES, LOSSES, NO_SIGNAL_STD, LossSettings, kl_k3
 from pipeline.model import completion_logprobs, greedy_accuracy, load_checkpoint, save_checkpoint, state_tensors
 from pipeline.records import RecordError, ScoredGroup
 from pipeline.streams import GroupReader, dead_letter, ensure_all_groups, incr_stats, stop_requested
@@ -66,6 +66,11 @@ def collect_batch(reader: GroupReader, r, keys: Keys, *, size: int, block_ms: in
                 batch.append((e, g))
         pipe.execute()
     return batch
+
+
+def has_signal(g: ScoredGroup) -> bool:
+    """Whether a group's rewards differ enough to give a GRPO gradient (DESIGN §3: count, skip the rest)."""
+    return float(np.std(g.rewards)) >= NO_SIGNAL_STD
 
 
 def pad_batch(groups: list[ScoredGroup], pad_id: int):
@@ -159,14 +164,14 @@ def run_trainer(cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = No
         fresh = [g for (_, g), s in zip(batch, staleness) if s <= t.max_staleness]
         if any(version - g.rollout.min_version > t.max_staleness for g in fresh):
             raise RuntimeError(f"staleness invariant violated at version {version}")
-        signal = [g for g in fresh if np.ptp(g.rewards) > 1e-6]
+        signal = [g for g in fresh if has_signal(g)]
         stats = train_step(model, opt, signal, cfg, pad_id=tok.pad_id, ref_model=ref_model) if signal else {}
         sched.step()
         version += 1
         publish(version)
         outcomes = {}
         for (_, g), s in zip(batch, staleness):
-            kind = "stale" if s > t.max_staleness else ("trained" if np.ptp(g.rewards) > 1e-6 else "nosignal")
+            kind = "stale" if s > t.max_staleness else ("trained" if has_signal(g) else "nosignal")
             outcomes[g.rollout.prompt_id] = f"{kind}:{version}"
         rewards = np.concatenate([g.rewards for g in fresh]) if fresh else np.zeros(0)
         truth = np.concatenate([g.truth for g in fresh]) if fresh else np.zeros(0)
