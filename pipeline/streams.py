@@ -16,6 +16,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 
 from pipeline.keys import Keys
+from pipeline.records import RecordError
 
 FIELD = b"d"
 CONNECT_RETRIES = 10
@@ -103,6 +104,26 @@ class GroupReader:
     def read(self, count: int, block_ms: int) -> list[Entry]:
         """Own pending entries first, then new ones."""
         return self.read_pending(count) or self.read_new(count, block_ms)
+
+
+def decode_entries(entries: list[Entry], decode, check=None) -> tuple[list[tuple[Entry, object]], list[tuple[Entry, str]]]:
+    """Split entries into ``(entry, record)`` pairs and ``(entry, reason)`` defects.
+
+    ``decode`` is a record type's ``decode``; ``check(record)`` may raise RecordError
+    for defects only the stage can see (a prompt length, a vocabulary size).
+    """
+    good, bad = [], []
+    for e in entries:
+        try:
+            if e.payload is None:
+                raise RecordError("entry has no payload field")
+            record = decode(e.payload)
+            if check is not None:
+                check(record)
+            good.append((e, record))
+        except RecordError as err:
+            bad.append((e, str(err)))
+    return good, bad
 
 
 def dead_letter(

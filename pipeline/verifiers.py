@@ -74,6 +74,13 @@ def _per_answer(completions: Sequence[str], check: Callable[[int], bool]) -> np.
     return out
 
 
+def _residue_check(prompt: str, completions: Sequence[str], modulus: int) -> np.ndarray:
+    """1 where answer ≡ (a mod m) op (b mod m) (mod m): a necessary condition computed from residues only."""
+    a, op, b = parse_prompt(prompt)
+    expected = evaluate(a % modulus, op, b % modulus) % modulus
+    return _per_answer(completions, lambda ans: ans % modulus == expected)
+
+
 def _top_interval(x: int, keep: int) -> tuple[int, int]:
     """The interval of all integers that share ``x``'s length and its ``keep`` leading digits.
 
@@ -117,9 +124,7 @@ def units_digit(prompt: str, completions: Sequence[str]) -> np.ndarray:
     Abstains when no answer can be extracted. Weak: passes every carry error
     (±10, ±100), every error in a higher digit, and 1 in 10 random answers.
     """
-    a, op, b = parse_prompt(prompt)
-    expected = evaluate(a % 10, op, b % 10) % 10
-    return _per_answer(completions, lambda ans: ans % 10 == expected)
+    return _residue_check(prompt, completions, 10)
 
 
 @register("mod9")
@@ -129,9 +134,7 @@ def mod9(prompt: str, completions: Sequence[str]) -> np.ndarray:
     Abstains when no answer can be extracted. Weak: passes any permutation of the
     right digits (digit swaps), errors that are multiples of 9, and 1 in 9 random answers.
     """
-    a, op, b = parse_prompt(prompt)
-    expected = evaluate(a % 9, op, b % 9) % 9
-    return _per_answer(completions, lambda ans: ans % 9 == expected)
+    return _residue_check(prompt, completions, 9)
 
 
 @register("mod11")
@@ -141,9 +144,7 @@ def mod11(prompt: str, completions: Sequence[str]) -> np.ndarray:
     Abstains when no answer can be extracted. Weak: passes errors that are multiples
     of 11, swaps of digits two places apart, and 1 in 11 random answers.
     """
-    a, op, b = parse_prompt(prompt)
-    expected = evaluate(a % 11, op, b % 11) % 11
-    return _per_answer(completions, lambda ans: ans % 11 == expected)
+    return _residue_check(prompt, completions, 11)
 
 
 @register("mod7")
@@ -153,9 +154,7 @@ def mod7(prompt: str, completions: Sequence[str]) -> np.ndarray:
     Abstains when no answer can be extracted. Weak: passes errors that are multiples
     of 7 (±7, ±70, ±700, ...) and 1 in 7 random answers.
     """
-    a, op, b = parse_prompt(prompt)
-    expected = evaluate(a % 7, op, b % 7) % 7
-    return _per_answer(completions, lambda ans: ans % 7 == expected)
+    return _residue_check(prompt, completions, 7)
 
 
 @register("magnitude")

@@ -23,8 +23,8 @@ from pipeline.keys import TRAINER_GROUP, Keys
 from pipeline.logs import MetricsFile
 from pipeline.losses import ADVANTAGES, LOSSES, NO_SIGNAL_STD, LossSettings, kl_k3
 from pipeline.model import completion_logprobs, greedy_accuracy, load_checkpoint, save_checkpoint, state_tensors
-from pipeline.records import RecordError, ScoredGroup
-from pipeline.streams import GroupReader, dead_letter, ensure_all_groups, incr_stats, stop_requested
+from pipeline.records import ScoredGroup
+from pipeline.streams import GroupReader, dead_letter, decode_entries, ensure_all_groups, incr_stats, stop_requested
 from pipeline.weights import make_publisher
 
 
@@ -44,16 +44,11 @@ def collect_batch(reader: GroupReader, r, keys: Keys, *, size: int, block_ms: in
         if not entries:
             continue
         pipe = r.pipeline(transaction=True)
-        decoded = []
-        for e in entries:
-            try:
-                if e.payload is None:
-                    raise RecordError("entry has no payload field")
-                decoded.append((e, ScoredGroup.decode(e.payload)))
-            except RecordError as err:
-                log.warning("dead_letter", id=e.id, reason=str(err))
-                dead_letter(pipe, keys, stream=keys.scored, group=TRAINER_GROUP, entry=e, reason=str(err),
-                            consumer="trainer", release_admission=True)
+        decoded, bad = decode_entries(entries, ScoredGroup.decode)
+        for e, reason in bad:
+            log.warning("dead_letter", id=e.id, reason=reason)
+            dead_letter(pipe, keys, stream=keys.scored, group=TRAINER_GROUP, entry=e, reason=reason,
+                        consumer="trainer", release_admission=True)
         known = r.hmget(keys.ledger, [g.rollout.prompt_id for _, g in decoded]) if decoded else []
         for (e, g), outcome in zip(decoded, known):
             if outcome is not None or g.rollout.prompt_id in seen:

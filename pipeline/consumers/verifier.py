@@ -21,7 +21,8 @@ from pipeline.labelmodel import LabelModel, fit_label_model
 from pipeline.model import CharTokenizer
 from pipeline.records import RecordError, RolloutGroup, ScoredGroup
 from pipeline.rewards import RewardMode, parse_reward_mode
-from pipeline.streams import FIELD, GroupReader, dead_letter, ensure_all_groups, heartbeat, incr_stats, stop_requested
+from pipeline.streams import (FIELD, GroupReader, dead_letter, decode_entries, ensure_all_groups, heartbeat,
+                              incr_stats, stop_requested)
 from pipeline.verifiers import VERIFIERS, correctness, score_group
 
 FIRST_MODEL_WAIT_S = 60.0
@@ -87,19 +88,9 @@ class SharedLabelModel:
             time.sleep(0.05)  # another replica holds the lock for the first fit
 
 
-def decode_rollouts(entries, *, vocab_size: int):
-    good, bad = [], []
-    for e in entries:
-        try:
-            if e.payload is None:
-                raise RecordError("entry has no payload field")
-            g = RolloutGroup.decode(e.payload)
-            if g.completion_ids.min() < 0 or g.completion_ids.max() >= vocab_size:
-                raise RecordError(f"completion token id outside the vocabulary [0, {vocab_size})")
-            good.append((e, g))
-        except RecordError as err:
-            bad.append((e, str(err)))
-    return good, bad
+def check_tokens(g: RolloutGroup, *, vocab_size: int) -> None:
+    if g.completion_ids.min() < 0 or g.completion_ids.max() >= vocab_size:
+        raise RecordError(f"completion token id outside the vocabulary [0, {vocab_size})")
 
 
 def reward_mode(v: VerifierConfig) -> RewardMode:
@@ -133,7 +124,7 @@ def run_verifier(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batc
             continue
         batches += 1
         t0 = time.perf_counter()
-        good, bad = decode_rollouts(entries, vocab_size=vocab_size)
+        good, bad = decode_entries(entries, RolloutGroup.decode, lambda g: check_tokens(g, vocab_size=vocab_size))
         votes, verifier_errors = [], 0
         for _, g in good:
             vt, errors = score_group(g.prompt, g.completions, v.verifiers)

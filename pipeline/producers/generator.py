@@ -19,8 +19,8 @@ from pipeline.config import RunConfig
 from pipeline.keys import GENERATORS_GROUP, Keys
 from pipeline.model import load_checkpoint, load_state_tensors, sample
 from pipeline.records import PromptTask, RecordError, RolloutGroup
-from pipeline.streams import (FIELD, Admission, GroupReader, VersionWatch, dead_letter, ensure_all_groups,
-                              heartbeat, incr_stats, stop_requested)
+from pipeline.streams import (FIELD, Admission, GroupReader, VersionWatch, dead_letter, decode_entries,
+                              ensure_all_groups, heartbeat, incr_stats, stop_requested)
 from pipeline.task import prompt_length
 from pipeline.weights import WeightsError, make_fetcher
 
@@ -41,22 +41,12 @@ def swap_weights(fetcher, model, version: int, log) -> int:
     return new_version
 
 
-def decode_prompts(entries, *, prompt_len: int, vocab_size: int):
-    """Split entries into valid tasks and (entry, reason) defects."""
-    good, bad = [], []
-    for e in entries:
-        try:
-            if e.payload is None:
-                raise RecordError("entry has no payload field")
-            t = PromptTask.decode(e.payload)
-            if t.prompt_ids.size != prompt_len:
-                raise RecordError(f"prompt has {t.prompt_ids.size} tokens, this task's prompts have {prompt_len}")
-            if t.prompt_ids.min() < 0 or t.prompt_ids.max() >= vocab_size:
-                raise RecordError(f"prompt token id outside the vocabulary [0, {vocab_size})")
-            good.append((e, t))
-        except RecordError as err:
-            bad.append((e, str(err)))
-    return good, bad
+def check_prompt(t: PromptTask, *, prompt_len: int, vocab_size: int) -> None:
+    """Defects only the generator can see: a prompt of the wrong length or with unknown tokens."""
+    if t.prompt_ids.size != prompt_len:
+        raise RecordError(f"prompt has {t.prompt_ids.size} tokens, this task's prompts have {prompt_len}")
+    if t.prompt_ids.min() < 0 or t.prompt_ids.max() >= vocab_size:
+        raise RecordError(f"prompt token id outside the vocabulary [0, {vocab_size})")
 
 
 def run_generator(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batches: int | None = None) -> int:
@@ -85,7 +75,8 @@ def run_generator(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_bat
                 continue
             entries = reader.read_new(granted, cfg.redis.block_ms)
             admission.release(granted - len(entries))
-        good, bad = decode_prompts(entries, prompt_len=plen, vocab_size=tok.vocab_size)
+        good, bad = decode_entries(entries, PromptTask.decode,
+                                   lambda t: check_prompt(t, prompt_len=plen, vocab_size=tok.vocab_size))
         pipe = r.pipeline(transaction=True)
         for e, reason in bad:
             log.warning("dead_letter", id=e.id, reason=reason)

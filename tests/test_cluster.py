@@ -1,0 +1,68 @@
+"""`pipeline up` / `pipeline down`: the single-machine driver, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _up(tmp_path, base, *extra: str) -> subprocess.Popen:
+    args = [sys.executable, "-m", "pipeline.cli", "up", "--runs_dir", str(tmp_path / "runs"),
+            "--model.base_dir", str(base), "--task.heldout_size", "50", "--trainer.groups_per_step", "4",
+            "--trainer.eval_every", "2", "--generator.group_size", "4", "--generator.prompts_per_batch", "2",
+            "--feeder.backlog", "16", "--verifier.batch", "4", "--verifier.min_fit_rows", "16",
+            "--cluster.progress_every_s", "0.5", *extra]
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # the embedded default
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers signal 0; it has exited all the same.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_up_starts_its_own_server_trains_and_writes_an_accounted_summary(tmp_path, tiny_base_model):
+    p = _up(tmp_path, tiny_base_model, "--run-id", "tiny", "--trainer.steps", "3")
+    out = p.communicate(timeout=300)[0].decode()
+    assert p.returncode == 0, out
+    run = tmp_path / "runs" / "tiny"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps"] == 3
+    assert summary["accounting"]["ok"] and summary["accounting"]["lost"] == 0
+    assert "step    3/3" in out and "Accounting" in out, out[-2000:]
+    assert {f.name for f in (run / "logs").glob("*.jsonl")} >= {"trainer.jsonl", "feeder.jsonl", "gen-0.jsonl",
+                                                                "gen-1.jsonl", "ver-0.jsonl", "ver-1.jsonl"}
+    assert not (tmp_path / "runs" / "cluster.json").exists()
+
+
+def test_down_stops_a_running_cluster_and_its_summary_still_accounts_for_everything(tmp_path, tiny_base_model):
+    p = _up(tmp_path, tiny_base_model, "--run-id", "long", "--trainer.steps", "100000")
+    info_file = tmp_path / "runs" / "cluster.json"
+    deadline = time.time() + 240
+    while not (tmp_path / "runs" / "long" / "metrics.jsonl").exists() or \
+            "step" not in (tmp_path / "runs" / "long" / "metrics.jsonl").read_text():
+        assert time.time() < deadline and p.poll() is None, "the cluster never trained a step"
+        time.sleep(0.5)
+    info = json.loads(info_file.read_text())
+    down = subprocess.run([sys.executable, "-m", "pipeline.cli", "down", "--runs-dir", str(tmp_path / "runs")],
+                          capture_output=True, text=True, timeout=120)
+    assert down.returncode == 0, down.stderr
+    out = p.communicate(timeout=120)[0].decode()
+    assert "interrupted" in out
+    for pid in [*info["workers"].values(), info["server_pid"], info["driver_pid"]]:
+        assert not _alive(pid), f"pid {pid} survived `pipeline down`"
+    summary = json.loads((tmp_path / "runs" / "long" / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["accounting"]["ok"], summary["accounting"]
+    assert not info_file.exists()
