@@ -107,7 +107,10 @@ def up(cfg: RunConfig) -> int:
           f"{base_info.get('heldout_accuracy', float('nan')):.3f}", flush=True)
     restarts = 0
     status = "finished"
-    signal.signal(signal.SIGTERM, _interrupt)  # `pipeline down` stops the driver like Ctrl-C
+    # Ctrl-C and `pipeline down` (SIGTERM) both stop the run cleanly; SIGINT is set
+    # explicitly because a process started in the background inherits it ignored.
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     try:
         for name, (stage, worker) in workers.items():
             procs[name] = _spawn(cfg, stage, worker)
