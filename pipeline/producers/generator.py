@@ -49,6 +49,23 @@ def check_prompt(t: PromptTask, *, prompt_len: int, vocab_size: int) -> None:
         raise RecordError(f"prompt token id outside the vocabulary [0, {vocab_size})")
 
 
+def to_groups(tasks: list[PromptTask], tokens, logprobs, lengths, *, tok, group_size: int, worker_id: str,
+              batch: int, version: int) -> list[RolloutGroup]:
+    """One RolloutGroup per task from a batch sampled with each prompt repeated ``group_size`` times."""
+    out = []
+    for i, t in enumerate(tasks):
+        rows = range(i * group_size, (i + 1) * group_size)
+        out.append(RolloutGroup(
+            prompt_id=t.prompt_id, group_id=f"{t.prompt_id}:{worker_id}:{batch}", generator_id=worker_id,
+            prompt=t.prompt, prompt_ids=t.prompt_ids, reference=t.reference,
+            completions=tuple(tok.decode(tokens[j, : lengths[j]].tolist()) for j in rows),
+            completion_ids=np.concatenate([tokens[j, : lengths[j]].numpy() for j in rows]).astype(np.int32),
+            completion_lens=lengths[rows.start: rows.stop].numpy().astype(np.int32),
+            behaviour_logprobs=np.concatenate([logprobs[j, : lengths[j]].numpy() for j in rows]).astype(np.float32),
+            min_version=version, max_version=version, created_at=time.time()))
+    return out
+
+
 def run_generator(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batches: int | None = None) -> int:
     """Generate until stopped (or ``max_batches`` batches); returns groups produced."""
     g = cfg.generator
@@ -90,16 +107,9 @@ def run_generator(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_bat
             tokens, logprobs, lengths = sample(
                 model, prompt_ids.repeat_interleave(g.group_size, dim=0), max_new_tokens=cfg.task.max_new_tokens,
                 temperature=g.temperature, eos_id=tok.eos_id, pad_id=tok.pad_id, generator=rng)
-            for i, (e, t) in enumerate(good):
-                rows = range(i * g.group_size, (i + 1) * g.group_size)
-                rec = RolloutGroup(
-                    prompt_id=t.prompt_id, group_id=f"{t.prompt_id}:{worker_id}:{batches}", generator_id=worker_id,
-                    prompt=t.prompt, prompt_ids=t.prompt_ids, reference=t.reference,
-                    completions=tuple(tok.decode(tokens[j, : lengths[j]].tolist()) for j in rows),
-                    completion_ids=np.concatenate([tokens[j, : lengths[j]].numpy() for j in rows]).astype(np.int32),
-                    completion_lens=lengths[rows.start: rows.stop].numpy().astype(np.int32),
-                    behaviour_logprobs=np.concatenate([logprobs[j, : lengths[j]].numpy() for j in rows]).astype(np.float32),
-                    min_version=version, max_version=version, created_at=time.time())
+            for (e, _), rec in zip(good, to_groups([t for _, t in good], tokens, logprobs, lengths, tok=tok,
+                                                    group_size=g.group_size, worker_id=worker_id,
+                                                    batch=batches, version=version)):
                 pipe.xadd(keys.rollouts, {FIELD: rec.encode()})
                 pipe.xack(keys.prompts, GENERATORS_GROUP, e.id)
             incr_stats(pipe, keys, groups_generated_total=len(good), tokens_generated_total=int(lengths.sum()),
