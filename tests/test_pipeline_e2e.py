@@ -64,9 +64,11 @@ def _events(cfg, worker: str) -> list[dict]:
     return [json.loads(x) for x in (cfg.run_dir / "logs" / f"{worker}.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("eta", [1, 0])
-def test_all_stages_as_processes_train_account_and_respect_staleness(tmp_path, tiny_base_model, redis_url, eta):
-    cfg, path = _config(tmp_path, tiny_base_model, redis_url, f"e2e-eta{eta}", **{"trainer.max_staleness": eta})
+@pytest.mark.parametrize("eta, transport", [(1, "shm"), (0, "tcp")])
+def test_all_stages_as_processes_train_account_and_respect_staleness(tmp_path, tiny_base_model, redis_url, eta,
+                                                                     transport):
+    cfg, path = _config(tmp_path, tiny_base_model, redis_url, f"e2e-eta{eta}",
+                        **{"trainer.max_staleness": eta, "weights.transport": transport})
     _run_stages(cfg, path, redis_url)
     r = redis.Redis.from_url(redis_url)
     keys = Keys(cfg.run_id)
@@ -100,6 +102,15 @@ def test_all_stages_as_processes_train_account_and_respect_staleness(tmp_path, t
     assert int(r.get(keys.admitted)) <= (eta + STEPS + 1) * B
     # The final checkpoint loads through safetensors.
     assert (cfg.run_dir / "checkpoints" / "final" / "model.safetensors").exists()
+
+    # The inspection commands read the same numbers back.
+    cli = [sys.executable, "-m", "pipeline.cli"]
+    shown = json.loads(subprocess.run([*cli, "account", "--config", str(path)], capture_output=True, text=True,
+                                      check=True).stdout)
+    assert shown["ok"] and shown["trained"] == acc["trained"]
+    status = json.loads(subprocess.run([*cli, "status", "--config", str(path)], capture_output=True, text=True,
+                                       check=True).stdout)
+    assert int(status["trainer"]["version"]) == STEPS and status["queues"]["scored"]["length"] == r.xlen(keys.scored)
 
 
 def test_a_malformed_rollout_is_dead_lettered_and_the_verifier_keeps_going(tmp_path, tiny_base_model, redis_url):
