@@ -93,7 +93,10 @@ class TaskConfig:
     def validate(self, p: str) -> None:
         _check(1 <= self.digits <= 6, f"{p}.digits", "in [1, 6]", self.digits)
         _check(bool(self.ops) and all(o in ("+", "*") for o in self.ops), f"{p}.ops", "a non-empty list of '+' and '*'", self.ops)
-        _check(self.heldout_size >= 1, f"{p}.heldout_size", ">= 1", self.heldout_size)
+        # At most half of all distinct problems, so training never runs out of fresh ones.
+        limit = (10**self.digits) ** 2 * len(set(self.ops)) // 2
+        _check(1 <= self.heldout_size <= limit, f"{p}.heldout_size", f"in [1, {limit}] for {self.digits}-digit operands",
+               self.heldout_size)
         _check(1 <= self.max_new_tokens <= 64, f"{p}.max_new_tokens", "in [1, 64]", self.max_new_tokens)
 
 

@@ -91,6 +91,11 @@ def extract_answer(completion: str) -> str | None:
     return str(int(text[:end]))
 
 
+def problem_count(*, digits: int, ops: tuple[str, ...]) -> int:
+    """Distinct problems with ``digits``-digit operands."""
+    return (10**digits) ** 2 * len(set(ops))
+
+
 def random_problem(rng: random.Random, *, digits: int, ops: tuple[str, ...]) -> Problem:
     hi = 10**digits - 1
     return Problem(a=rng.randint(0, hi), op=rng.choice(ops), b=rng.randint(0, hi), digits=digits)
@@ -98,6 +103,9 @@ def random_problem(rng: random.Random, *, digits: int, ops: tuple[str, ...]) -> 
 
 def heldout_problems(*, n: int, seed: int, digits: int, ops: tuple[str, ...]) -> list[Problem]:
     """A fixed evaluation set: ``n`` distinct problems drawn with ``seed``."""
+    if n > problem_count(digits=digits, ops=ops) // 2:
+        raise ValueError(f"{n} held-out problems would leave too few of the {problem_count(digits=digits, ops=ops)} "
+                         f"distinct {digits}-digit problems for training")
     rng = random.Random(seed)
     seen: set[Problem] = set()
     out: list[Problem] = []

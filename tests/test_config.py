@@ -34,6 +34,7 @@ def test_dotted_overrides_are_coerced_to_the_field_type():
     ({"weights.transport": "carrier-pigeon"}, "weights.transport"),
     ({"task.ops": "-"}, "task.ops"),
     ({"run_id": "a b"}, "run_id"),
+    ({"task.digits": "1"}, "task.heldout_size"),
 ])
 def test_bad_values_are_refused_naming_the_field(overrides, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
