@@ -108,7 +108,7 @@ def train_step(model, opt, groups: list[ScoredGroup], cfg: RunConfig, *, pad_id:
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
     opt.step()
     model.eval()
-    return {"loss": float(loss), "grad_norm": float(grad_norm),
+    return {"loss": float(loss.detach()), "grad_norm": float(grad_norm),
             "entropy": float((entropy.detach() * mask).sum() / mask.sum()), "tokens": int(mask.sum()), **stats}
 
 
