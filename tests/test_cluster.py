@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -66,3 +67,4 @@ def test_down_stops_a_running_cluster_and_its_summary_still_accounts_for_everyth
     summary = json.loads((tmp_path / "runs" / "long" / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["accounting"]["ok"], summary["accounting"]
     assert not info_file.exists()
+    assert not any(Path("/dev/shm/long").glob("*")), "the trainer released its shared-memory weights"

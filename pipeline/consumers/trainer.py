@@ -143,58 +143,62 @@ def run_trainer(cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = No
         r.hset(keys.trainer, mapping={"eval_accuracy": acc, "eval_version": version})
         return acc
 
-    version = 0
-    publish(version)
-    evals = {0: evaluate(0)}
-    r.hset(keys.trainer, mapping={"base_accuracy": evals[0], "version": 0, "steps": t.steps, "state": "training"})
-    log.info("trainer_started", steps=t.steps, groups_per_step=t.groups_per_step, max_staleness=t.max_staleness)
-    while version < t.steps:
-        t_wait = time.perf_counter()
-        batch = collect_batch(reader, r, keys, size=t.groups_per_step, block_ms=cfg.redis.block_ms, log=log)
-        if batch is None:
-            log.info("stop_requested", version=version)
-            break
-        t_step = time.perf_counter()
-        staleness = [version - g.rollout.min_version for _, g in batch]
-        fresh = [g for (_, g), s in zip(batch, staleness) if s <= t.max_staleness]
-        if any(version - g.rollout.min_version > t.max_staleness for g in fresh):
-            raise RuntimeError(f"staleness invariant violated at version {version}")
-        signal = [g for g in fresh if has_signal(g)]
-        stats = train_step(model, opt, signal, cfg, pad_id=tok.pad_id, ref_model=ref_model) if signal else {}
-        sched.step()
-        version += 1
+    # The publisher owns transport resources (shm files, a tcp server thread): release
+    # them however the loop ends, an interrupt included.
+    try:
+        version = 0
         publish(version)
-        outcomes = {}
-        for (_, g), s in zip(batch, staleness):
-            kind = "stale" if s > t.max_staleness else ("trained" if has_signal(g) else "nosignal")
-            outcomes[g.rollout.prompt_id] = f"{kind}:{version}"
-        rewards = np.concatenate([g.rewards for g in fresh]) if fresh else np.zeros(0)
-        truth = np.concatenate([g.truth for g in fresh]) if fresh else np.zeros(0)
-        row = {
-            "version": version, "groups_trained": len(signal), "groups_nosignal": len(fresh) - len(signal),
-            "groups_stale": len(batch) - len(fresh), "reward_mean": float(rewards.mean()) if rewards.size else 0.0,
-            "reward_std": float(rewards.std()) if rewards.size else 0.0,
-            "sample_accuracy": float(truth.mean()) if truth.size else 0.0,
-            "staleness_hist": np.bincount(staleness).tolist(), "wait_seconds": t_step - t_wait,
-            "step_seconds": time.perf_counter() - t_step, "labelmodel_versions": sorted({g.labelmodel_version for g in fresh}),
-            **stats,
-        }
-        pipe = r.pipeline(transaction=True)
-        for pid, outcome in outcomes.items():
-            pipe.hsetnx(keys.ledger, pid, outcome)
-        pipe.xack(keys.scored, TRAINER_GROUP, *[e.id for e, _ in batch])
-        incr_stats(pipe, keys, groups_trained_total=row["groups_trained"], groups_nosignal_total=row["groups_nosignal"],
-                   dropped_stale_total=row["groups_stale"], tokens_trained_total=stats.get("tokens", 0))
-        pipe.hset(keys.trainer, mapping={"version": version, "reward_mean": row["reward_mean"],
-                                         "sample_accuracy": row["sample_accuracy"], "updated_at": time.time()})
-        pipe.execute()
-        metrics.write("step", **row)
-        log.info("step", **{k: (round(v, 5) if isinstance(v, float) else v) for k, v in row.items()})
-        if version % t.eval_every == 0 or version == t.steps:
-            evals[version] = evaluate(version)
-    if run_dir is not None:
-        save_checkpoint(model, tok, run_dir / "checkpoints" / "final")
-    r.hset(keys.trainer, "state", "finished" if version >= t.steps else "stopped")
-    publisher.close()
+        evals = {0: evaluate(0)}
+        r.hset(keys.trainer, mapping={"base_accuracy": evals[0], "version": 0, "steps": t.steps, "state": "training"})
+        log.info("trainer_started", steps=t.steps, groups_per_step=t.groups_per_step, max_staleness=t.max_staleness)
+        while version < t.steps:
+            t_wait = time.perf_counter()
+            batch = collect_batch(reader, r, keys, size=t.groups_per_step, block_ms=cfg.redis.block_ms, log=log)
+            if batch is None:
+                log.info("stop_requested", version=version)
+                break
+            t_step = time.perf_counter()
+            staleness = [version - g.rollout.min_version for _, g in batch]
+            fresh = [g for (_, g), s in zip(batch, staleness) if s <= t.max_staleness]
+            if any(version - g.rollout.min_version > t.max_staleness for g in fresh):
+                raise RuntimeError(f"staleness invariant violated at version {version}")
+            signal = [g for g in fresh if has_signal(g)]
+            stats = train_step(model, opt, signal, cfg, pad_id=tok.pad_id, ref_model=ref_model) if signal else {}
+            sched.step()
+            version += 1
+            publish(version)
+            outcomes = {}
+            for (_, g), s in zip(batch, staleness):
+                kind = "stale" if s > t.max_staleness else ("trained" if has_signal(g) else "nosignal")
+                outcomes[g.rollout.prompt_id] = f"{kind}:{version}"
+            rewards = np.concatenate([g.rewards for g in fresh]) if fresh else np.zeros(0)
+            truth = np.concatenate([g.truth for g in fresh]) if fresh else np.zeros(0)
+            row = {
+                "version": version, "groups_trained": len(signal), "groups_nosignal": len(fresh) - len(signal),
+                "groups_stale": len(batch) - len(fresh), "reward_mean": float(rewards.mean()) if rewards.size else 0.0,
+                "reward_std": float(rewards.std()) if rewards.size else 0.0,
+                "sample_accuracy": float(truth.mean()) if truth.size else 0.0,
+                "staleness_hist": np.bincount(staleness).tolist(), "wait_seconds": t_step - t_wait,
+                "step_seconds": time.perf_counter() - t_step, "labelmodel_versions": sorted({g.labelmodel_version for g in fresh}),
+                **stats,
+            }
+            pipe = r.pipeline(transaction=True)
+            for pid, outcome in outcomes.items():
+                pipe.hsetnx(keys.ledger, pid, outcome)
+            pipe.xack(keys.scored, TRAINER_GROUP, *[e.id for e, _ in batch])
+            incr_stats(pipe, keys, groups_trained_total=row["groups_trained"], groups_nosignal_total=row["groups_nosignal"],
+                       dropped_stale_total=row["groups_stale"], tokens_trained_total=stats.get("tokens", 0))
+            pipe.hset(keys.trainer, mapping={"version": version, "reward_mean": row["reward_mean"],
+                                             "sample_accuracy": row["sample_accuracy"], "updated_at": time.time()})
+            pipe.execute()
+            metrics.write("step", **row)
+            log.info("step", **{k: (round(v, 5) if isinstance(v, float) else v) for k, v in row.items()})
+            if version % t.eval_every == 0 or version == t.steps:
+                evals[version] = evaluate(version)
+        if run_dir is not None:
+            save_checkpoint(model, tok, run_dir / "checkpoints" / "final")
+        r.hset(keys.trainer, "state", "finished" if version >= t.steps else "stopped")
+    finally:
+        publisher.close()
     log.info("trainer_finished", version=version, evals=evals)
     return {"version": version, "evals": evals}
