@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.task import problem_count
+
 
 class ConfigError(ValueError):
     """A config value is missing, unknown or out of bounds; the message names the field."""
@@ -63,7 +65,7 @@ class ModelConfig:
     pretrain_batch_size: int = 128
     """Problems per supervised warm-up step."""
     pretrain_lr: float = 2e-3
-    """Peak learning rate of the warm-up (cosine schedule)."""
+    """Learning rate of the warm-up (constant after a 50-step ramp)."""
     seed: int = 2
     """Seed of the model's initialisation and warm-up data."""
 
@@ -94,7 +96,7 @@ class TaskConfig:
         _check(1 <= self.digits <= 6, f"{p}.digits", "in [1, 6]", self.digits)
         _check(bool(self.ops) and all(o in ("+", "*") for o in self.ops), f"{p}.ops", "a non-empty list of '+' and '*'", self.ops)
         # At most half of all distinct problems, so training never runs out of fresh ones.
-        limit = (10**self.digits) ** 2 * len(set(self.ops)) // 2
+        limit = problem_count(digits=self.digits, ops=tuple(self.ops)) // 2
         _check(1 <= self.heldout_size <= limit, f"{p}.heldout_size", f"in [1, {limit}] for {self.digits}-digit operands",
                self.heldout_size)
         _check(1 <= self.max_new_tokens <= 64, f"{p}.max_new_tokens", "in [1, 64]", self.max_new_tokens)
