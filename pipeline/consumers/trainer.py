@@ -68,6 +68,41 @@ def has_signal(g: ScoredGroup) -> bool:
     return float(np.std(g.rewards)) >= NO_SIGNAL_STD
 
 
+def classify(batch: list[tuple], *, version: int, max_staleness: int) -> list[str]:
+    """Each consumed group's outcome: ``stale`` (v − min_version > η), ``trained`` or ``nosignal``."""
+    return ["stale" if version - g.rollout.min_version > max_staleness else ("trained" if has_signal(g) else "nosignal")
+            for _, g in batch]
+
+
+def step_metrics(batch, fresh, signal, *, version: int, stats: dict, wait_s: float, step_s: float) -> dict:
+    """One metrics.jsonl row: the step's counts, reward and hidden accuracy, staleness, timing, loss stats."""
+    rewards = np.concatenate([g.rewards for g in fresh]) if fresh else np.zeros(0)
+    truth = np.concatenate([g.truth for g in fresh]) if fresh else np.zeros(0)
+    return {
+        "version": version, "groups_trained": len(signal), "groups_nosignal": len(fresh) - len(signal),
+        "groups_stale": len(batch) - len(fresh), "reward_mean": float(rewards.mean()) if rewards.size else 0.0,
+        "reward_std": float(rewards.std()) if rewards.size else 0.0,
+        "sample_accuracy": float(truth.mean()) if truth.size else 0.0,
+        # Staleness as consumed: against the version before this step (row["version"] is after it).
+        "staleness_hist": np.bincount([version - 1 - g.rollout.min_version for _, g in batch]).tolist(),
+        "wait_seconds": wait_s, "step_seconds": step_s,
+        "labelmodel_versions": sorted({g.labelmodel_version for g in fresh}), **stats,
+    }
+
+
+def commit_step(r, keys: Keys, batch, kinds: list[str], *, version: int, row: dict) -> None:
+    """In one transaction: each prompt's outcome in the ledger (HSETNX), the acks, counters, progress."""
+    pipe = r.pipeline(transaction=True)
+    for (_, g), kind in zip(batch, kinds):
+        pipe.hsetnx(keys.ledger, g.rollout.prompt_id, f"{kind}:{version}")
+    pipe.xack(keys.scored, TRAINER_GROUP, *[e.id for e, _ in batch])
+    incr_stats(pipe, keys, groups_trained_total=row["groups_trained"], groups_nosignal_total=row["groups_nosignal"],
+               dropped_stale_total=row["groups_stale"], tokens_trained_total=row.get("tokens", 0))
+    pipe.hset(keys.trainer, mapping={"version": version, "reward_mean": row["reward_mean"],
+                                     "sample_accuracy": row["sample_accuracy"], "updated_at": time.time()})
+    pipe.execute()
+
+
 def pad_batch(groups: list[ScoredGroup], pad_id: int):
     """Stack completions of all groups: prompt ids [N,P], completion ids [N,T], behaviour log-probs [N,T], mask [N,T]."""
     prompts, comps, behav = [], [], []
@@ -158,39 +193,18 @@ def run_trainer(cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = No
                 log.info("stop_requested", version=version)
                 break
             t_step = time.perf_counter()
-            staleness = [version - g.rollout.min_version for _, g in batch]
-            fresh = [g for (_, g), s in zip(batch, staleness) if s <= t.max_staleness]
-            if any(version - g.rollout.min_version > t.max_staleness for g in fresh):
+            kinds = classify(batch, version=version, max_staleness=t.max_staleness)
+            fresh = [g for (_, g), k in zip(batch, kinds) if k != "stale"]
+            signal = [g for (_, g), k in zip(batch, kinds) if k == "trained"]
+            if any(version - g.rollout.min_version > t.max_staleness for g in signal):
                 raise RuntimeError(f"staleness invariant violated at version {version}")
-            signal = [g for g in fresh if has_signal(g)]
             stats = train_step(model, opt, signal, cfg, pad_id=tok.pad_id, ref_model=ref_model) if signal else {}
             sched.step()
             version += 1
             publish(version)
-            outcomes = {}
-            for (_, g), s in zip(batch, staleness):
-                kind = "stale" if s > t.max_staleness else ("trained" if has_signal(g) else "nosignal")
-                outcomes[g.rollout.prompt_id] = f"{kind}:{version}"
-            rewards = np.concatenate([g.rewards for g in fresh]) if fresh else np.zeros(0)
-            truth = np.concatenate([g.truth for g in fresh]) if fresh else np.zeros(0)
-            row = {
-                "version": version, "groups_trained": len(signal), "groups_nosignal": len(fresh) - len(signal),
-                "groups_stale": len(batch) - len(fresh), "reward_mean": float(rewards.mean()) if rewards.size else 0.0,
-                "reward_std": float(rewards.std()) if rewards.size else 0.0,
-                "sample_accuracy": float(truth.mean()) if truth.size else 0.0,
-                "staleness_hist": np.bincount(staleness).tolist(), "wait_seconds": t_step - t_wait,
-                "step_seconds": time.perf_counter() - t_step, "labelmodel_versions": sorted({g.labelmodel_version for g in fresh}),
-                **stats,
-            }
-            pipe = r.pipeline(transaction=True)
-            for pid, outcome in outcomes.items():
-                pipe.hsetnx(keys.ledger, pid, outcome)
-            pipe.xack(keys.scored, TRAINER_GROUP, *[e.id for e, _ in batch])
-            incr_stats(pipe, keys, groups_trained_total=row["groups_trained"], groups_nosignal_total=row["groups_nosignal"],
-                       dropped_stale_total=row["groups_stale"], tokens_trained_total=stats.get("tokens", 0))
-            pipe.hset(keys.trainer, mapping={"version": version, "reward_mean": row["reward_mean"],
-                                             "sample_accuracy": row["sample_accuracy"], "updated_at": time.time()})
-            pipe.execute()
+            row = step_metrics(batch, fresh, signal, version=version, stats=stats, wait_s=t_step - t_wait,
+                               step_s=time.perf_counter() - t_step)
+            commit_step(r, keys, batch, kinds, version=version, row=row)
             metrics.write("step", **row)
             log.info("step", **{k: (round(v, 5) if isinstance(v, float) else v) for k, v in row.items()})
             if version % t.eval_every == 0 or version == t.steps:
