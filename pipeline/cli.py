@@ -6,6 +6,7 @@
     pipeline feed | generate | verify | train   run one stage (one OS process each)
     pipeline status    queue depths and trainer progress of a run
     pipeline account   what became of every prompt of a run
+    pipeline config    the resolved config as documented TOML
 
 Every command takes ``--config run.toml`` and dotted overrides such as
 ``--trainer.lr 3e-4`` or ``--verifier.reward single:mod9``.
@@ -53,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
             sp.add_argument("--max-batches", type=int, help="stop after this many batches (tests, debugging)")
     add("status", "print queue depths, worker heartbeats and trainer progress as JSON")
     add("account", "print the end-to-end accounting of every prompt as JSON")
+    add("config", "print the resolved config as documented TOML (pipeline config > configs/default.toml)")
     return p
 
 
@@ -127,6 +129,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace, cfg: RunConfig) -> int:
     cmd = args.command
+    if cmd == "config":
+        from pipeline.config import documented_toml
+
+        print(documented_toml(cfg), end="")
+        return 0
     if cmd == "up":
         from pipeline.cluster import up
 

@@ -366,3 +366,51 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     return repr(v)
+
+
+def field_docs() -> dict[tuple[str, str], str]:
+    """The docstring under each config field, keyed by (class name, field name)."""
+    import ast
+    import inspect
+    import sys
+
+    tree = ast.parse(inspect.getsource(sys.modules[__name__]))
+    docs: dict[tuple[str, str], str] = {}
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        for st, nxt in zip(node.body, node.body[1:]):
+            if (isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name)
+                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
+                docs[(node.name, st.target.id)] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def documented_toml(cfg: RunConfig | None = None) -> str:
+    """``cfg`` (default: the code defaults) as TOML with every field's docstring above it.
+
+    ``configs/default.toml`` is this text (``pipeline config > configs/default.toml``).
+    """
+    import textwrap
+
+    cfg = cfg or RunConfig()
+    docs = field_docs()
+    out = ["# The embedded default: what `make up-cluster` runs. Every field, with its default.",
+           "# Override any of them on the command line: pipeline up --trainer.lr 3e-4", ""]
+
+    def emit(owner: str, name: str, value: Any) -> None:
+        if doc := docs.get((owner, name)):
+            out.extend("# " + line for line in textwrap.wrap(doc, 88))
+        out.append(f"{name} = {_toml_value(value)}")
+
+    fields = dataclasses.fields(cfg)
+    for f in fields:
+        if not dataclasses.is_dataclass(getattr(cfg, f.name)):
+            emit("RunConfig", f.name, getattr(cfg, f.name))
+    for f in fields:
+        section = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(section):
+            out += ["", f"[{f.name}]"]
+            for g in dataclasses.fields(section):
+                emit(type(section).__name__, g.name, getattr(section, g.name))
+    return "\n".join(out) + "\n"

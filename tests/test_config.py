@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import ConfigError, RunConfig, load_config, to_toml
+from pipeline.config import ConfigError, RunConfig, documented_toml, load_config, to_toml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,6 +17,8 @@ def test_defaults_are_valid_and_round_trip_through_toml(tmp_path):
 
 def test_shipped_default_config_matches_the_code_defaults():
     assert load_config(ROOT / "configs" / "default.toml") == RunConfig().validate()
+    # Every field and its documentation: regenerate with `pipeline config > configs/default.toml`.
+    assert (ROOT / "configs" / "default.toml").read_text() == documented_toml()
 
 
 def test_dotted_overrides_are_coerced_to_the_field_type():
