@@ -20,9 +20,14 @@ Fit (``fit_label_model``), §5 steps 2–6:
    label model over zero verifiers would say nothing at all.
    **Dependent pairs**: two kept columns whose binarised votes have
    |Pearson correlation| > ``DEPENDENCE_CORR`` on the rows where both vote are one
-   check counted twice, which makes the posterior overconfident; the one with
-   fewer votes (on a tie, the later column) is dropped, with the reason recorded
-   in ``LabelModel.dropped``.
+   check counted twice, which makes the posterior overconfident. Of each pair the
+   one with fewer votes (on a tie, the later column) leaves the posterior, with the
+   reason recorded in ``LabelModel.dropped``. What happens to it is the
+   ``dependence`` policy: ``drop`` forgets it; ``merge`` averages it into the
+   column that stays (normalised scores and thresholds averaged over the members
+   that voted on a row, a negatively correlated member entering as 1 − s), so the
+   pair votes once but a row where only the dropped member voted still gets a vote.
+   Merges are recorded in ``LabelModel.merged`` and applied again by ``binarize``.
 5. **Class balance π** by EM on the same conditionally independent label model
    (Dawid–Skene with one TPR and one TNR per verifier), started from the soft
    majority vote of the binarised verifiers — this start is the "verifiers are
@@ -40,6 +45,10 @@ Fit (``fit_label_model``), §5 steps 2–6:
    where *both* verifiers voted (not LᵀL/N, which would count an abstention as
    "voted neither" and shrink that verifier's moments), and pairs with fewer than
    ``MIN_VOTES`` shared rows are masked out of the objective.
+
+Every fit carries its own report (``LabelModel.report()``): kept, dropped and merged
+verifiers with reasons, TPR/TNR, π, the moment-matching objective and the iteration
+counts; the verifier stage logs it on each refit.
 
 Posterior (``LabelModel.posterior``), step 7: logit P(y=1 | v) = log(π/(1−π)) +
 Σ_j [log μ̂[2j+v_j, 1] − log μ̂[2j+v_j, 0]] over the kept verifiers that voted,
@@ -61,8 +70,11 @@ from typing import Any
 import numpy as np
 from scipy.optimize import minimize
 
-SCHEMA = 1
+SCHEMA = 2
 """Version of the ``to_dict`` layout; ``from_dict`` rejects any other."""
+
+DEPENDENCE_POLICIES = ("drop", "merge")
+"""What a fit does with the weaker verifier of a dependent pair (module docstring, step 4)."""
 
 MU_CLIP = (0.01, 0.99)
 """μ̂ (and π) are clipped to this range in the posterior (§5 step 7), so no single vote is decisive."""
@@ -117,6 +129,16 @@ class LabelModel:
     """Final moment-matching objective (0 for a perfect conditionally independent fit)."""
     converged: bool = True
     """Whether EM and L-BFGS-B both reported convergence."""
+    dependence: str = "drop"
+    """Policy the fit applied to dependent pairs: ``drop`` or ``merge``."""
+    merged: dict[str, tuple[str, bool]] = field(default_factory=dict)
+    """Under ``merge``: verifier → (the kept verifier it was averaged into, whether it enters inverted)."""
+    rounds: int = 0
+    """Threshold ↔ π alternations the fit ran (steps 3–5)."""
+    em_iterations: int = 0
+    """EM iterations of the last round (step 5)."""
+    lbfgs_iterations: int = 0
+    """L-BFGS-B iterations of the moment matching (step 6)."""
 
     # ------------------------------------------------------------------ views
     @property
@@ -139,19 +161,37 @@ class LabelModel:
             for j, n in enumerate(self.names)
         }
 
+    def report(self) -> dict[str, Any]:
+        """The fit in one plain map for logs: what was kept, dropped (why) and merged,
+        TPR/TNR of the kept verifiers, π, the objective, and the iterations it took."""
+        kept = self.kept_names
+        return {
+            "version": self.version, "rows": self.fitted_rows, "pi": round(self.pi, 4),
+            "dependence": self.dependence, "kept": list(kept), "dropped": dict(self.dropped),
+            "merged": {k: {"into": r, "inverted": inv} for k, (r, inv) in self.merged.items()},
+            "tpr": {n: round(self.tpr[self.names.index(n)], 4) for n in kept},
+            "tnr": {n: round(self.tnr[self.names.index(n)], 4) for n in kept},
+            "pos_rate": {n: round(float(r), 4) for n, r in zip(self.names, self.pos_rate, strict=True)},
+            "objective": self.loss, "converged": self.converged,
+            "iterations": {"rounds": self.rounds, "em": self.em_iterations, "lbfgs": self.lbfgs_iterations},
+        }
+
     # --------------------------------------------------------------- inference
     def binarize(self, votes: np.ndarray, names: Sequence[str] | None = None) -> np.ndarray:
         """Votes [N, m] → binarised float [N, len(self.names)]: 1, 0, or NaN (abstain).
 
         ``names`` gives the columns of ``votes`` when they differ from ``self.names``;
-        a verifier of the model that is missing from them abstains.
+        a verifier of the model that is missing from them abstains. A column that
+        others were merged into holds the merged vote.
         """
         raw = self._align(votes, names)
         lo, hi = np.array(self.lo), np.array(self.hi)
         norm = (raw - lo) / (hi - lo)
-        out = (norm >= np.array(self.thresholds)).astype(np.float64)
-        out[~np.isfinite(raw)] = np.nan
-        return out
+        norm[~np.isfinite(raw)] = np.nan
+        thr = np.array(self.thresholds)
+        index = {n: j for j, n in enumerate(self.names)}
+        groups = {index[k]: (index[r], inv) for k, (r, inv) in self.merged.items()}
+        return _binarise_merged(norm, thr, groups)
 
     def posterior(self, votes: np.ndarray, names: Sequence[str] | None = None) -> np.ndarray:
         """P(correct) per row, float64 [N] (§5 step 7). Never reads any label."""
@@ -204,6 +244,9 @@ class LabelModel:
             "fitted_rows": int(self.fitted_rows),
             "loss": float(self.loss),
             "converged": bool(self.converged),
+            "dependence": str(self.dependence),
+            "merged": {str(k): [str(r), bool(inv)] for k, (r, inv) in self.merged.items()},
+            "iterations": [int(self.rounds), int(self.em_iterations), int(self.lbfgs_iterations)],
         }
 
     @classmethod
@@ -233,6 +276,16 @@ class LabelModel:
             dropped = d["dropped"]
             if not isinstance(dropped, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in dropped.items()):
                 raise ValueError("'dropped' must map names to reasons")
+            merged = d["merged"]
+            if not isinstance(merged, Mapping) or not all(
+                    k in names and isinstance(v, (list, tuple)) and len(v) == 2 and v[0] in names
+                    and isinstance(v[1], bool) for k, v in merged.items()):
+                raise ValueError("'merged' must map verifier names to [kept verifier name, inverted]")
+            if d["dependence"] not in DEPENDENCE_POLICIES:
+                raise ValueError(f"'dependence' must be one of {DEPENDENCE_POLICIES}, got {d['dependence']!r}")
+            iters = d["iterations"]
+            if not isinstance(iters, (list, tuple)) or len(iters) != 3 or not all(isinstance(i, int) for i in iters):
+                raise ValueError("'iterations' must be [rounds, em, lbfgs] integers")
             pi = d["pi"]
             if not isinstance(pi, (int, float)) or not 0.0 <= float(pi) <= 1.0:
                 raise ValueError(f"'pi' must be a number in [0, 1], got {pi!r}")
@@ -241,6 +294,8 @@ class LabelModel:
                 kept=tuple(kept), pi=float(pi), tpr=floats("tpr"), tnr=floats("tnr"),
                 pos_rate=floats("pos_rate"), dropped=dict(dropped), version=int(d["version"]),
                 fitted_rows=int(d["fitted_rows"]), loss=float(d["loss"]), converged=bool(d["converged"]),
+                dependence=str(d["dependence"]), merged={k: (v[0], v[1]) for k, v in merged.items()},
+                rounds=iters[0], em_iterations=iters[1], lbfgs_iterations=iters[2],
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed label model: {exc!r}") from exc
@@ -259,14 +314,19 @@ def fit_label_model(
     *,
     version: int = 0,
     thresholds: Mapping[str, float] | Sequence[float] | None = None,
+    dependence: str = "drop",
 ) -> LabelModel:
     """Fit the Weaver label model on pooled votes [N, m] (NaN = abstain) without labels.
 
     ``thresholds`` (normalised scale, per name or per column) override the
-    binarisation rule for those verifiers. See the module docstring for each step.
+    binarisation rule for those verifiers; ``dependence`` (``drop`` or ``merge``) is
+    what happens to the weaker verifier of a dependent pair. See the module
+    docstring for each step.
     """
+    if dependence not in DEPENDENCE_POLICIES:
+        raise ValueError(f"dependence must be one of {DEPENDENCE_POLICIES}, got {dependence!r}")
     with _single_threaded_blas():
-        return _fit(votes, names, version=version, thresholds=thresholds)
+        return _fit(votes, names, version=version, thresholds=thresholds, dependence=dependence)
 
 
 def _fit(
@@ -275,6 +335,7 @@ def _fit(
     *,
     version: int,
     thresholds: Mapping[str, float] | Sequence[float] | None,
+    dependence: str,
 ) -> LabelModel:
     raw = np.array(votes, dtype=np.float64)  # copy: non-finite → NaN below
     names = tuple(names)
@@ -296,11 +357,19 @@ def _fit(
     # starts from π = 0.5 with quantile columns at the midpoint of their normalised range.
     pi = 0.5
     thr = np.array([g if g is not None else 0.5 for g in given], dtype=np.float64)
-    for _ in range(MAX_ROUNDS):
+    rounds = 0
+    for rounds in range(1, MAX_ROUNDS + 1):
         b = _binarise(norm, thr)
         rate = _pos_rates(b)
-        kept, dropped = _select(b, rate, pi, names)
-        em_tpr, em_tnr, new_pi, em_ok = _em(b[:, kept])
+        kept, dropped, pairs = _select(b, rate, pi, names)
+        groups: dict[int, tuple[int, bool]] = {}
+        if dependence == "merge" and pairs:
+            groups = _merge_groups(pairs)
+            b = _binarise_merged(norm, thr, groups)
+            for k, (root, inv) in groups.items():
+                dropped[names[k]] = dropped[names[k]].replace("dependent on", "merged into", 1) + (
+                    " (inverted)" if inv else "")
+        em_tpr, em_tnr, new_pi, em_ok, em_iters = _em(b[:, kept])
         settled = abs(new_pi - pi) < 1e-3
         pi = new_pi
         if settled:
@@ -309,7 +378,7 @@ def _fit(
             col = norm[~np.isnan(norm[:, j]), j]
             thr[j] = float(np.quantile(col, 1.0 - pi)) if col.size else 0.5
 
-    tpr_k, tnr_k, loss, mm_ok = _moment_match(b[:, kept], pi, em_tpr, em_tnr)
+    tpr_k, tnr_k, loss, mm_ok, mm_iters = _moment_match(b[:, kept], pi, em_tpr, em_tnr)
     tpr = np.full(m, np.nan)
     tnr = np.full(m, np.nan)
     tpr[kept], tnr[kept] = tpr_k, tnr_k
@@ -318,7 +387,9 @@ def _fit(
         thresholds=tuple(float(x) for x in thr), kept=tuple(bool(k) for k in kept), pi=float(pi),
         tpr=tuple(float(x) for x in tpr), tnr=tuple(float(x) for x in tnr),
         pos_rate=tuple(float(x) for x in rate), dropped=dropped, version=int(version),
-        fitted_rows=int(n), loss=float(loss), converged=bool(em_ok and mm_ok),
+        fitted_rows=int(n), loss=float(loss), converged=bool(em_ok and mm_ok), dependence=dependence,
+        merged={names[k]: (names[r], bool(inv)) for k, (r, inv) in groups.items()},
+        rounds=rounds, em_iterations=em_iters, lbfgs_iterations=mm_iters,
     )
 
 
@@ -356,6 +427,44 @@ def _binarise(norm: np.ndarray, thr: np.ndarray) -> np.ndarray:
     return b
 
 
+def _merge_groups(pairs: Sequence[tuple[int, int, float]]) -> dict[int, tuple[int, bool]]:
+    """Dependent pairs (dropped, stays, corr) → {member: (root it is merged into, inverted vs the root)}.
+
+    Pairs chain (a → b, then b → c): members follow the chain to the column that is
+    still kept, and their sign relative to it is the product of the signs on the way.
+    """
+    parent = {lo: (hi, c < 0) for lo, hi, c in pairs}
+    out: dict[int, tuple[int, bool]] = {}
+    for k in parent:
+        root, inv = k, False
+        while root in parent:
+            root, flip = parent[root]
+            inv ^= flip
+        out[k] = (root, inv)
+    return out
+
+
+def _binarise_merged(norm: np.ndarray, thr: np.ndarray, groups: Mapping[int, tuple[int, bool]]) -> np.ndarray:
+    """Binarise, then replace each merge root's column by its group's vote on each row:
+    1[mean s ≥ mean t] over the members that voted (an inverted member as 1 − s, 1 − t)."""
+    b = _binarise(norm, thr)
+    roots: dict[int, list[tuple[int, bool]]] = {}
+    for k, (root, inv) in groups.items():
+        roots.setdefault(root, [(root, False)]).append((k, inv))
+    for root, members in roots.items():
+        s = np.column_stack([1.0 - norm[:, k] if inv else norm[:, k] for k, inv in members])
+        t = np.array([1.0 - thr[k] if inv else thr[k] for k, inv in members])
+        voted = ~np.isnan(s)
+        cnt = voted.sum(axis=1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            s_mean = np.where(voted, s, 0.0).sum(axis=1) / cnt
+            t_mean = (voted * t).sum(axis=1) / cnt
+        col = (s_mean >= t_mean - 1e-12).astype(np.float64)
+        col[cnt == 0] = np.nan
+        b[:, root] = col
+    return b
+
+
 def _pos_rates(b: np.ndarray) -> np.ndarray:
     obs = ~np.isnan(b)
     cnt = obs.sum(axis=0)
@@ -374,8 +483,11 @@ def _rate_ok(r: float, pi: float) -> bool:
     return 0.1 < r < 0.9
 
 
-def _select(b: np.ndarray, rate: np.ndarray, pi: float, names: tuple[str, ...]) -> tuple[np.ndarray, dict[str, str]]:
-    """Steps 4 and dependence: boolean kept mask over columns, and reasons for the rest."""
+def _select(
+    b: np.ndarray, rate: np.ndarray, pi: float, names: tuple[str, ...],
+) -> tuple[np.ndarray, dict[str, str], list[tuple[int, int, float]]]:
+    """Steps 4 and dependence: boolean kept mask over columns, reasons for the rest, and
+    the dependent pairs found, as (column taken out, column that stays, correlation)."""
     m = b.shape[1]
     obs = ~np.isnan(b)
     n_votes = obs.sum(axis=0)
@@ -408,6 +520,7 @@ def _select(b: np.ndarray, rate: np.ndarray, pi: float, names: tuple[str, ...]) 
         cov = both * sxy - sx * sx.T
         var_x = both * sx - sx * sx     # i's variance term on the shared rows
         corr = cov / np.sqrt(var_x * var_x.T)
+    pairs: list[tuple[int, int, float]] = []
     for i in range(m):
         for j in range(i + 1, m):
             if not (kept[i] and kept[j]) or both[i, j] < MIN_VOTES or not np.isfinite(corr[i, j]):
@@ -416,14 +529,15 @@ def _select(b: np.ndarray, rate: np.ndarray, pi: float, names: tuple[str, ...]) 
             if c > DEPENDENCE_CORR:
                 loser, winner = (i, j) if n_votes[i] < n_votes[j] else (j, i)
                 kept[loser] = False
+                pairs.append((loser, winner, float(corr[i, j])))
                 dropped[names[loser]] = (
                     f"dependent on {names[winner]!r}: |corr| = {c:.3f} > {DEPENDENCE_CORR} over {int(both[i, j])} rows"
                 )
-    return kept, dropped
+    return kept, dropped, pairs
 
 
-def _em(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, float, bool]:
-    """Dawid–Skene EM on binarised votes [N, k] (NaN = abstain): (TPR, TNR, π, converged).
+def _em(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, float, bool, int]:
+    """Dawid–Skene EM on binarised votes [N, k] (NaN = abstain): (TPR, TNR, π, converged, iterations).
 
     Started from the soft majority vote (the "better than random on average" assumption);
     a solution that still ends worse than random on average is label-swapped. Rows are
@@ -432,7 +546,7 @@ def _em(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, float, bool]:
     """
     n, k = b.shape
     if k == 0 or n == 0:
-        return np.zeros(0), np.zeros(0), 0.5, True
+        return np.zeros(0), np.zeros(0), 0.5, True, 0
     state = np.where(np.isnan(b), 0, b + 1).astype(np.int64)      # 0 abstain, 1 vote 0, 2 vote 1
     codes = state @ (3 ** np.arange(k, dtype=np.int64))
     _, first, count = np.unique(codes, return_index=True, return_counts=True)
@@ -445,7 +559,8 @@ def _em(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, float, bool]:
     tpr = tnr = np.zeros(k)
     pi = 0.5
     converged = False
-    for _ in range(_EM_MAX_ITERS):
+    iters = 0
+    for iters in range(1, _EM_MAX_ITERS + 1):
         # M step (weighted by pattern counts)
         wq, wq0 = w * q, w * (1.0 - q)
         new_pi = float(np.clip(wq.sum() / w.sum(), *_EM_CLIP))
@@ -461,7 +576,7 @@ def _em(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, float, bool]:
         q = 1.0 / (1.0 + np.exp(-(_logit(pi) + llr)))
     if np.mean(tpr + tnr) < 1.0:  # label swap: Y' = 1 − Y
         tpr, tnr, pi = 1.0 - tnr, 1.0 - tpr, 1.0 - pi
-    return tpr, tnr, pi, converged
+    return tpr, tnr, pi, converged, iters
 
 
 def _mu_from(tpr: np.ndarray, tnr: np.ndarray) -> np.ndarray:
@@ -473,11 +588,15 @@ def _mu_from(tpr: np.ndarray, tnr: np.ndarray) -> np.ndarray:
     return mu
 
 
-def _moment_match(b: np.ndarray, pi: float, tpr0: np.ndarray, tnr0: np.ndarray) -> tuple[np.ndarray, np.ndarray, float, bool]:
-    """§5 step 6: bounded L-BFGS-B fit of μ to the pairwise vote moments, from the EM solution."""
+def _moment_match(
+    b: np.ndarray, pi: float, tpr0: np.ndarray, tnr0: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, float, bool, int]:
+    """§5 step 6: bounded L-BFGS-B fit of μ to the pairwise vote moments, from the EM solution.
+
+    Returns (TPR, TNR, objective, converged, iterations)."""
     n, k = b.shape
     if k == 0:
-        return np.zeros(0), np.zeros(0), 0.0, True
+        return np.zeros(0), np.zeros(0), 0.0, True, 0
     obs = ~np.isnan(b)
     one_hot = np.zeros((n, 2 * k))
     one_hot[:, 0::2] = obs & (b == 0.0)
@@ -507,8 +626,8 @@ def _moment_match(b: np.ndarray, pi: float, tpr0: np.ndarray, tnr0: np.ndarray) 
     if np.mean(tpr + tnr) < 1.0:
         # With π held fixed the swapped solution is not a symmetric optimum, so this means
         # the moments could not pin μ down (e.g. two verifiers): keep the EM estimate.
-        return tpr0, tnr0, float(res.fun), False
-    return tpr, tnr, float(res.fun), bool(res.success)
+        return tpr0, tnr0, float(res.fun), False, int(res.nit)
+    return tpr, tnr, float(res.fun), bool(res.success), int(res.nit)
 
 
 @contextlib.contextmanager

@@ -168,7 +168,7 @@ def test_filtering_keeps_the_best_behaved_two_rather_than_none():
     n = 5_000
     votes = np.column_stack([(rng.random(n) < r).astype(np.float64) for r in (0.95, 0.93, 0.97, 1.0)])
     # At π = 0.5 every rate is degenerate; the two closest to π come back, a constant never does.
-    kept, dropped = _select(votes, votes.mean(axis=0), 0.5, ("a", "b", "c", "d"))
+    kept, dropped, _ = _select(votes, votes.mean(axis=0), 0.5, ("a", "b", "c", "d"))
     assert kept.tolist() == [True, True, False, False] and set(dropped) == {"c", "d"}
     model = fit_label_model(votes, ["a", "b", "c", "d"])
     assert sum(model.kept) >= 2 and model.kept[3] is False
@@ -294,3 +294,80 @@ def test_on_the_arithmetic_task_weaver_ranks_better_than_the_plain_average_of_ve
     assert accuracy(post, truth) > accuracy(np.nanmean(votes, axis=1), truth)
     # Label-free π lands near the hidden accuracy.
     assert model.pi == pytest.approx(truth.mean(), abs=0.1)
+
+
+# ------------------------------------------------------- hand-checkable cases
+def test_a_perfect_verifier_is_recovered_as_perfect_and_decides_the_posterior():
+    y, votes = synthetic(20_000, 0.4, seed=21)
+    votes = np.column_stack([votes, y])
+    model = fit_label_model(votes, [*NAMES, "oracle"])
+    assert model.kept[-1] and model.tpr[-1] > 0.98 and model.tnr[-1] > 0.98
+    assert accuracy(model.posterior(votes), y) > 0.99
+
+
+def test_an_always_wrong_verifier_is_learnt_as_inverted_and_still_helps():
+    # TPR = TNR = 0: it says the opposite of the truth every time, which is as informative as the truth.
+    y, votes = synthetic(20_000, 0.4, seed=22)
+    with_liar = np.column_stack([votes, 1.0 - y])
+    model = fit_label_model(with_liar, [*NAMES, "liar"])
+    assert model.kept[-1] and model.tpr[-1] < 0.02 and model.tnr[-1] < 0.02
+    assert model.pi == pytest.approx(0.4, abs=0.02)  # the label swap is still broken the right way
+    assert accuracy(model.posterior(with_liar), y) > 0.99
+    assert accuracy(model.posterior(with_liar), y) > accuracy(fit_label_model(votes, NAMES).posterior(votes), y)
+
+
+def test_an_always_yes_verifier_is_filtered_as_degenerate_and_named_in_the_report():
+    _, votes = synthetic(5_000, 0.4, seed=23)
+    model = fit_label_model(np.column_stack([votes, np.ones(len(votes))]), [*NAMES, "yes"])
+    assert not model.kept[-1] and "degenerate positive rate 1.000" in model.dropped["yes"]
+    report = model.report()
+    assert "yes" not in report["kept"] and report["dropped"]["yes"] == model.dropped["yes"]
+    assert report["pos_rate"]["yes"] == 1.0
+
+
+def test_merge_averages_a_duplicated_pair_into_one_column_and_stays_calibrated():
+    y, votes = synthetic(20_000, 0.3, seed=24)
+    dup = np.column_stack([votes, votes[:, 2]])
+    model = fit_label_model(dup, [*NAMES, "v2_copy"], dependence="merge")
+    assert model.dependence == "merge" and model.merged == {"v2_copy": ("v2", False)}
+    assert model.kept == (True,) * len(NAMES) + (False,)
+    assert model.dropped["v2_copy"].startswith("merged into 'v2'")
+    np.testing.assert_allclose(model.tpr[: len(NAMES)], TPR, atol=0.05)
+    assert ece(model.posterior(dup), y) <= 0.05
+    # A row where only the copy voted still gets v2's vote through the merge; under drop it does not.
+    row = dup[:1].copy()
+    row[0, 2] = np.nan
+    dropped = fit_label_model(dup, [*NAMES, "v2_copy"], dependence="drop")
+    assert model.binarize(row)[0, 2] == row[0, -1] and np.isnan(dropped.binarize(row)[0, 2])
+    assert model.posterior(row)[0] != pytest.approx(dropped.posterior(row)[0])
+
+
+def test_merge_flips_an_inverted_copy_before_averaging():
+    _, votes = synthetic(10_000, 0.3, seed=25)
+    inv = np.column_stack([votes, 1.0 - votes[:, 0]])
+    model = fit_label_model(inv, [*NAMES, "not_v0"], dependence="merge")
+    assert model.merged == {"not_v0": ("v0", True)} and "(inverted)" in model.dropped["not_v0"]
+    # Averaged with its flip the pair agrees with v0 on every row, so v0's estimates are unchanged.
+    np.testing.assert_array_equal(model.binarize(inv)[:, 0], votes[:, 0])
+    np.testing.assert_allclose(model.tpr[0], TPR[0], atol=0.05)
+
+
+def test_an_unknown_dependence_policy_is_refused():
+    _, votes = synthetic(1_000, 0.3, seed=26)
+    with pytest.raises(ValueError, match="dependence must be one of"):
+        fit_label_model(votes, NAMES, dependence="keep")
+
+
+def test_the_fit_report_carries_rates_balance_objective_and_iterations():
+    _, votes = synthetic(5_000, 0.3, seed=27)
+    model = fit_label_model(np.column_stack([votes, votes[:, 1]]), [*NAMES, "copy"], dependence="merge")
+    report = model.report()
+    assert report["kept"] == NAMES and set(report["dropped"]) == {"copy"}
+    assert report["merged"] == {"copy": {"into": "v1", "inverted": False}}
+    assert set(report["tpr"]) == set(NAMES) and 0.5 < report["tpr"]["v2"] <= 1.0
+    assert report["pi"] == pytest.approx(model.pi, abs=1e-4) and report["objective"] >= 0.0
+    it = report["iterations"]
+    assert it["rounds"] >= 1 and it["em"] >= 1 and it["lbfgs"] >= 0
+    msgpack.packb(report)  # plain data, loggable and storable
+    back = LabelModel.from_dict(msgpack.unpackb(msgpack.packb(model.to_dict())))
+    assert back.merged == model.merged and back.report() == report
