@@ -10,22 +10,25 @@ logged beside the reward (and by the ``ground_truth`` reward mode for experiment
 
 from __future__ import annotations
 
+import json
 import time
 
 import msgpack
 import numpy as np
 
 from pipeline.config import ConfigError, RunConfig, VerifierConfig
-from pipeline.keys import VERIFIERS_GROUP, Keys
+from pipeline.keys import TRAINER_GROUP, VERIFIERS_GROUP, Keys
 from pipeline.labelmodel import LabelModel, fit_label_model
 from pipeline.model import CharTokenizer
 from pipeline.records import RecordError, RolloutGroup, ScoredGroup
 from pipeline.rewards import RewardMode, parse_reward_mode
-from pipeline.streams import (FIELD, GroupReader, dead_letter, decode_entries, ensure_all_groups, heartbeat,
-                              incr_stats, stop_requested)
+from pipeline.streams import (FIELD, dead_letter, decode_entries, ensure_all_groups, group_reader, heartbeat,
+                              incr_stats, stop_requested, trim_acked, wait_for_room)
 from pipeline.verifiers import VERIFIERS, correctness, score_group
 
 FIRST_MODEL_WAIT_S = 60.0
+TRIM_EVERY = 10
+"""Batches between trims of the acked rollouts."""
 LOCK_TTL_MS = 30_000
 
 
@@ -107,6 +110,30 @@ def reward_mode(v: VerifierConfig) -> RewardMode:
     return mode
 
 
+POSTERIORS_FILE = "posteriors.jsonl"
+"""Per run: one JSON line per scored group (prompt, completions, votes, Weaver posterior, hidden
+truth), the training data of ``pipeline distill``; the scored stream itself is gone after the run."""
+
+
+def posterior_row(g: RolloutGroup, votes: np.ndarray, truth: np.ndarray, lm: LabelModel | None,
+                  names) -> dict:
+    """One group's line of ``posteriors.jsonl``; ``posterior`` is null when no label model was in use."""
+    post = None if lm is None else [round(float(x), 5) for x in lm.posterior(votes, list(names))]
+    return {"group_id": g.group_id, "prompt_id": g.prompt_id, "prompt": g.prompt,
+            "completions": list(g.completions), "names": list(names),
+            "votes": [[None if np.isnan(x) else round(float(x), 5) for x in row] for row in votes],
+            "posterior": post, "truth": [int(t) for t in truth],
+            "labelmodel_version": -1 if lm is None else lm.version, "policy_version": g.min_version}
+
+
+def append_posteriors(path, rows: list[dict]) -> None:
+    """Append the batch's lines in one write (O_APPEND), so replicas never interleave within a line."""
+    if rows:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write("".join(json.dumps(row) + "\n" for row in rows))
+
+
 def run_verifier(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batches: int | None = None) -> int:
     """Score rollout groups until stopped (or ``max_batches`` non-empty reads); returns groups scored."""
     v = cfg.verifier
@@ -114,17 +141,22 @@ def run_verifier(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batc
     ensure_all_groups(r, keys)
     vocab_size = CharTokenizer.load(cfg.model.base_dir).vocab_size
     shared = SharedLabelModel(r, keys, v, worker_id, log) if mode.needs_label_model else None
-    reader = GroupReader(r, keys.rollouts, VERIFIERS_GROUP, worker_id)
+    reader = group_reader(r, keys.rollouts, VERIFIERS_GROUP, worker_id, cfg.redis)
+    posteriors_path = cfg.run_dir / POSTERIORS_FILE
     batches, scored = 0, 0
     log.info("verifier_started", reward=v.reward, verifiers=v.verifiers)
     while not stop_requested(r, keys) and (max_batches is None or batches < max_batches):
+        # Backpressure before taking work: the trainer has not drained what we wrote.
+        wait_for_room(r, keys, keys.scored, TRAINER_GROUP, bound=cfg.redis.max_stream_lag,
+                      worker_id=worker_id, stage="verifier", log=log)
         entries = reader.read(v.batch, cfg.redis.block_ms)
         if not entries:
             heartbeat(r, keys, worker_id, "verifier", "idle")
             continue
         batches += 1
         t0 = time.perf_counter()
-        good, bad = decode_entries(entries, RolloutGroup.decode, lambda g: check_tokens(g, vocab_size=vocab_size))
+        good, bad = decode_entries(entries, RolloutGroup.decode, lambda g: check_tokens(g, vocab_size=vocab_size),
+                                   reader=reader)
         votes, verifier_errors = [], 0
         for _, g in good:
             vt, errors = score_group(g.prompt, g.completions, v.verifiers)
@@ -135,9 +167,11 @@ def run_verifier(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batc
             shared.add_votes(votes)
             lm = shared.current()
         pipe = r.pipeline(transaction=True)
+        rows = []
         for (e, g), vt in zip(good, votes):
             truth = correctness(g.reference, g.completions)
             rewards = mode(votes=vt, names=v.verifiers, completions=g.completions, label_model=lm, truth=truth)
+            rows.append(posterior_row(g, vt, truth, lm, v.verifiers))
             rec = ScoredGroup(rollout=g, verifier_names=tuple(v.verifiers), votes=vt.astype(np.float32),
                               rewards=rewards.astype(np.float32), truth=truth.astype(np.float32),
                               reward_mode=v.reward, labelmodel_version=shared.version if shared else -1,
@@ -151,7 +185,10 @@ def run_verifier(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batc
         incr_stats(pipe, keys, groups_scored_total=len(good), verifier_errors_total=verifier_errors,
                    verify_seconds_total=time.perf_counter() - t0)
         pipe.execute()
+        append_posteriors(posteriors_path, rows)
         scored += len(good)
+        if cfg.redis.trim_acked and batches % TRIM_EVERY == 0:
+            trim_acked(r, keys.rollouts)
         heartbeat(r, keys, worker_id, "verifier", "scored", groups=scored)
         log.info("batch_scored", groups=len(good), dead=len(bad), labelmodel_version=shared.version if shared else -1,
                  seconds=round(time.perf_counter() - t0, 4))
