@@ -249,6 +249,26 @@ class ClusterConfig:
 
 
 @dataclass(kw_only=True)
+class MetricsConfig:
+    base_port: int = 0
+    """Prometheus: ``pipeline up``'s workers serve ``/metrics`` on this port + a fixed offset
+    each (exporter, trainer, feeder, generators, verifiers; see runs/<id>/ports.json).
+    0 serves nothing."""
+    port: int = 0
+    """This one process's metrics port, overriding base_port's slot (a worker started by hand). 0: none."""
+    host: str = "127.0.0.1"
+    """Address the metrics endpoints bind to (loopback by default)."""
+    sample_every_s: float = 1.0
+    """Seconds between the exporter's queue-depth samples (runs/<id>/queues.jsonl)."""
+
+    def validate(self, p: str) -> None:
+        for name in ("base_port", "port"):
+            v = getattr(self, name)
+            _check(v == 0 or 1024 <= v <= 65000, f"{p}.{name}", "0 (off) or in [1024, 65000]", v)
+        _check(self.sample_every_s > 0, f"{p}.sample_every_s", "> 0", self.sample_every_s)
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     run_id: str = ""
     """Run id; also the Redis key namespace. Empty: ``pipeline up`` makes one from the time."""
@@ -267,6 +287,8 @@ class RunConfig:
     weights: WeightsConfig = field(default_factory=WeightsConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """What ``pipeline up`` starts on this machine."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Prometheus endpoints and queue sampling."""
 
     def validate(self) -> "RunConfig":
         _check(all(c.isalnum() or c in "-_." for c in self.run_id), "run_id", "letters, digits, '-', '_' or '.'", self.run_id)

@@ -1,0 +1,162 @@
+"""The Prometheus endpoints against the server's own XINFO / XPENDING numbers, on a real Redis."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pipeline.config import ConfigError, load_config
+from pipeline.keys import GENERATORS_GROUP, VERIFIERS_GROUP, Keys
+from pipeline.logs import setup_logging
+from pipeline.metrics import (StreamCollector, WorkerMetrics, port_for, run_exporter, serve, worker_ports,
+                              write_ports)
+from pipeline.server import free_port
+from prometheus_client import CollectorRegistry
+from tests.busy_streams import fill_streams, group_info
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """Every sample of a /metrics page, keyed by (name, sorted labels)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def with_le(labels: tuple, le: str) -> tuple:
+    return tuple(sorted(labels + (("le", le),)))
+
+
+@pytest.fixture
+def exporter(redis_client):
+    keys = Keys("obs")
+    fill_streams(redis_client, keys)
+    registry = CollectorRegistry()
+    registry.register(StreamCollector(redis_client, keys))
+    port = free_port()
+    server, _ = serve(registry, port, "127.0.0.1", what="test exporter")
+    yield redis_client, keys, port
+    server.shutdown()
+
+
+def test_stream_metrics_equal_the_servers_xinfo_and_xpending(exporter):
+    r, keys, port = exporter
+    m = scrape(port)
+    for name, (key, group) in keys.streams().items():
+        g = group_info(r, key, group)
+        lbl = (("group", group), ("stream", name))
+        assert m[("pipeline_stream_length", (("stream", name),))] == r.xlen(key)
+        assert m[("pipeline_stream_group_lag", lbl)] == g["lag"]
+        assert m[("pipeline_stream_group_pending", lbl)] == g["pending"] == r.xpending(key, group)["pending"]
+        assert m[("pipeline_stream_group_consumers", lbl)] == g["consumers"]
+        assert m[("pipeline_stream_group_entries_read_total", lbl)] == (g["entries-read"] or 0)
+    assert m[("pipeline_stream_length", (("stream", "dead"),))] == r.xlen(keys.dead) == 2
+    # The fill left 12 prompts: 5 + 2 read, 2 acked -> lag 5, pending 5.
+    assert m[("pipeline_stream_group_lag", (("group", GENERATORS_GROUP), ("stream", "prompts")))] == 5
+    assert m[("pipeline_stream_group_pending", (("group", VERIFIERS_GROUP), ("stream", "rollouts")))] == 0
+
+
+def test_consumer_rows_and_delivery_histogram_match_xpending(exporter):
+    r, keys, port = exporter
+    m = scrape(port)
+    pend = r.xpending_range(keys.prompts, GENERATORS_GROUP, min="-", max="+", count=100)
+    per_consumer = {c["name"].decode(): c["pending"] for c in r.xpending(keys.prompts, GENERATORS_GROUP)["consumers"]}
+    for consumer, n in per_consumer.items():
+        lbl = (("consumer", consumer), ("group", GENERATORS_GROUP), ("stream", "prompts"))
+        assert m[("pipeline_stream_consumer_pending", lbl)] == n
+        assert 0 <= m[("pipeline_stream_consumer_idle_seconds", lbl)] < 30
+    lbl = (("group", GENERATORS_GROUP), ("stream", "prompts"))
+    counts = [p["times_delivered"] for p in pend]
+    assert sorted(counts) == [1, 1, 1, 1, 2]
+    assert m[("pipeline_stream_pending_delivery_count_count", lbl)] == len(counts)
+    assert m[("pipeline_stream_pending_delivery_count_sum", lbl)] == sum(counts)
+    assert m[("pipeline_stream_pending_delivery_count_bucket", with_le(lbl, "1.0"))] == 4
+    assert m[("pipeline_stream_pending_delivery_count_bucket", with_le(lbl, "2.0"))] == 5
+    # The oldest pending entry's age is the server clock minus the millisecond part of its id.
+    sec, usec = r.time()
+    oldest_ms = int(r.xpending(keys.prompts, GENERATORS_GROUP)["min"].decode().split("-")[0])
+    age = m[("pipeline_stream_oldest_pending_age_seconds", lbl)]
+    assert 0 <= age <= (sec * 1000 + usec // 1000 - oldest_ms) / 1000 + 1e-3
+
+
+def test_counters_trainer_gauges_goodput_and_heartbeats_come_from_redis(exporter):
+    r, keys, port = exporter
+    m = scrape(port)
+    assert m[("pipeline_dead_letters_total", ())] == 2
+    assert m[("pipeline_dropped_stale_total", ())] == 3
+    assert m[("pipeline_tokens_generated_total", ())] == 1000
+    assert m[("pipeline_goodput_ratio", ())] == pytest.approx(0.64)
+    assert m[("pipeline_policy_version", ())] == 4
+    assert m[("pipeline_reward_mean", ())] == 0.625
+    assert m[("pipeline_heldout_accuracy_ratio", ())] == 0.41
+    assert m[("pipeline_worker_state", (("stage", "generator"), ("state", "generating"), ("worker", "gen-0")))] == 1
+    assert 4 <= m[("pipeline_worker_heartbeat_age_seconds", (("stage", "trainer"), ("worker", "trainer")))] < 60
+    # A new entry shows at the next scrape: the collector reads Redis at scrape time.
+    r.xadd(keys.scored, {"d": b"x"})
+    assert scrape(port)[("pipeline_stream_length", (("stream", "scored"),))] == 4
+
+
+def test_worker_metrics_report_busy_ratio_tokens_and_staleness():
+    wm = WorkerMetrics("trainer", "trainer")
+    port = free_port()
+    wm.serve(port)
+    wm.batch(seconds=0.25, groups=8, tokens=400)
+    wm.batch(seconds=0.25, groups=8, tokens=600)
+    wm.staleness([0, 0, 1, 2, 5], dropped=1)
+    wm.policy_version(7)
+    m = scrape(port)
+    lbl = (("stage", "trainer"), ("worker", "trainer"))
+    assert m[("pipeline_stage_busy_seconds_total", lbl)] == 0.5
+    assert m[("pipeline_stage_groups_total", lbl)] == 16
+    assert m[("pipeline_stage_tokens_total", lbl)] == 1000
+    # 0.5 s busy since the metrics were made, well under a second ago: the ratio is capped at 1.
+    assert 0 < m[("pipeline_stage_busy_ratio", lbl)] <= 1
+    assert m[("pipeline_tokens_per_second", lbl)] >= 1000 / 60
+    assert m[("pipeline_worker_policy_version", lbl)] == 7
+    assert m[("pipeline_staleness_versions_bucket", with_le(lbl, "0.0"))] == 2
+    assert m[("pipeline_staleness_versions_bucket", with_le(lbl, "1.0"))] == 3
+    assert m[("pipeline_staleness_versions_bucket", with_le(lbl, "4.0"))] == 4
+    assert m[("pipeline_staleness_versions_count", lbl)] == 5
+    assert m[("pipeline_worker_dropped_stale_groups_total", lbl)] == 1
+    wm.server.shutdown()
+
+
+def test_ports_follow_the_base_port_and_go_to_ports_json(tmp_path):
+    cfg = load_config(None, {"metrics.base_port": "9400", "cluster.generators": "2", "cluster.verifiers": "3"})
+    ports = write_ports(cfg, tmp_path / "ports.json")
+    assert ports == {"exporter": 9400, "trainer": 9401, "feeder": 9402, "gen-0": 9403, "gen-1": 9404,
+                     "ver-0": 9405, "ver-1": 9406, "ver-2": 9407}
+    assert json.loads((tmp_path / "ports.json").read_text())["ports"] == ports
+    assert port_for(cfg, "ver-2") == 9407 and port_for(cfg, "someone-else") == 0
+    assert worker_ports(load_config(None, {})) == {}
+    assert port_for(load_config(None, {"metrics.port": "9555"}), "gen-0") == 9555
+    with pytest.raises(ConfigError, match="metrics.base_port"):
+        load_config(None, {"metrics.base_port": "22"})
+
+
+def test_a_busy_port_is_a_clear_error():
+    port = free_port()
+    first, _ = serve(CollectorRegistry(), port, "127.0.0.1", what="first")
+    try:
+        with pytest.raises(OSError, match="metrics.base_port/metrics.port: cannot serve second"):
+            serve(CollectorRegistry(), port, "127.0.0.1", what="second")
+    finally:
+        first.shutdown()
+
+
+def test_exporter_samples_queue_depths_until_stopped(redis_client, redis_url, tmp_path):
+    keys = Keys("obs")
+    fill_streams(redis_client, keys)
+    cfg = load_config(None, {"run_id": "obs", "redis.url": redis_url, "metrics.port": str(free_port()),
+                             "metrics.sample_every_s": "0.05"})
+    log = setup_logging(None, stage="exporter", worker="exporter")
+    assert run_exporter(cfg, redis_client, keys, log, run_dir=tmp_path, max_samples=3) == 3
+    lines = [json.loads(x) for x in (tmp_path / "queues.jsonl").read_text().splitlines()]
+    assert len(lines) == 3
+    assert lines[-1]["queues"]["prompts"] == {"length": 12, "lag": 5, "pending": 5}
+    assert lines[-1]["queues"]["dead"]["length"] == 2
+    assert lines[-1]["version"] == 4 and lines[-1]["workers"]["gen-0"] == "generating"
+    redis_client.set(keys.stop, 1)
+    assert run_exporter(cfg, redis_client, keys, log, run_dir=None) == 0
