@@ -7,6 +7,10 @@
     pipeline status    queue depths and trainer progress of a run
     pipeline account   what became of every prompt of a run
     pipeline config    the resolved config as documented TOML
+    pipeline top       live terminal view of streams, workers and training curves
+    pipeline dashboard the same view as a local web page, with charts over time
+    pipeline exporter  stream-level Prometheus metrics; samples queue depths for the report
+    pipeline report    PNG plots and a markdown report of a finished run directory
 
 Every command takes ``--config run.toml`` and dotted overrides such as
 ``--trainer.lr 3e-4`` or ``--verifier.reward single:mod9``.
@@ -55,6 +59,16 @@ def _parser() -> argparse.ArgumentParser:
     add("status", "print queue depths, worker heartbeats and trainer progress as JSON")
     add("account", "print the end-to-end accounting of every prompt as JSON")
     add("config", "print the resolved config as documented TOML (pipeline config > configs/default.toml)")
+    top = add("top", "live terminal view of a run: streams, groups, workers, policy version, reward and accuracy")
+    top.add_argument("--once", action="store_true", help="print one frame and exit")
+    top.add_argument("--interval", type=float, default=1.0, help="seconds between frames (and between --once's two reads)")
+    dash = add("dashboard", "serve the live view and its charts over time as a local web page")
+    dash.add_argument("--port", type=int, default=8765, help="port of the page (0: any free port)")
+    dash.add_argument("--host", default="127.0.0.1", help="address to bind (loopback by default)")
+    dash.add_argument("--interval", type=float, default=1.0, help="seconds between samples of the charts")
+    add("exporter", "serve stream-level Prometheus metrics and sample queue depths into the run directory")
+    report = sub.add_parser("report", help="write PNG plots and report.md for a run directory")
+    report.add_argument("run_path", metavar="RUN_DIR", help="the run directory, e.g. runs/<id>")
     return p
 
 
@@ -147,6 +161,28 @@ def _dispatch(args: argparse.Namespace, cfg: RunConfig) -> int:
 
         ensure_base_model(cfg, force=args.force)
         return 0
+    if cmd == "report":
+        from pipeline.report import write_report
+
+        print(write_report(Path(args.run_path))["markdown"])
+        return 0
+    if cmd in ("top", "dashboard"):
+        from pipeline.keys import Keys
+        from pipeline.streams import connect
+
+        if not cfg.run_id:
+            raise ConfigError("run_id: required (--run-id NAME)")
+        url = cfg.redis.url or os.environ.get("REDIS_URL", "")
+        if not url:
+            raise ConfigError("redis.url: empty and $REDIS_URL is unset; pass --redis-url")
+        r, keys = connect(url, name=f"{cfg.run_id}:{cmd}"), Keys(cfg.run_id)
+        if cmd == "top":
+            from pipeline.top import run_top
+
+            return run_top(r, keys, run_dir=cfg.run_dir, once=args.once, interval=args.interval)
+        from pipeline.dashboard import serve_dashboard
+
+        return serve_dashboard(r, keys, run_dir=cfg.run_dir, host=args.host, port=args.port, interval=args.interval)
     if cmd in ("status", "account"):
         from pipeline.accounting import account
         from pipeline.streams import queue_depths, read_stats
@@ -161,6 +197,12 @@ def _dispatch(args: argparse.Namespace, cfg: RunConfig) -> int:
         print(json.dumps(out, indent=2))
         return 0
     _sigterm_exits()
+    if cmd == "exporter":
+        from pipeline.metrics import run_exporter
+
+        r, keys, log = _worker_context(cfg, "exporter", "exporter")
+        run_exporter(cfg, r, keys, log, run_dir=cfg.run_dir)
+        return 0
     if cmd == "feed":
         from pipeline.model import CharTokenizer
         from pipeline.producers.feeder import run_feeder

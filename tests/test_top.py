@@ -1,0 +1,96 @@
+"""``pipeline top``: frames rendered from a real Redis, numbers read back and compared with XINFO."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+from pipeline.keys import GENERATORS_GROUP, Keys
+from pipeline.metrics import snapshot
+from pipeline.top import History, frame_text, rates, render, sparkline
+from tests.busy_streams import fill_streams, group_info
+
+
+def table_rows(text: str, first: str) -> list[list[str]]:
+    """Whitespace-split rows of a rendered table whose first cell is ``first``."""
+    return [line.split() for line in text.splitlines() if line.split()[:1] == [first]]
+
+
+def test_once_prints_a_frame_whose_stream_rows_equal_xinfo(redis_client, redis_url, tmp_path):
+    keys = Keys("obs")
+    fill_streams(redis_client, keys)
+    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "top", "--redis-url", redis_url, "--run-id", "obs",
+                          "--runs_dir", str(tmp_path), "--once", "--interval", "0.1"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    for name, (key, group) in keys.streams().items():
+        (row,) = table_rows(out, name)
+        g = group_info(redis_client, key, group)
+        assert row[1] == group
+        assert [int(x) for x in row[2:5]] == [redis_client.xlen(key), g["lag"], g["pending"]]
+        assert int(row[6]) == g["consumers"]
+    (dead,) = table_rows(out, "dead")
+    assert int(dead[2]) == redis_client.xlen(keys.dead) == 2
+    (gen0,) = table_rows(out, "gen-0")
+    assert gen0[1:3] == ["generator", "generating"]
+    assert "policy version 4/10" in out and "reward 0.625" in out and "held-out 0.410 (base 0.300)" in out
+    assert "dead letters 2" in out and "dropped stale 3" in out
+
+
+def test_rates_count_entries_added_and_acked_between_snapshots(redis_client):
+    keys = Keys("obs")
+    fill_streams(redis_client, keys)
+    before = snapshot(redis_client, keys)
+    for _ in range(6):
+        redis_client.xadd(keys.prompts, {"d": b"x"})
+    got = redis_client.xreadgroup(GENERATORS_GROUP, "gen-2", {keys.prompts: ">"}, count=4)[0][1]
+    redis_client.xack(keys.prompts, GENERATORS_GROUP, *[e[0] for e in got])
+    time.sleep(0.05)
+    after = snapshot(redis_client, keys)
+    dt = after["time"] - before["time"]
+    rt = rates(before, after)
+    assert abs(rt["in"]["prompts"] * dt - 6) < 1e-6
+    assert abs(rt["out"]["prompts/generators"] * dt - 4) < 1e-6
+    assert rt["in"]["rollouts"] == 0
+    text = frame_text(render(after, prev=before))
+    (row,) = table_rows(text, "prompts")
+    assert float(row[7]) == round(6 / dt, 1) and float(row[8]) == round(4 / dt, 1)
+
+
+def test_history_reads_the_metrics_file_and_draws_sparklines(redis_client, tmp_path):
+    keys = Keys("obs")
+    fill_streams(redis_client, keys)
+    rows = [{"kind": "eval", "version": 0, "heldout_accuracy": 0.3}]
+    rows += [{"kind": "step", "version": v, "reward_mean": v / 10, "sample_accuracy": v / 20,
+              "staleness_hist": [1, 2] if v % 2 else [3]} for v in range(1, 11)]
+    rows += [{"kind": "eval", "version": 10, "heldout_accuracy": 0.5}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    snap = snapshot(redis_client, keys)
+    h = History(tmp_path / "metrics.jsonl").update(snap)
+    assert h.reward == [v / 10 for v in range(1, 11)]
+    assert h.heldout == [(0, 0.3), (10, 0.5)]
+    assert h.staleness == [5 * 1 + 5 * 3, 5 * 2]
+    text = frame_text(render(snap, history=h))
+    (reward,) = table_rows(text, "reward")
+    assert reward[1] == sparkline(h.reward, lo=0.0, hi=1.0) and reward[2] == "1.000"
+    assert "0:20 1:10" in text
+
+
+def test_history_without_a_file_follows_the_trainer_hash(redis_client):
+    keys = Keys("obs")
+    fill_streams(redis_client, keys)
+    h = History(None)
+    h.update(snapshot(redis_client, keys))
+    redis_client.hset(keys.trainer, mapping={"version": 5, "reward_mean": 0.75, "eval_version": 5, "eval_accuracy": 0.45})
+    h.update(snapshot(redis_client, keys))
+    h.update(snapshot(redis_client, keys))  # unchanged version: no new point
+    assert h.reward == [0.625, 0.75]
+    assert h.heldout == [(5, 0.45)]
+
+
+def test_sparkline_scales_values_to_eight_levels():
+    assert sparkline([0.0, 0.5, 1.0], lo=0.0, hi=1.0) == "▁▅█"
+    assert sparkline([2.0, 2.0]) == "▁▁"
+    assert sparkline([]) == ""
+    assert len(sparkline(list(range(100)), width=10)) == 10
