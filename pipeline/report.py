@@ -1,0 +1,233 @@
+"""``pipeline report <run dir>``: PNG plots and a markdown report of a run, from its files alone.
+
+Reads what a run leaves in its directory:
+
+    metrics.jsonl   trainer: one ``step`` row per optimizer step, one ``eval`` row per evaluation
+    queues.jsonl    exporter: queue depths (length, lag, pending per stream) every sample
+    logs/*.jsonl    every worker's structured log: ``batch_generated``, ``batch_scored`` and
+                    ``step`` lines carry the seconds each batch took and end at their timestamp
+
+and writes ``report/{reward_accuracy,queues,staleness,utilisation}.png``, ``report.json``
+(every number the report states, and the series it plots) and ``report.md`` linking them.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from tqdm import tqdm
+
+BUSY_EVENTS = {"batch_generated": "seconds", "batch_scored": "seconds", "step": "step_seconds"}
+"""Log events that mark a finished unit of work, and the field holding how long it took."""
+STAGE_ORDER = ("feeder", "generator", "verifier", "trainer")
+
+
+def _jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue  # a torn last line of a killed process
+    return rows
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _ts(iso: str) -> float:
+    return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
+
+
+def busy_spans(log_dir: Path) -> dict[str, dict]:
+    """Per worker: its stage and its busy spans ``(start, end)`` in Unix seconds, from the log lines."""
+    out: dict[str, dict] = {}
+    for path in sorted(log_dir.glob("*.jsonl")) if log_dir.exists() else []:
+        for row in _jsonl(path):
+            field = BUSY_EVENTS.get(row.get("event", ""))
+            if field is None or field not in row or "timestamp" not in row:
+                continue
+            end = _ts(row["timestamp"])
+            w = out.setdefault(row.get("worker", path.stem), {"stage": row.get("stage", ""), "spans": []})
+            w["spans"].append((end - float(row[field]), end))
+    return out
+
+
+def analyse(run_dir: Path) -> dict:
+    """Every number and series the report shows, from the run directory's files."""
+    rows = _jsonl(run_dir / "metrics.jsonl")
+    steps = [r for r in rows if r.get("kind") == "step"]
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    queues = _jsonl(run_dir / "queues.jsonl")
+    workers = busy_spans(run_dir / "logs")
+
+    staleness: list[int] = []
+    for s in steps:
+        for i, n in enumerate(s.get("staleness_hist", [])):
+            staleness += [0] * (i + 1 - len(staleness))
+            staleness[i] += int(n)
+    consumed = sum(staleness)
+
+    t0 = min([q["time"] for q in queues] + [sp[0] for w in workers.values() for sp in w["spans"]]
+             + [r["time"] for r in rows if "time" in r], default=0.0)
+    t1 = max([q["time"] for q in queues] + [sp[1] for w in workers.values() for sp in w["spans"]]
+             + [r["time"] for r in rows if "time" in r], default=0.0)
+    window = max(t1 - t0, 1e-9)
+
+    streams = sorted({name for q in queues for name in q["queues"]},
+                     key=lambda n: ("prompts", "rollouts", "scored", "dead").index(n)
+                     if n in ("prompts", "rollouts", "scored", "dead") else 99)
+    queue_stats = {}
+    for name in streams:
+        backlog = [q["queues"][name]["lag"] + q["queues"][name]["pending"] for q in queues if name in q["queues"]]
+        length = [q["queues"][name]["length"] for q in queues if name in q["queues"]]
+        queue_stats[name] = {"backlog_mean": _mean(backlog), "backlog_max": max(backlog, default=0),
+                             "length_max": max(length, default=0)}
+
+    util = {}
+    for name, w in sorted(workers.items()):
+        busy = sum(e - s for s, e in w["spans"])
+        util[name] = {"stage": w["stage"], "batches": len(w["spans"]), "busy_seconds": busy,
+                      "busy_fraction": busy / window}
+    stages = {}
+    for stage in STAGE_ORDER:
+        ws = [u for u in util.values() if u["stage"] == stage]
+        if ws:
+            stages[stage] = {"workers": len(ws), "busy_fraction": sum(u["busy_fraction"] for u in ws) / len(ws)}
+
+    later = [e["heldout_accuracy"] for e in evals if e.get("version", 0) > 0]
+    return {
+        "run_dir": str(run_dir),
+        "steps": len(steps),
+        "duration_seconds": t1 - t0 if t1 > t0 else 0.0,
+        "reward": [s.get("reward_mean", float("nan")) for s in steps],
+        "sample_accuracy": [s.get("sample_accuracy", float("nan")) for s in steps],
+        "step_versions": [s.get("version", i + 1) for i, s in enumerate(steps)],
+        "reward_first10": _mean([s["reward_mean"] for s in steps[:10] if "reward_mean" in s]),
+        "reward_last10": _mean([s["reward_mean"] for s in steps[-10:] if "reward_mean" in s]),
+        "sample_accuracy_first10": _mean([s["sample_accuracy"] for s in steps[:10] if "sample_accuracy" in s]),
+        "sample_accuracy_last10": _mean([s["sample_accuracy"] for s in steps[-10:] if "sample_accuracy" in s]),
+        "evals": [[e.get("version", 0), e["heldout_accuracy"]] for e in evals],
+        "base_accuracy": evals[0]["heldout_accuracy"] if evals else float("nan"),
+        "final_accuracy_mean_last3": _mean(later[-3:]),
+        "staleness_hist": staleness,
+        "staleness_mean": sum(i * n for i, n in enumerate(staleness)) / consumed if consumed else float("nan"),
+        "groups_consumed": consumed,
+        "groups_stale": sum(s.get("groups_stale", 0) for s in steps),
+        "queue_samples": len(queues),
+        "queues": queue_stats,
+        "workers": util,
+        "stages": stages,
+        "_t0": t0, "_t1": t1,
+    }
+
+
+def _figures(run_dir: Path, a: dict, out: Path) -> dict[str, str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    queues = _jsonl(run_dir / "queues.jsonl")
+    spans = busy_spans(run_dir / "logs")
+    made: dict[str, str] = {}
+
+    def reward_accuracy(ax):
+        ax.plot(a["step_versions"], a["reward"], label="reward (mean)")
+        ax.plot(a["step_versions"], a["sample_accuracy"], label="sampled-answer accuracy (hidden)")
+        if a["evals"]:
+            ax.plot([v for v, _ in a["evals"]], [x for _, x in a["evals"]], "o-", label="held-out greedy accuracy")
+        ax.set(xlabel="policy version (optimizer step)", ylabel="fraction", ylim=(0, 1), title="reward and accuracy")
+        ax.legend(loc="lower right")
+
+    def queue_depths(ax):
+        for name in a["queues"]:
+            pts = [(q["time"] - a["_t0"], q["queues"][name]["lag"] + q["queues"][name]["pending"])
+                   for q in queues if name in q["queues"]]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name)
+        ax.set(xlabel="seconds since start", ylabel="entries not yet acked (lag + pending)", title="queue backlog")
+        if a["queues"]:
+            ax.legend()
+        else:
+            ax.text(0.5, 0.5, "no queues.jsonl samples", ha="center", transform=ax.transAxes)
+
+    def staleness(ax):
+        hist = a["staleness_hist"]
+        ax.bar(range(len(hist)), hist)
+        for i, n in enumerate(hist):
+            ax.annotate(str(n), (i, n), ha="center", va="bottom")
+        ax.set(xlabel="staleness (trainer version - group's oldest version)", ylabel="groups consumed",
+               title="staleness of consumed groups", xticks=range(len(hist)))
+
+    def utilisation(ax):
+        names = sorted(spans, key=lambda n: (STAGE_ORDER.index(spans[n]["stage"])
+                                             if spans[n]["stage"] in STAGE_ORDER else 9, n))
+        for i, name in enumerate(names):
+            ax.broken_barh([(s - a["_t0"], e - s) for s, e in spans[name]["spans"]], (i - 0.4, 0.8))
+        ax.set(yticks=range(len(names)), yticklabels=[f"{n} ({a['workers'][n]['busy_fraction']:.0%})" for n in names],
+               xlabel="seconds since start", title="per-stage utilisation (busy spans, share of the run)")
+
+    plots = {"reward_accuracy": reward_accuracy, "queues": queue_depths, "staleness": staleness,
+             "utilisation": utilisation}
+    for name, draw in tqdm(plots.items(), desc="report figures", unit="fig"):
+        fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+        draw(ax)
+        fig.tight_layout()
+        path = out / f"{name}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        made[name] = str(path.relative_to(run_dir))
+    return made
+
+
+def _markdown(run_dir: Path, a: dict, figs: dict[str, str]) -> str:
+    def f(x: float) -> str:
+        return "-" if x != x else f"{x:.3f}"
+
+    md = [f"# Report of {run_dir.name}", "",
+          f"{a['steps']} training steps over {a['duration_seconds']:.0f} s.", "",
+          "## Reward and accuracy", "", f"![reward and accuracy]({figs['reward_accuracy']})", "",
+          f"- reward: first 10 steps {f(a['reward_first10'])}, last 10 {f(a['reward_last10'])}",
+          f"- hidden accuracy of sampled answers: {f(a['sample_accuracy_first10'])} -> {f(a['sample_accuracy_last10'])}",
+          f"- held-out greedy accuracy: base {f(a['base_accuracy'])}, final {f(a['final_accuracy_mean_last3'])} "
+          "(mean of the last three evaluations)", "",
+          "## Queues", "", f"![queue backlog]({figs['queues']})", "",
+          f"{a['queue_samples']} samples of the exporter.", "",
+          "| stream | mean backlog | max backlog | max length |", "|---|---|---|---|"]
+    md += [f"| {n} | {q['backlog_mean']:.1f} | {q['backlog_max']} | {q['length_max']} |" for n, q in a["queues"].items()]
+    md += ["", "## Staleness", "", f"![staleness]({figs['staleness']})", "",
+           f"{a['groups_consumed']} groups consumed, mean staleness {f(a['staleness_mean'])} versions, "
+           f"{a['groups_stale']} dropped as too stale.", "",
+           "| staleness | " + " | ".join(str(i) for i in range(len(a["staleness_hist"]))) + " |",
+           "|---|" + "---|" * len(a["staleness_hist"]),
+           "| groups | " + " | ".join(str(n) for n in a["staleness_hist"]) + " |", "",
+           "## Utilisation", "", f"![utilisation]({figs['utilisation']})", "",
+           "| worker | stage | batches | busy seconds | busy share of the run |", "|---|---|---|---|---|"]
+    md += [f"| {n} | {u['stage']} | {u['batches']} | {u['busy_seconds']:.1f} | {u['busy_fraction']:.1%} |"
+           for n, u in a["workers"].items()]
+    md += ["", "Per stage (mean over its workers): "
+           + ", ".join(f"{s} {v['busy_fraction']:.1%}" for s, v in a["stages"].items()), ""]
+    return "\n".join(md)
+
+
+def write_report(run_dir: Path) -> dict:
+    """Write the figures, ``report.json`` and ``report.md`` into ``run_dir``; return the numbers and the markdown."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run directory {run_dir} does not exist")
+    if not (run_dir / "metrics.jsonl").exists() and not (run_dir / "logs").is_dir():
+        raise FileNotFoundError(f"{run_dir} holds neither metrics.jsonl nor logs/: not a run directory")
+    a = analyse(run_dir)
+    out = run_dir / "report"
+    out.mkdir(exist_ok=True)
+    figs = _figures(run_dir, a, out)
+    md = _markdown(run_dir, a, figs)
+    (run_dir / "report.md").write_text(md)
+    numbers = {k: v for k, v in a.items() if not k.startswith("_")}
+    (run_dir / "report.json").write_text(json.dumps({**numbers, "figures": figs}, indent=2, default=float))
+    return {**numbers, "figures": figs, "markdown": md}

@@ -1,0 +1,112 @@
+"""``pipeline report``: the numbers and figures of a run directory written here, checked against its files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from pipeline.report import write_report
+
+T0 = 1_800_000_000.0
+
+
+def iso(t: float) -> str:
+    return datetime.fromtimestamp(t, tz=timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def write_run(run: Path, *, steps: int = 24) -> dict:
+    """A run directory as ``pipeline up`` leaves it: metrics.jsonl, queues.jsonl and worker logs."""
+    (run / "logs").mkdir(parents=True)
+    metrics = [{"kind": "eval", "time": T0, "version": 0, "heldout_accuracy": 0.30, "n": 100}]
+    trainer_log, gen_log, ver_log = [], [], []
+    for v in range(1, steps + 1):
+        t = T0 + 2 * v
+        hist = [v % 3, 4 - v % 3] if v > 1 else [4]
+        metrics.append({"kind": "step", "time": t, "version": v, "reward_mean": 0.2 + 0.02 * v,
+                        "sample_accuracy": 0.1 + 0.01 * v, "staleness_hist": hist, "groups_stale": v % 5 == 0,
+                        "wait_seconds": 0.5, "step_seconds": 1.5})
+        trainer_log.append({"stage": "trainer", "worker": "trainer", "event": "step", "version": v,
+                            "step_seconds": 1.5, "timestamp": iso(t)})
+        gen_log.append({"stage": "generator", "worker": "gen-0", "event": "batch_generated", "seconds": 0.5,
+                        "groups": 4, "timestamp": iso(t - 1)})
+        ver_log.append({"stage": "verifier", "worker": "ver-0", "event": "batch_scored", "seconds": 0.25,
+                        "timestamp": iso(t - 0.5)})
+        if v % 8 == 0:
+            metrics.append({"kind": "eval", "time": t, "version": v, "heldout_accuracy": 0.30 + 0.01 * v, "n": 100})
+    gen_log.append({"stage": "generator", "worker": "gen-0", "event": "generator_stopped", "timestamp": iso(T0 + 60)})
+    queues = [{"time": T0 + i, "version": i // 2,
+               "queues": {"prompts": {"length": 50, "lag": 40 - i, "pending": 8},
+                          "rollouts": {"length": i, "lag": i % 4, "pending": 2},
+                          "scored": {"length": 3, "lag": 1, "pending": 0},
+                          "dead": {"length": i // 10, "lag": 0, "pending": 0}}} for i in range(0, 40)]
+    for name, rows in (("metrics.jsonl", metrics), ("queues.jsonl", queues), ("logs/trainer.jsonl", trainer_log),
+                       ("logs/gen-0.jsonl", gen_log), ("logs/ver-0.jsonl", ver_log)):
+        (run / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "logs" / "gen-0.out").write_text("not json\n")
+    return {"metrics": metrics, "queues": queues}
+
+
+def test_report_numbers_equal_what_the_run_logged(tmp_path):
+    run = tmp_path / "run-a"
+    src = write_run(run)
+    rep = write_report(run)
+    steps = [m for m in src["metrics"] if m["kind"] == "step"]
+    evals = [m for m in src["metrics"] if m["kind"] == "eval"]
+    assert rep["steps"] == 24
+    assert rep["reward"] == [s["reward_mean"] for s in steps]
+    assert rep["reward_first10"] == pytest.approx(sum(s["reward_mean"] for s in steps[:10]) / 10)
+    assert rep["reward_last10"] == pytest.approx(sum(s["reward_mean"] for s in steps[-10:]) / 10)
+    assert rep["base_accuracy"] == 0.30
+    assert rep["final_accuracy_mean_last3"] == pytest.approx(sum(e["heldout_accuracy"] for e in evals[1:][-3:]) / 3)
+    hist = [sum(s["staleness_hist"][0] for s in steps), sum(s["staleness_hist"][1] for s in steps if len(s["staleness_hist"]) > 1)]
+    assert rep["staleness_hist"] == hist and rep["groups_consumed"] == 24 * 4
+    assert rep["groups_stale"] == 4
+    backlog = [q["queues"]["prompts"]["lag"] + q["queues"]["prompts"]["pending"] for q in src["queues"]]
+    assert rep["queues"]["prompts"]["backlog_mean"] == pytest.approx(sum(backlog) / len(backlog))
+    assert rep["queues"]["prompts"]["backlog_max"] == max(backlog) == 48
+    assert rep["queues"]["dead"]["length_max"] == 3
+    # The run's window: from the first sample or busy span (T0) to the last (the final step, T0 + 48);
+    # a log line that marks no work (generator_stopped at T0 + 60) does not extend it.
+    assert rep["duration_seconds"] == pytest.approx(48.0)
+    assert rep["workers"]["trainer"]["busy_seconds"] == pytest.approx(24 * 1.5)
+    assert rep["workers"]["gen-0"]["batches"] == 24
+    assert rep["workers"]["ver-0"]["busy_fraction"] == pytest.approx(24 * 0.25 / 48.0)
+    assert rep["stages"]["trainer"]["busy_fraction"] == pytest.approx(36 / 48)
+    on_disk = json.loads((run / "report.json").read_text())
+    assert on_disk["staleness_hist"] == hist and on_disk["steps"] == 24
+
+
+def test_report_writes_real_pngs_and_markdown_that_links_them(tmp_path):
+    run = tmp_path / "run-b"
+    write_run(run, steps=12)
+    rep = write_report(run)
+    md = (run / "report.md").read_text()
+    assert set(rep["figures"]) == {"reward_accuracy", "queues", "staleness", "utilisation"}
+    for rel in rep["figures"].values():
+        assert f"]({rel})" in md
+        with Image.open(run / rel) as img:
+            assert img.format == "PNG" and img.size == (800, 450)
+            low, high = img.convert("L").getextrema()
+            assert high - low > 100  # something dark was drawn on the white canvas
+    assert f"| trainer | trainer | 12 | {12 * 1.5:.1f} |" in md
+    assert "| prompts |" in md and "held-out greedy accuracy: base 0.300" in md
+
+
+def test_report_command_prints_the_markdown_and_rejects_a_non_run_directory(tmp_path):
+    run = tmp_path / "run-c"
+    write_run(run, steps=4)
+    done = subprocess.run([sys.executable, "-m", "pipeline.cli", "report", str(run)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("# Report of run-c") and "report figures" in done.stderr
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="neither metrics.jsonl nor logs"):
+        write_report(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        write_report(tmp_path / "missing")
