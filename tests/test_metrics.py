@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import urllib.request
+from pathlib import Path
 
 import pytest
+import yaml
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.config import ConfigError, load_config
@@ -14,7 +18,6 @@ from pipeline.logs import setup_logging
 from pipeline.metrics import (StreamCollector, WorkerMetrics, port_for, run_exporter, serve, worker_ports,
                               write_ports)
 from pipeline.server import free_port
-from prometheus_client import CollectorRegistry
 from tests.busy_streams import fill_streams, group_info
 
 
@@ -160,3 +163,43 @@ def test_exporter_samples_queue_depths_until_stopped(redis_client, redis_url, tm
     assert lines[-1]["version"] == 4 and lines[-1]["workers"]["gen-0"] == "generating"
     redis_client.set(keys.stop, 1)
     assert run_exporter(cfg, redis_client, keys, log, run_dir=None) == 0
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def exported_sample_names(r, keys) -> set[str]:
+    """Every sample name the exporter and a worker serve (``_total``, ``_bucket`` ... included)."""
+    fill_streams(r, keys)
+    registry = CollectorRegistry()
+    registry.register(StreamCollector(r, keys))
+    wm = WorkerMetrics("trainer", "trainer")
+    names = set()
+    for reg in (registry, wm.registry):
+        for fam in reg.collect():
+            names |= {s.name for s in fam.samples}
+    return names
+
+
+def test_every_grafana_panel_queries_metrics_the_code_exports(redis_client):
+    names = exported_sample_names(redis_client, Keys("obs"))
+    dash = json.loads((ROOT / "ops" / "grafana" / "pipeline.json").read_text())
+    assert dash["panels"] and len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
+    titles = " ".join(p["title"].lower() for p in dash["panels"])
+    for topic in ("backlog", "pending", "dead letters", "delivery", "idle", "policy version", "staleness",
+                  "busy", "tokens per second", "reward", "held-out", "goodput"):
+        assert topic in titles, f"no panel about {topic}"
+    for panel in dash["panels"]:
+        assert {"gridPos", "type", "title", "targets"} <= panel.keys()
+        for target in panel["targets"]:
+            used = set(re.findall(r"\bpipeline_[a-z_]+", target["expr"]))
+            assert used, f"panel {panel['title']!r}: expr names no pipeline metric"
+            missing = used - names
+            assert not missing, f"panel {panel['title']!r} queries metrics nobody exports: {missing}"
+
+
+def test_prometheus_config_scrapes_every_port_of_the_default_cluster():
+    conf = yaml.safe_load((ROOT / "ops" / "prometheus.yml").read_text())
+    targets = {t for job in conf["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    cfg = load_config(None, {"metrics.base_port": "9400"})  # what `make up-cluster` passes
+    assert targets == {f"127.0.0.1:{p}" for p in worker_ports(cfg).values()}
