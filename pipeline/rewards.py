@@ -7,6 +7,9 @@ A mode is chosen by a spec string in the config (``verifier.reward``):
 ``weaver-hard``     1[P(correct) > 0.5] from the same posterior
 ``single:<name>``   one verifier's binarised score, 1[s ≥ 0.5]; an abstention counts 0
 ``majority``        1 if the completion's answer is (one of) the group's most frequent answer(s)
+``average``         the plain mean of the verifiers' scores (each in [0, 1]) over those that did not
+                    abstain, 0 if all abstained: the naive ensemble, no label model, no calibration
+``distilled:DIR``   P(correct) of a distilled cross-encoder saved in DIR by ``pipeline distill``
 ``ground_truth``    the hidden truth — an upper bound for experiments only, never a default
 ==================  ==========================================================================
 
@@ -28,12 +31,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from pipeline.labelmodel import LabelModel
 from pipeline.task import extract_answer
-from pipeline.verifiers import VERIFIERS
+from pipeline.verifiers import KINDS, VERIFIERS, check_spec
 
 
 def _weaver(*, votes: np.ndarray, names: Sequence[str], label_model: LabelModel | None, **_: object) -> np.ndarray:
@@ -60,6 +64,14 @@ def _majority(*, completions: Sequence[str] | None, **_: object) -> np.ndarray:
     return np.array([1.0 if a is not None and counts[a] == top else 0.0 for a in answers])
 
 
+def _average(*, votes: np.ndarray, **_: object) -> np.ndarray:
+    v = np.asarray(votes, dtype=np.float64)
+    voted = ~np.isnan(v)
+    n = voted.sum(axis=1)
+    # Scores are in [0, 1] by the verifier contract, so they are already normalised.
+    return np.where(n > 0, np.where(voted, v, 0.0).sum(axis=1) / np.maximum(n, 1), 0.0)
+
+
 def _ground_truth(*, truth: np.ndarray | None, **_: object) -> np.ndarray:
     if truth is None:
         raise ValueError("reward mode 'ground_truth' needs the hidden truth (truth=None)")
@@ -72,6 +84,7 @@ REWARD_MODES: dict[str, RewardFn] = {
     "weaver": _weaver,
     "weaver-hard": _weaver_hard,
     "majority": _majority,
+    "average": _average,
     "ground_truth": _ground_truth,
 }
 """Parameterless modes by name; ``single:<verifier>`` is parameterised and handled by ``parse_reward_mode``."""
@@ -79,6 +92,18 @@ REWARD_MODES: dict[str, RewardFn] = {
 SINGLE_PREFIX = "single:"
 SINGLE_THRESHOLD = 0.5
 """A single verifier's score counts as a pass at or above this (fixed, so the baseline needs no label model)."""
+
+DISTILLED_PREFIX = "distilled:"
+_DISTILLED: dict[str, object] = {}
+
+
+def distilled_verifier(path: str):
+    """The distilled verifier saved in ``path`` (``pipeline distill``), loaded once per process."""
+    if path not in _DISTILLED:
+        from pipeline.distill import DistilledVerifier  # imports torch: only runs that use it pay
+
+        _DISTILLED[path] = DistilledVerifier.load(path)
+    return _DISTILLED[path]
 
 
 @dataclass(frozen=True)
@@ -99,9 +124,11 @@ class RewardMode:
     spec: str
     """The spec string as given, e.g. ``"single:mod9"``; record it on each scored group."""
     kind: str
-    """``weaver``, ``weaver-hard``, ``single``, ``majority`` or ``ground_truth``."""
+    """``weaver``, ``weaver-hard``, ``single``, ``majority``, ``average`` or ``ground_truth``."""
     verifier: str | None = None
     """The verifier of a ``single:`` mode."""
+    path: str | None = None
+    """The model directory of a ``distilled:`` mode."""
 
     @property
     def needs_label_model(self) -> bool:
@@ -120,6 +147,7 @@ class RewardMode:
         completions: Sequence[str] | None = None,
         label_model: LabelModel | None = None,
         truth: np.ndarray | None = None,
+        prompt: str | None = None,
     ) -> np.ndarray:
         v = np.asarray(votes, dtype=np.float64)
         names = list(names)
@@ -133,6 +161,10 @@ class RewardMode:
                 raise ValueError(f"reward mode {self.spec!r}: verifier not among the scored ones {names}")
             col = v[:, names.index(self.verifier)]
             out = np.where(np.isnan(col), 0.0, (col >= SINGLE_THRESHOLD).astype(np.float64))
+        elif self.kind == "distilled":
+            if prompt is None or completions is None:
+                raise ValueError(f"reward mode {self.spec!r} needs the group's prompt and completions")
+            out = distilled_verifier(self.path).score_group(prompt, completions)
         elif self.kind == "ground_truth":
             out = _ground_truth(truth=truth)
         else:
@@ -145,8 +177,9 @@ class RewardMode:
 
 
 def allowed_reward_modes() -> list[str]:
-    """Every valid spec, for error messages and ``--help``."""
-    return [*REWARD_MODES, *(f"{SINGLE_PREFIX}{n}" for n in sorted(VERIFIERS))]
+    """Every valid spec, for error messages and ``--help`` (a kind stands for any of its specs)."""
+    kinds = [f"{SINGLE_PREFIX}{k}" + (":<arg>" if v.arg == "required" else "") for k, v in KINDS.items()]
+    return [*REWARD_MODES, *(f"{SINGLE_PREFIX}{n}" for n in sorted(VERIFIERS)), *kinds]
 
 
 def parse_reward_mode(spec: str) -> RewardMode:
@@ -158,10 +191,18 @@ def parse_reward_mode(spec: str) -> RewardMode:
         return RewardMode(spec=s, kind=s)
     if s.startswith(SINGLE_PREFIX):
         name = s[len(SINGLE_PREFIX):]
-        if name in VERIFIERS:
-            return RewardMode(spec=s, kind="single", verifier=name)
-        raise ValueError(f"reward mode {spec!r}: unknown verifier {name!r}; allowed: {sorted(VERIFIERS)}")
-    raise ValueError(f"unknown reward mode {spec!r}; allowed: {allowed_reward_modes()}")
+        try:
+            check_spec(name)
+        except ValueError as e:
+            raise ValueError(f"reward mode {spec!r}: {e}") from None
+        return RewardMode(spec=s, kind="single", verifier=name)
+    if s.startswith(DISTILLED_PREFIX):
+        path = s[len(DISTILLED_PREFIX):]
+        if not (Path(path) / "config.json").is_file():
+            raise ValueError(f"reward mode {spec!r}: {path!r} is not a distilled verifier directory (no config.json); "
+                             "build one with `pipeline distill --run <run>`")
+        return RewardMode(spec=s, kind="distilled", path=path)
+    raise ValueError(f"unknown reward mode {spec!r}; allowed: {allowed_reward_modes()} or distilled:<dir>")
 
 
 def compute_rewards(
@@ -172,6 +213,7 @@ def compute_rewards(
     completions: Sequence[str] | None = None,
     label_model: LabelModel | None = None,
     truth: np.ndarray | None = None,
+    prompt: str | None = None,
 ) -> np.ndarray:
     """Rewards float32 [G] for one group under ``mode`` (a spec string or a parsed ``RewardMode``).
 
@@ -180,4 +222,5 @@ def compute_rewards(
     ``weaver-hard``; ``truth`` (hidden correctness, [G]) only by ``ground_truth``.
     """
     parsed = parse_reward_mode(mode) if isinstance(mode, str) else mode
-    return parsed(votes=votes, names=names, completions=completions, label_model=label_model, truth=truth)
+    return parsed(votes=votes, names=names, completions=completions, label_model=label_model, truth=truth,
+                  prompt=prompt)

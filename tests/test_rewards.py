@@ -125,3 +125,17 @@ def test_a_parsed_mode_is_reusable_and_callable_directly(scored, label_model):
     a = mode(votes=scored, names=DEFAULT_VERIFIERS, label_model=label_model)
     b = compute_rewards(mode, votes=scored, names=DEFAULT_VERIFIERS, label_model=label_model)
     assert np.array_equal(a, b)
+
+
+def test_average_is_the_plain_mean_of_the_scores_that_did_not_abstain():
+    votes = np.array([[1.0, 0.0, np.nan], [np.nan, np.nan, np.nan], [0.5, 1.0, 1.0]])
+    got = compute_rewards("average", votes=votes, names=["a", "b", "c"])
+    np.testing.assert_allclose(got, [0.5, 0.0, 2.5 / 3], rtol=1e-6)
+    assert "average" in REWARD_MODES and not parse_reward_mode("average").needs_label_model
+
+
+def test_single_accepts_a_verifier_kind_spec():
+    mode = parse_reward_mode("single:reward_model:/models/rm")
+    assert mode.kind == "single" and mode.verifier == "reward_model:/models/rm"
+    with pytest.raises(ValueError, match="needs ':<arg>'"):
+        parse_reward_mode("single:reward_model")

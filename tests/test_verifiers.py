@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -184,3 +186,75 @@ def test_correctness_is_the_hidden_truth_on_the_stated_number():
 
 def test_correctness_is_not_a_registered_verifier():
     assert V.correctness not in VERIFIERS.values()
+
+
+# ------------------------------------------------------ deadlines and abstention
+def _slow(prompt, completions):
+    time.sleep(3.0)
+    return np.ones(len(completions), np.float32)
+
+
+def test_a_threaded_verifier_past_its_deadline_abstains_promptly_and_is_counted(monkeypatch):
+    monkeypatch.setitem(VERIFIERS, "slow", _slow)
+    monkeypatch.setattr(V, "THREADED", V.THREADED | {"slow"})
+    scorer = V.Scorer(["mod9", "slow"], timeouts={"slow": 0.2})
+    t0 = time.perf_counter()
+    votes, outcome = scorer.score(ADD, ["359", "349"])
+    assert time.perf_counter() - t0 < 1.5, "the caller must stop waiting at the deadline"
+    assert outcome == {"mod9": "ok", "slow": "timeout"}
+    assert votes[:, 0].tolist() == [1.0, 0.0] and np.isnan(votes[:, 1]).all()
+    st = scorer.stats["slow"]
+    assert (st.groups, st.timeouts, st.abstained, st.errors) == (1, 1, 1, 0) and "0.2 s deadline" in st.last_error
+    assert scorer.stats["mod9"].abstained == 0
+
+
+def test_a_verifier_still_stuck_on_earlier_groups_abstains_without_starting_another_thread(monkeypatch):
+    monkeypatch.setitem(VERIFIERS, "slow", _slow)
+    monkeypatch.setattr(V, "THREADED", V.THREADED | {"slow"})
+    scorer = V.Scorer(["slow"], timeouts={"slow": 0.05})
+    before = threading.active_count()
+    for _ in range(V.MAX_STUCK_THREADS + 3):
+        _, outcome = scorer.score(ADD, ["359"])
+        assert outcome == {"slow": "timeout"}
+    assert threading.active_count() - before <= V.MAX_STUCK_THREADS
+    assert scorer.stats["slow"].timeouts == V.MAX_STUCK_THREADS + 3
+    assert "still running" in scorer.stats["slow"].last_error
+
+
+def test_an_inline_verifier_that_overruns_its_deadline_still_abstains(monkeypatch):
+    def sluggish(prompt, completions):
+        time.sleep(0.1)
+        return np.ones(len(completions), np.float32)
+
+    monkeypatch.setitem(VERIFIERS, "sluggish", sluggish)
+    votes, outcome = V.Scorer(["sluggish"], timeouts={"sluggish": 0.01}).score(ADD, ["359"])
+    assert outcome == {"sluggish": "timeout"} and np.isnan(votes).all()
+
+
+def test_an_error_is_counted_apart_from_a_timeout_with_its_reason(monkeypatch):
+    def broken(prompt, completions):
+        raise RuntimeError("boom")
+
+    monkeypatch.setitem(VERIFIERS, "broken", broken)
+    scorer = V.Scorer(["broken"])
+    scorer.score(ADD, ["359"])
+    scorer.score(ADD, ["359"])
+    st = scorer.stats["broken"]
+    assert (st.errors, st.timeouts, st.abstained) == (2, 0, 2) and st.last_error == "RuntimeError: boom"
+
+
+def test_scorer_validates_specs_and_timeouts_up_front():
+    with pytest.raises(ValueError, match="unknown verifier 'nope'"):
+        V.Scorer(["mod9", "nope"])
+    with pytest.raises(ValueError, match="not in the list"):
+        V.Scorer(["mod9"], timeouts={"format": 1.0})
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        V.Scorer(["mod9"], timeouts={"mod9": 0})
+    with pytest.raises(ValueError, match="needs ':<arg>'"):
+        V.check_spec("reward_model")
+    with pytest.raises(ValueError, match="takes no argument"):
+        V.check_spec("code_exec:x")
+    with pytest.raises(ValueError, match="must not contain ':'"):
+        register("a:b")
+    V.check_spec("reward_model:/some/dir")
+    V.check_spec("lm_judge")
