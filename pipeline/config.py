@@ -142,11 +142,15 @@ class GeneratorConfig:
 @dataclass(kw_only=True)
 class VerifierConfig:
     reward: str = "weaver"
-    """Reward mode: ``weaver`` (soft posterior), ``weaver-hard``, ``single:<verifier>``, ``majority``, ``ground_truth``."""
+    """Reward mode: ``weaver`` (soft Weaver posterior), ``weaver-hard`` (1[posterior > 0.5]),
+    ``single:<verifier>`` (one verifier, 1[s >= 0.5]), ``majority`` (the group's most frequent
+    answer), ``average`` (plain mean of the verifiers' scores, no label model), ``ground_truth``
+    (the hidden answers; an upper bound for experiments only)."""
     verifiers: list[str] = field(
         default_factory=lambda: ["format", "units_digit", "mod9", "magnitude", "majority", "leading_digit"]
     )
-    """Weak verifiers in the ensemble, by registry name. None sees the reference answer."""
+    """Weak verifiers in the ensemble, by registry name or kind spec (``math_equiv``,
+    ``reward_model:<dir>``, ``lm_judge[:<dir>]``, ``code_exec``). None sees the reference answer."""
     batch: int = 16
     """Rollout groups read per stream read."""
     window: int = 4096
@@ -155,12 +159,37 @@ class VerifierConfig:
     """Refit the label model after this many new groups (by whichever replica takes the lock)."""
     min_fit_rows: int = 128
     """Completions needed before the first fit."""
+    timeout_s: float = 10.0
+    """Seconds a verifier may spend on one group; past it the verifier abstains for that group
+    (counted per verifier). Rule-based checks run inline, the other kinds in a worker thread."""
+    timeouts: list[str] = field(default_factory=list)
+    """Per-verifier deadlines overriding timeout_s, as ``name=seconds`` (e.g. ``code_exec=30``)."""
+    dependence: str = "drop"
+    """Label model: the weaker verifier of a dependent pair is dropped (``drop``) or averaged
+    into the other (``merge``)."""
 
     def validate(self, p: str) -> None:
         _check(len(self.verifiers) >= 1, f"{p}.verifiers", "a non-empty list", self.verifiers)
         _check(self.batch >= 1, f"{p}.batch", ">= 1", self.batch)
         _check(self.window >= self.min_fit_rows >= 8, f"{p}.window", ">= min_fit_rows >= 8", (self.window, self.min_fit_rows))
         _check(self.refit_every >= 1, f"{p}.refit_every", ">= 1", self.refit_every)
+        _check(self.timeout_s > 0, f"{p}.timeout_s", "> 0", self.timeout_s)
+        _check(self.dependence in ("drop", "merge"), f"{p}.dependence", "drop|merge", self.dependence)
+        self.timeout_map(p)
+
+    def timeout_map(self, p: str = "verifier") -> dict[str, float]:
+        """``timeouts`` as {verifier: seconds}, each naming a verifier of the list."""
+        out: dict[str, float] = {}
+        for item in self.timeouts:
+            name, sep, secs = item.rpartition("=")
+            try:
+                value = float(secs) if sep else -1.0
+            except ValueError:
+                value = -1.0
+            _check(bool(name) and value > 0, f"{p}.timeouts", "entries 'name=seconds' with seconds > 0", item)
+            _check(name in self.verifiers, f"{p}.timeouts", f"names from verifiers {self.verifiers}", item)
+            out[name] = value
+        return out
 
 
 @dataclass(kw_only=True)

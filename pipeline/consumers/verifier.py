@@ -24,7 +24,7 @@ from pipeline.records import RecordError, RolloutGroup, ScoredGroup
 from pipeline.rewards import RewardMode, parse_reward_mode
 from pipeline.streams import (FIELD, GroupReader, dead_letter, decode_entries, ensure_all_groups, heartbeat,
                               incr_stats, stop_requested)
-from pipeline.verifiers import VERIFIERS, correctness, score_group
+from pipeline.verifiers import Scorer, check_spec, correctness
 
 FIRST_MODEL_WAIT_S = 60.0
 LOCK_TTL_MS = 30_000
@@ -61,13 +61,10 @@ class SharedLabelModel:
             rows = [np.frombuffer(b, dtype="<f4").reshape(-1, m) for b in self.r.lrange(self.keys.votes, 0, -1)]
             votes = np.concatenate(rows)
             t0 = time.perf_counter()
-            lm = fit_label_model(votes, list(self.cfg.verifiers), version=version + 1)
+            lm = fit_label_model(votes, list(self.cfg.verifiers), version=version + 1, dependence=self.cfg.dependence)
             self.r.hset(self.keys.labelmodel, mapping={
                 "version": version + 1, "params": msgpack.packb(lm.to_dict()), "rows": len(votes), "new_groups": 0})
-            self.log.info("labelmodel_fitted", version=version + 1, rows=len(votes), pi=round(lm.pi, 4),
-                          seconds=round(time.perf_counter() - t0, 4), dropped=lm.dropped,
-                          verifiers={n: {k: round(float(x), 3) for k, x in st.items()}
-                                     for n, st in lm.verifier_stats().items()})
+            self.log.info("labelmodel_fitted", seconds=round(time.perf_counter() - t0, 4), **lm.report())
         finally:
             self.r.delete(self.keys.labelmodel_lock)
 
@@ -96,9 +93,11 @@ def check_tokens(g: RolloutGroup, *, vocab_size: int) -> None:
 
 def reward_mode(v: VerifierConfig) -> RewardMode:
     """The configured reward mode, refused at start (naming the field) rather than per message."""
-    unknown = [n for n in v.verifiers if n not in VERIFIERS]
-    if unknown:
-        raise ConfigError(f"verifier.verifiers: unknown {unknown}; allowed: {sorted(VERIFIERS)}")
+    for n in v.verifiers:
+        try:
+            check_spec(n)
+        except ValueError as e:
+            raise ConfigError(f"verifier.verifiers: {e}") from None
     try:
         mode = parse_reward_mode(v.reward)
     except ValueError as e:
@@ -132,6 +131,25 @@ def append_posteriors(path, rows: list[dict]) -> None:
             f.write("".join(json.dumps(row) + "\n" for row in rows))
 
 
+def score_batch(scorer: Scorer, groups: list[RolloutGroup], log) -> tuple[list[np.ndarray], dict[str, int]]:
+    """Votes of each group, and how many (group, verifier) pairs abstained by error or timeout.
+
+    A verifier that fails or misses its deadline abstains for that group and is logged
+    with its running counters; it never stops the stage.
+    """
+    votes, failed = [], {"error": 0, "timeout": 0}
+    for g in groups:
+        vt, outcome = scorer.score(g.prompt, g.completions)
+        votes.append(vt)
+        for name, o in outcome.items():
+            if o != "ok":
+                failed[o] += 1
+                st = scorer.stats[name]
+                log.warning("verifier_abstained", verifier=name, outcome=o, reason=st.last_error,
+                            group_id=g.group_id, abstained_total=st.abstained, timeouts_total=st.timeouts)
+    return votes, failed
+
+
 def run_verifier(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batches: int | None = None) -> int:
     """Score rollout groups until stopped (or ``max_batches`` non-empty reads); returns groups scored."""
     v = cfg.verifier
@@ -141,6 +159,7 @@ def run_verifier(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batc
     shared = SharedLabelModel(r, keys, v, worker_id, log) if mode.needs_label_model else None
     reader = GroupReader(r, keys.rollouts, VERIFIERS_GROUP, worker_id)
     posteriors_path = cfg.run_dir / POSTERIORS_FILE
+    scorer = Scorer(v.verifiers, timeouts=v.timeout_map(), default_timeout_s=v.timeout_s)
     batches, scored = 0, 0
     log.info("verifier_started", reward=v.reward, verifiers=v.verifiers)
     while not stop_requested(r, keys) and (max_batches is None or batches < max_batches):
@@ -151,11 +170,7 @@ def run_verifier(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batc
         batches += 1
         t0 = time.perf_counter()
         good, bad = decode_entries(entries, RolloutGroup.decode, lambda g: check_tokens(g, vocab_size=vocab_size))
-        votes, verifier_errors = [], 0
-        for _, g in good:
-            vt, errors = score_group(g.prompt, g.completions, v.verifiers)
-            votes.append(vt)
-            verifier_errors += sum(errors.values())
+        votes, failed = score_batch(scorer, [g for _, g in good], log)
         lm = None
         if shared is not None and good:
             shared.add_votes(votes)
@@ -176,12 +191,13 @@ def run_verifier(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batc
             log.warning("dead_letter", id=e.id, reason=reason)
             dead_letter(pipe, keys, stream=keys.rollouts, group=VERIFIERS_GROUP, entry=e, reason=reason,
                         consumer=worker_id, release_admission=True)
-        incr_stats(pipe, keys, groups_scored_total=len(good), verifier_errors_total=verifier_errors,
-                   verify_seconds_total=time.perf_counter() - t0)
+        incr_stats(pipe, keys, groups_scored_total=len(good), verifier_errors_total=failed["error"],
+                   verifier_timeouts_total=failed["timeout"], verify_seconds_total=time.perf_counter() - t0)
         pipe.execute()
         append_posteriors(posteriors_path, rows)
         scored += len(good)
-        heartbeat(r, keys, worker_id, "verifier", "scored", groups=scored)
+        heartbeat(r, keys, worker_id, "verifier", "scored", groups=scored,
+                  abstained={n: st.abstained for n, st in scorer.stats.items()})
         log.info("batch_scored", groups=len(good), dead=len(bad), labelmodel_version=shared.version if shared else -1,
                  seconds=round(time.perf_counter() - t0, 4))
     log.info("verifier_stopped", groups=scored)
