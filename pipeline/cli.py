@@ -7,6 +7,7 @@
     pipeline status    queue depths and trainer progress of a run
     pipeline account   what became of every prompt of a run
     pipeline config    the resolved config as documented TOML
+    pipeline distill   train a distilled verifier on a run's Weaver posteriors, measure it
     pipeline top       live terminal view of streams, workers and training curves
     pipeline dashboard the same view as a local web page, with charts over time
     pipeline exporter  stream-level Prometheus metrics; samples queue depths for the report
@@ -69,6 +70,15 @@ def _parser() -> argparse.ArgumentParser:
     add("exporter", "serve stream-level Prometheus metrics and sample queue depths into the run directory")
     report = sub.add_parser("report", help="write PNG plots and report.md for a run directory")
     report.add_argument("run_path", metavar="RUN_DIR", help="the run directory, e.g. runs/<id>")
+    dist = sub.add_parser("distill", help="train a distilled verifier (cross-encoder) on a run's Weaver posteriors",
+                          description="Train a small cross-encoder on the Weaver posteriors a run recorded "
+                                      "(runs/<id>/posteriors.jsonl), report its selection-accuracy retention and "
+                                      "throughput against the ensemble, save it for the distilled:<dir> reward mode.")
+    dist.add_argument("--run", required=True, help="run directory or run id")
+    dist.add_argument("--out", help="output directory (default: <run>/distilled)")
+    dist.add_argument("--epochs", type=float, default=3.0, help="passes over the training rows (default 3)")
+    dist.add_argument("--init", choices=["base", "scratch"], default="base",
+                      help="start from the run's base policy (default) or a fresh tiny model")
     return p
 
 
@@ -183,6 +193,17 @@ def _dispatch(args: argparse.Namespace, cfg: RunConfig) -> int:
         from pipeline.dashboard import serve_dashboard
 
         return serve_dashboard(r, keys, run_dir=cfg.run_dir, host=args.host, port=args.port, interval=args.interval)
+    if cmd == "distill":
+        from pipeline.distill import DistillConfig, distill_run, resolve_run
+
+        dcfg = DistillConfig(epochs=args.epochs, init=args.init)
+        try:
+            dcfg.validate()
+            run_dir = resolve_run(args.run, cfg.runs_dir)
+        except (ValueError, FileNotFoundError) as e:
+            raise ConfigError(str(e)) from None
+        print(json.dumps(distill_run(run_dir, dcfg, out=args.out), indent=2))
+        return 0
     if cmd in ("status", "account"):
         from pipeline.accounting import account
         from pipeline.streams import queue_depths, read_stats

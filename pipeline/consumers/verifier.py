@@ -179,7 +179,8 @@ def run_verifier(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batc
         rows = []
         for (e, g), vt in zip(good, votes):
             truth = correctness(g.reference, g.completions)
-            rewards = mode(votes=vt, names=v.verifiers, completions=g.completions, label_model=lm, truth=truth)
+            rewards = mode(votes=vt, names=v.verifiers, completions=g.completions, label_model=lm, truth=truth,
+                           prompt=g.prompt)
             rows.append(posterior_row(g, vt, truth, lm, v.verifiers))
             rec = ScoredGroup(rollout=g, verifier_names=tuple(v.verifiers), votes=vt.astype(np.float32),
                               rewards=rewards.astype(np.float32), truth=truth.astype(np.float32),

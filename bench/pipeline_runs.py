@@ -1,0 +1,89 @@
+"""Shared by the training experiments (bench/gap.py, bench/hacking.py): run the real
+pipeline (`pipeline up`) with config overrides, one run at a time, and read back what
+it wrote under runs/<id>/ (summary.json, metrics.jsonl).
+
+Each run is a full cluster (Redis, feeder, 2 generators, 2 verifiers, trainer) started
+as OS processes by `pipeline up`; its live progress lines are passed through, prefixed
+with the run's label, so a long experiment always shows where it is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+PIPELINE = [sys.executable, "-m", "pipeline.cli"]
+
+
+def run_up(label: str, overrides: dict[str, object], *, runs_dir: Path, nice: int = 10) -> Path:
+    """Run `pipeline up` with ``overrides`` (dotted config fields) under a fresh run id; returns the run dir.
+
+    Raises RuntimeError if the run fails or leaves no summary.json.
+    """
+    run_id = f"{label}-{time.strftime('%m%d-%H%M%S')}"
+    cmd = [*PIPELINE, "up", "--run-id", run_id, "--runs_dir", str(runs_dir)]
+    for k, v in overrides.items():
+        cmd += [f"--{k}", str(v)]
+    if nice:
+        cmd = ["nice", "-n", str(nice), *cmd]
+    print(f"[{label}] {' '.join(cmd)}", flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as p:
+        assert p.stdout is not None
+        for line in p.stdout:
+            # Progress lines only; the summary is read back from the run directory.
+            if line.startswith("[") or "error" in line.lower() or "Traceback" in line:
+                print(f"[{label}] {line.rstrip()}", flush=True)
+        rc = p.wait()
+    run_dir = runs_dir / run_id
+    if rc != 0 or not (run_dir / "summary.json").exists():
+        raise RuntimeError(f"run {run_id} failed (exit {rc}); see {run_dir}/logs")
+    return run_dir
+
+
+def read_run(run_dir: Path) -> dict:
+    """summary.json plus the per-step and per-evaluation series of metrics.jsonl."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    steps, evals = [], []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("kind") == "step":
+            steps.append(rec)
+        elif rec.get("kind") == "eval":
+            evals.append(rec)
+    return {"summary": summary, "steps": steps, "evals": evals}
+
+
+def eval_series(run: dict) -> tuple[list[int], list[float]]:
+    """(policy versions, held-out accuracy) of every evaluation, in order."""
+    ev = sorted(run["evals"], key=lambda e: e["version"])
+    return [e["version"] for e in ev], [e["heldout_accuracy"] for e in ev]
+
+
+def step_series(run: dict, field: str) -> tuple[list[int], list[float]]:
+    """(policy versions, ``field``) of every trainer step that logged it."""
+    st = [s for s in run["steps"] if s.get(field) is not None]
+    return [s["version"] for s in st], [float(s[field]) for s in st]
+
+
+def smooth(y: list[float], k: int = 10) -> list[float]:
+    """Trailing moving average over ``k`` points (noisy per-step series read better smoothed)."""
+    out, acc = [], 0.0
+    for i, v in enumerate(y):
+        acc += v
+        if i >= k:
+            acc -= y[i - k]
+        out.append(acc / min(i + 1, k))
+    return out
+
+
+def md_table(header: list[str], rows: list[list[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
