@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 ARGS ?=
 
-.PHONY: help setup up-cluster down pretrain test clean
+.PHONY: help setup up-cluster down pretrain test clean gap-experiment hacking-experiment
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -28,6 +28,12 @@ pretrain: setup ## build and warm up the base model (artifacts/base-model) if mi
 
 test: setup ## the test suite (real Redis-compatible server, real processes)
 	$(BIN)/python -m pytest -q $(ARGS)
+
+gap-experiment: pretrain ## train with single:<best>, weaver, ground_truth; writes bench/results/gap.{json,md,png} (~15 min)
+	nice -n 10 $(BIN)/python bench/gap.py $(ARGS)
+
+hacking-experiment: pretrain ## weaver, majority, average at lr 3e-4: reward vs hidden accuracy; bench/results/hacking.* (~15 min)
+	nice -n 10 $(BIN)/python bench/hacking.py $(ARGS)
 
 clean: ## remove runs/ and the base model (keeps .venv)
 	rm -rf runs artifacts
