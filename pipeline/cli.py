@@ -116,6 +116,10 @@ def _worker_context(cfg: RunConfig, stage: str, worker: str):
     if not url:
         raise ConfigError("redis.url: empty and $REDIS_URL is unset; pass --redis-url or use `pipeline up`")
     log = setup_logging(cfg.run_dir / "logs", stage=stage, worker=worker)
+    if stage in ("feeder", "generator", "verifier", "trainer"):
+        from pipeline.metrics import start_worker_metrics
+
+        log = start_worker_metrics(cfg, stage, worker, log)  # /metrics on its port, fed by its log lines
     return connect(url, name=f"{cfg.run_id}:{worker}"), Keys(cfg.run_id), log
 
 

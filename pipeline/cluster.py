@@ -94,6 +94,11 @@ def up(cfg: RunConfig) -> int:
     workers = {"trainer": ("train", None), "feeder": ("feed", None)}
     workers.update({f"gen-{i}": ("generate", f"gen-{i}") for i in range(cfg.cluster.generators)})
     workers.update({f"ver-{i}": ("verify", f"ver-{i}") for i in range(cfg.cluster.verifiers)})
+    workers["exporter"] = ("exporter", None)  # stream metrics, and queue samples for the report
+    if cfg.metrics.base_port:
+        from pipeline.metrics import write_ports
+
+        write_ports(cfg, run_dir / "ports.json")
     procs: dict[str, subprocess.Popen] = {}
     cluster_file = Path(cfg.runs_dir) / "cluster.json"
 
@@ -145,6 +150,10 @@ def up(cfg: RunConfig) -> int:
     server.stop()
     cluster_file.unlink(missing_ok=True)
     print((run_dir / "summary.md").read_text(), flush=True)
+    from pipeline.report import write_report
+
+    write_report(run_dir)
+    print(f"report: {run_dir / 'report.md'}", flush=True)
     return 0 if status == "finished" and summary["accounting"]["ok"] else 1
 
 

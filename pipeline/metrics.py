@@ -361,6 +361,28 @@ class WorkerMetrics:
     def heldout_accuracy(self, accuracy: float) -> None:
         self._accuracy.set(accuracy)
 
+    def observe_event(self, event: dict) -> None:
+        """Feed the metrics from a worker's own log lines (the events that mark finished work)."""
+        name = event.get("event")
+        if name in ("batch_generated", "batch_scored"):
+            self.batch(seconds=float(event.get("seconds", 0.0)), groups=int(event.get("groups", 0)),
+                       tokens=int(event.get("tokens", 0)))
+            if "version" in event:
+                self.policy_version(int(event["version"]))
+        elif name == "step" and "step_seconds" in event:
+            hist = event.get("staleness_hist", [])
+            self.batch(seconds=float(event["step_seconds"]), groups=int(sum(hist)), tokens=int(event.get("tokens", 0)))
+            self.staleness([v for v, n in enumerate(hist) for _ in range(int(n))],
+                           dropped=int(event.get("groups_stale", 0)))
+            self.policy_version(int(event["version"]))
+            self.reward(float(event.get("reward_mean", 0.0)))
+        elif name == "evaluated" and "heldout_accuracy" in event:
+            self.heldout_accuracy(float(event["heldout_accuracy"]))
+
+    def _processor(self, logger, method_name: str, event: dict) -> dict:
+        self.observe_event(event)
+        return event
+
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         """Serve ``/metrics`` on ``host:port`` from a daemon thread."""
         self.server, _ = serve(self.registry, port, host, what=f"{self.worker} metrics")
@@ -381,14 +403,22 @@ def worker_metrics() -> WorkerMetrics:
     return _current
 
 
-def start_worker_metrics(cfg, stage: str, worker: str) -> WorkerMetrics:
-    """Make this process's worker metrics and serve them if its port (``port_for``) is not 0."""
+def start_worker_metrics(cfg, stage: str, worker: str, log):
+    """Make this process's worker metrics, serve them if its port (``port_for``) is not 0, and
+    return ``log`` rebound so every line it writes also feeds them (``WorkerMetrics.observe_event``).
+
+    The stages already log each finished batch with its duration and size, so the metrics
+    hook into logging, like a middleware, rather than into every stage's loop.
+    """
+    import structlog
+
     global _current
     _current = WorkerMetrics(stage, worker)
     port = port_for(cfg, worker)
     if port:
         _current.serve(port, cfg.metrics.host)
-    return _current
+    structlog.configure(processors=[_current._processor, *structlog.get_config()["processors"]])
+    return structlog.get_logger().bind(**structlog.get_context(log))
 
 
 # ----------------------------------------------------------------------------- the exporter process

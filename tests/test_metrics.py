@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pipeline.config import ConfigError, load_config
 from pipeline.keys import GENERATORS_GROUP, VERIFIERS_GROUP, Keys
 from pipeline.logs import setup_logging
-from pipeline.metrics import (StreamCollector, WorkerMetrics, port_for, run_exporter, serve, worker_ports,
-                              write_ports)
+from pipeline.metrics import (StreamCollector, WorkerMetrics, port_for, run_exporter, serve, start_worker_metrics,
+                              worker_metrics, worker_ports, write_ports)
 from pipeline.server import free_port
 from tests.busy_streams import fill_streams, group_info
 
@@ -203,3 +203,29 @@ def test_prometheus_config_scrapes_every_port_of_the_default_cluster():
     targets = {t for job in conf["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
     cfg = load_config(None, {"metrics.base_port": "9400"})  # what `make up-cluster` passes
     assert targets == {f"127.0.0.1:{p}" for p in worker_ports(cfg).values()}
+
+
+def test_a_workers_log_lines_feed_its_metrics(tmp_path):
+    cfg = load_config(None, {"metrics.port": str(free_port())})
+    log = setup_logging(tmp_path, stage="trainer", worker="trainer")
+    log = start_worker_metrics(cfg, "trainer", "trainer", log)
+    try:
+        log.info("step", version=3, step_seconds=0.5, staleness_hist=[2, 1], groups_stale=1, reward_mean=0.4, tokens=90)
+        log.info("evaluated", version=3, heldout_accuracy=0.55)
+        log.info("trainer_started", steps=10)
+        m = scrape(cfg.metrics.port)
+    finally:
+        worker_metrics().server.shutdown()
+    lbl = (("stage", "trainer"), ("worker", "trainer"))
+    assert m[("pipeline_stage_busy_seconds_total", lbl)] == 0.5
+    assert m[("pipeline_stage_tokens_total", lbl)] == 90
+    assert m[("pipeline_staleness_versions_count", lbl)] == 3
+    assert m[("pipeline_staleness_versions_sum", lbl)] == 1
+    assert m[("pipeline_worker_dropped_stale_groups_total", lbl)] == 1
+    assert m[("pipeline_worker_policy_version", lbl)] == 3
+    assert m[("pipeline_worker_reward_mean", lbl)] == 0.4
+    assert m[("pipeline_worker_heldout_accuracy_ratio", lbl)] == 0.55
+    # The lines still reach the worker's log file, with the stage and worker bound.
+    lines = [json.loads(x) for x in (tmp_path / "trainer.jsonl").read_text().splitlines()]
+    assert [x["event"] for x in lines] == ["step", "evaluated", "trainer_started"]
+    assert all(x["worker"] == "trainer" and x["stage"] == "trainer" for x in lines)

@@ -87,7 +87,7 @@ def run_generator(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_bat
         if not entries:
             granted = admission.admit(g.prompts_per_batch, version)
             if not granted:
-                heartbeat(r, keys, worker_id, "generator", "waiting_admission", version=version)
+                heartbeat(r, keys, worker_id, "generator", "waiting_admission", version=version, groups=produced)
                 watch.wait(cfg.redis.block_ms)
                 continue
             entries = reader.read_new(granted, cfg.redis.block_ms)
@@ -101,7 +101,7 @@ def run_generator(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_bat
                         consumer=worker_id, release_admission=True)
         if good:
             batches += 1
-            heartbeat(r, keys, worker_id, "generator", "generating", version=version)
+            heartbeat(r, keys, worker_id, "generator", "generating", version=version, groups=produced)
             t0 = time.perf_counter()
             prompt_ids = torch.from_numpy(np.stack([t.prompt_ids for _, t in good]).astype(np.int64))
             tokens, logprobs, lengths = sample(
@@ -116,6 +116,7 @@ def run_generator(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_bat
                        generate_seconds_total=time.perf_counter() - t0)
             produced += len(good)
             log.info("batch_generated", groups=len(good), version=version, seconds=round(time.perf_counter() - t0, 4),
+                     tokens=int(lengths.sum()),
                      prompt_ids=[t.prompt_id for _, t in good])
         pipe.execute()
     log.info("generator_stopped", groups=produced, version=version)
