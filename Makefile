@@ -3,8 +3,9 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 ARGS ?=
+METRICS_PORT ?= 9400
 
-.PHONY: help setup up-cluster down pretrain test clean gap-experiment hacking-experiment
+.PHONY: help setup up-cluster down pretrain test clean gap-experiment hacking-experiment top dashboard report
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -18,7 +19,16 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 up-cluster: setup ## Redis + feeder + 2 generators + 2 verifiers + trainer on the embedded default; writes runs/<id>/
-	$(BIN)/pipeline up $(ARGS)
+	$(BIN)/pipeline up --metrics.base_port $(METRICS_PORT) $(ARGS)
+
+top: ## live terminal view of the running cluster (ARGS="--once" prints one frame)
+	$(BIN)/pipeline top $(ARGS)
+
+dashboard: ## the live view and its charts as a web page on http://127.0.0.1:8765/
+	$(BIN)/pipeline dashboard $(ARGS)
+
+report: ## PNG plots and report.md of a run: make report RUN=runs/<id>
+	$(BIN)/pipeline report $(RUN)
 
 down: ## stop a cluster left running
 	$(BIN)/pipeline down

@@ -184,9 +184,13 @@ def _dispatch(args: argparse.Namespace, cfg: RunConfig) -> int:
         from pipeline.keys import Keys
         from pipeline.streams import connect
 
+        # Without --run-id / --redis-url: the cluster `pipeline up` is running (<runs_dir>/cluster.json).
+        running = Path(cfg.runs_dir) / "cluster.json"
+        running = json.loads(running.read_text()) if running.exists() else {}
+        cfg.run_id = cfg.run_id or running.get("run_id", "")
         if not cfg.run_id:
-            raise ConfigError("run_id: required (--run-id NAME)")
-        url = cfg.redis.url or os.environ.get("REDIS_URL", "")
+            raise ConfigError(f"run_id: required (--run-id NAME); no cluster is recorded in {cfg.runs_dir}/cluster.json")
+        url = cfg.redis.url or os.environ.get("REDIS_URL", "") or running.get("url", "")
         if not url:
             raise ConfigError("redis.url: empty and $REDIS_URL is unset; pass --redis-url")
         r, keys = connect(url, name=f"{cfg.run_id}:{cmd}"), Keys(cfg.run_id)

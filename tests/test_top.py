@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -94,3 +95,17 @@ def test_sparkline_scales_values_to_eight_levels():
     assert sparkline([2.0, 2.0]) == "▁▁"
     assert sparkline([]) == ""
     assert len(sparkline(list(range(100)), width=10)) == 10
+
+
+def test_without_run_id_or_url_top_follows_the_cluster_pipeline_up_recorded(redis_client, redis_url, tmp_path):
+    keys = Keys("obs")
+    fill_streams(redis_client, keys)
+    (tmp_path / "cluster.json").write_text(json.dumps({"run_id": "obs", "url": redis_url, "ns": "obs", "workers": {}}))
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "top", "--runs_dir", str(tmp_path), "--once",
+                          "--interval", "0.1"], capture_output=True, text=True, timeout=60, check=True, env=env).stdout
+    assert "run obs" in out and table_rows(out, "prompts")[0][2] == "12"
+    (tmp_path / "cluster.json").unlink()
+    done = subprocess.run([sys.executable, "-m", "pipeline.cli", "top", "--runs_dir", str(tmp_path), "--once"],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 2 and "run_id: required" in done.stderr
