@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 ARGS ?=
 METRICS_PORT ?= 9400
 
-.PHONY: help setup up-cluster down pretrain test clean gap-experiment hacking-experiment top dashboard report
+.PHONY: help setup up-cluster down pretrain test clean gap-experiment hacking-experiment top dashboard report bench-verifier
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -15,7 +15,7 @@ setup: $(VENV)/.installed ## create .venv and install the pinned dependencies
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --progress-bar on -e '.[test]'
+	$(BIN)/pip install --progress-bar on -e '.[test,math]'
 	touch $@
 
 up-cluster: setup ## Redis + feeder + 2 generators + 2 verifiers + trainer on the embedded default; writes runs/<id>/
@@ -44,6 +44,9 @@ gap-experiment: pretrain ## train with single:<best>, weaver, ground_truth; writ
 
 hacking-experiment: pretrain ## weaver, majority, average at lr 3e-4: reward vs hidden accuracy; bench/results/hacking.* (~15 min)
 	nice -n 10 $(BIN)/python bench/hacking.py $(ARGS)
+
+bench-verifier: pretrain ## label model vs majority/single/average/EM/supervised on synthetic votes and base-model rollouts; bench/results/verifier.{json,md} (~3 min)
+	nice -n 10 $(BIN)/python bench/bench_verifier.py $(ARGS)
 
 clean: ## remove runs/ and the base model (keeps .venv)
 	rm -rf runs artifacts
