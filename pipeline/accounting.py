@@ -6,6 +6,12 @@ dead-lettered, or still in flight when the run stopped (waiting in, or delivered
 unacked from, one of the streams). Anything else is lost; a ledger entry for a prompt
 never issued is unexpected. The ledger is written with HSETNX, so a prompt can have
 one outcome only; duplicates that reached the trainer are counted when skipped.
+
+Independent evidence of double training comes from ``{ns}:trainlog``, which the trainer
+appends to unconditionally for every group a committed step consumed: a prompt that
+appears there twice was trained (or dropped) twice, whatever the ledger says. The
+issued set is the feeder's deterministic id sequence (``prompts_issued`` ids, p00000000
+onwards), so it survives the trimming of acked prompts.
 """
 
 from __future__ import annotations
@@ -62,13 +68,27 @@ def _unacked_prompt_ids(r, key: str, group: str) -> set[str]:
     return ids
 
 
-def account(r, keys: Keys) -> dict:
-    issued: set[str] = set()
+def issued_ids(r, keys: Keys) -> set[str]:
+    """Every prompt id the feeder issued: its id sequence, plus any still-decodable prompt entry."""
+    from pipeline.producers.feeder import prompt_id
+
+    n = int(r.hget(keys.stats, "prompts_issued") or 0)
+    issued = {prompt_id(i) for i in range(n)}
     for _, fields in _xrange_all(r, keys.prompts):
         try:
             issued.add(PromptTask.decode(fields.get(b"d")).prompt_id)
         except RecordError:
             pass  # a malformed entry was never a prompt the feeder issued
+    return issued
+
+
+def trainlog_counts(r, keys: Keys) -> Counter:
+    """How many committed steps consumed each prompt id, from the append-only training log."""
+    return Counter(f[b"prompt_id"].decode() for _, f in _xrange_all(r, keys.trainlog))
+
+
+def account(r, keys: Keys) -> dict:
+    issued = issued_ids(r, keys)
     ledger = {k.decode(): v.decode() for k, v in r.hgetall(keys.ledger).items()}
     outcomes = Counter(v.split(":", 1)[0] for pid, v in ledger.items() if pid in issued)
     dead_ids = {_prompt_id(f.get(b"payload")) or f.get(b"prompt_id", b"").decode() for _, f in _xrange_all(r, keys.dead)}
@@ -82,6 +102,8 @@ def account(r, keys: Keys) -> dict:
         in_flight[name] = len(held)
         remaining -= held
     stats = {k.decode(): float(v) for k, v in r.hgetall(keys.stats).items()}
+    consumed = trainlog_counts(r, keys)
+    duplicated = sorted(pid for pid, n in consumed.items() if n > 1)
     result = {
         "issued": len(issued),
         "trained": outcomes.get("trained", 0),
@@ -91,17 +113,20 @@ def account(r, keys: Keys) -> dict:
         "in_flight": in_flight,
         "lost": len(remaining),
         "lost_ids": sorted(remaining)[:20],
-        "unexpected": len(set(ledger) - issued),
+        "duplicated": len(duplicated),
+        "duplicated_ids": duplicated[:20],
+        "unexpected": len((set(ledger) | set(consumed)) - issued),
         "dead_letters_total": int(r.xlen(keys.dead)),
         "duplicates_skipped": int(stats.get("duplicates_skipped_total", 0)),
-        # The trainer counts the groups it trained per step; a group trained twice would
-        # make this exceed the ledger's count of trained prompts.
+        # The trainer counts the groups it trained per committed step; a group trained
+        # twice would make this exceed the ledger's count of trained prompts.
         "groups_trained_by_steps": int(stats.get("groups_trained_total", 0)),
     }
     total = (result["trained"] + result["nosignal"] + result["stale"] + result["dead_lettered"]
              + sum(in_flight.values()) + result["lost"])
     result["adds_up"] = total == result["issued"]
-    result["trained_once"] = result["groups_trained_by_steps"] == result["trained"]
+    result["trained_once"] = (result["groups_trained_by_steps"] == result["trained"] and not duplicated
+                              and sum(consumed.values()) == len(ledger))
     result["ok"] = (result["adds_up"] and result["trained_once"] and result["lost"] == 0
                     and result["unexpected"] == 0)
     return result

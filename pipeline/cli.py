@@ -128,8 +128,16 @@ def _interrupt(signum, frame) -> None:
 
 
 def _sigterm_exits() -> None:
-    # SIGTERM unwinds like Ctrl-C: work in hand stays unacked and is redelivered.
-    signal.signal(signal.SIGTERM, _interrupt)
+    """The first SIGTERM lets the stage finish its current batch (or step), make it durable
+    and exit; a second one, or Ctrl-C, exits at once, leaving work in hand unacked so it is
+    redelivered (to this consumer on restart, or reclaimed by another)."""
+    from pipeline.streams import request_local_stop
+
+    def first(signum, frame) -> None:
+        request_local_stop()
+        signal.signal(signal.SIGTERM, _interrupt)
+
+    signal.signal(signal.SIGTERM, first)
 
 
 def main(argv: list[str] | None = None) -> int:

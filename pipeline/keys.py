@@ -19,6 +19,9 @@ Hashes, counters and lists:
                              training (the staleness admission rule, DESIGN §3).
   {ns}:ledger       hash     trainer: prompt id -> outcome ("trained:<step>", "stale:<step>",
                              "nosignal:<step>"). HSETNX makes training idempotent.
+  {ns}:trainlog     stream   trainer -> auditors: one entry per group each committed step consumed
+                             (prompt_id, group_id, outcome, version), appended unconditionally, so
+                             a group trained twice would show up twice (``pipeline check``).
   {ns}:stats        hash     counters any stage increments (dead letters, drops, tokens...).
   {ns}:trainer      hash     trainer progress: step, version, reward, accuracies, state.
   {ns}:workers      hash     worker id -> JSON heartbeat (stage, pid, state, last seen).
@@ -89,6 +92,10 @@ class Keys:
     @property
     def ledger(self) -> str:
         return f"{self.ns}:ledger"
+
+    @property
+    def trainlog(self) -> str:
+        return f"{self.ns}:trainlog"
 
     @property
     def stats(self) -> str:

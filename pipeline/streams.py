@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -65,19 +66,35 @@ class Entry:
     id: bytes
     payload: bytes | None
     """The record bytes; None if the entry was deleted or has no ``d`` field (a poison entry)."""
+    deliveries: int = 1
+    """How many times the group has delivered this entry (1 for a first delivery)."""
 
 
 class GroupReader:
-    """Reads one stream as a named consumer of a group.
+    """Reads one stream as a named consumer of a group, reclaiming what dead consumers held.
 
-    A restarted consumer first re-reads its own pending entries (delivered before the
-    crash, never acked), following a cursor so entries it holds unacked are not
-    returned twice, then reads new entries with ``>``.
+    ``read`` returns, in order of preference:
+
+    1. this consumer's own pending entries (delivered before a crash, never acked),
+       following a cursor so an entry held unacked is not returned twice;
+    2. entries another consumer has held unacked for at least ``claim_idle_ms``
+       (it died or hangs), taken over with ``XAUTOCLAIM``, whose cursor is followed
+       across calls so a long pending list is swept in pages;
+    3. entries never delivered to the group (``>``), blocking up to ``block_ms``.
+
+    Redelivered entries carry their delivery count. One redelivered more than
+    ``max_deliveries`` times crashed every consumer that took it (or the consumers keep
+    dying): ``decode_entries`` turns it into a defect, and the caller dead-letters it.
     """
 
-    def __init__(self, r: redis.Redis, stream: str, group: str, consumer: str):
+    def __init__(self, r: redis.Redis, stream: str, group: str, consumer: str, *,
+                 claim_idle_ms: int = 30_000, max_deliveries: int = 5, claim_every_s: float = 1.0):
         self.r, self.stream, self.group, self.consumer = r, stream, group, consumer
+        self.claim_idle_ms, self.max_deliveries, self.claim_every_s = claim_idle_ms, max_deliveries, claim_every_s
         self._pending_cursor: bytes | str | None = "0"
+        self._claim_cursor: bytes | str = "0-0"
+        self._next_claim = 0.0
+        self.claimed_total = 0
 
     @property
     def draining_pending(self) -> bool:
@@ -93,7 +110,29 @@ class GroupReader:
             self._pending_cursor = None
             return []
         self._pending_cursor = entries[-1][0]
-        return [Entry(i, f.get(FIELD) if f else None) for i, f in entries]
+        return self._with_deliveries([Entry(i, f.get(FIELD) if f else None) for i, f in entries])
+
+    def claim(self, count: int) -> list[Entry]:
+        """Take over up to ``count`` entries idle in other consumers for ``claim_idle_ms`` or more.
+
+        Sweeps the pending list with XAUTOCLAIM's cursor, at most once per
+        ``claim_every_s`` while nothing is found, so an idle group costs one call a second.
+        """
+        now = time.monotonic()
+        if self.claim_idle_ms <= 0 or now < self._next_claim:
+            return []
+        resp = self.r.xautoclaim(self.stream, self.group, self.consumer, self.claim_idle_ms,
+                                 start_id=self._claim_cursor, count=count)
+        self._claim_cursor = resp[0]
+        entries = [Entry(i, f.get(FIELD) if f else None) for i, f in resp[1] if i is not None]
+        if self._claim_cursor in (b"0-0", "0-0") and not entries:
+            self._next_claim = now + self.claim_every_s
+        self.claimed_total += len(entries)
+        return self._with_deliveries(entries)
+
+    def read_owned(self, count: int) -> list[Entry]:
+        """Work already admitted to the group: own pending entries, else entries reclaimed from the dead."""
+        return self.read_pending(count) or self.claim(count)
 
     def read_new(self, count: int, block_ms: int) -> list[Entry]:
         """Entries never delivered to the group, waiting up to ``block_ms`` for one."""
@@ -102,19 +141,46 @@ class GroupReader:
         return [Entry(i, f.get(FIELD) if f else None) for i, f in entries]
 
     def read(self, count: int, block_ms: int) -> list[Entry]:
-        """Own pending entries first, then new ones."""
-        return self.read_pending(count) or self.read_new(count, block_ms)
+        """Own pending entries first, then reclaimed ones, then new ones."""
+        return self.read_owned(count) or self.read_new(count, block_ms)
+
+    def _with_deliveries(self, entries: list[Entry]) -> list[Entry]:
+        if not entries:
+            return entries
+        counts = {p["message_id"]: int(p["times_delivered"]) for p in self.r.xpending_range(
+            self.stream, self.group, min=entries[0].id, max=entries[-1].id, count=len(entries) * 4,
+            consumername=self.consumer)}
+        for e in entries:
+            e.deliveries = counts.get(e.id, e.deliveries)
+        return entries
+
+    def over_limit(self, e: Entry) -> str | None:
+        """The dead-letter reason for an entry delivered too many times, else None."""
+        if e.deliveries > self.max_deliveries:
+            return (f"delivered {e.deliveries} times without being acked (limit {self.max_deliveries}): "
+                    "every consumer that took it died or failed on it")
+        return None
 
 
-def decode_entries(entries: list[Entry], decode, check=None) -> tuple[list[tuple[Entry, object]], list[tuple[Entry, str]]]:
+def group_reader(r: redis.Redis, stream: str, group: str, consumer: str, redis_cfg, *, claim: bool = True) -> GroupReader:
+    """A reader with the run's reclaim and delivery-limit settings (``RedisConfig``)."""
+    return GroupReader(r, stream, group, consumer, max_deliveries=redis_cfg.max_deliveries,
+                       claim_idle_ms=redis_cfg.claim_idle_ms if claim else 0)
+
+
+def decode_entries(entries: list[Entry], decode, check=None, *, reader: GroupReader | None = None,
+                   ) -> tuple[list[tuple[Entry, object]], list[tuple[Entry, str]]]:
     """Split entries into ``(entry, record)`` pairs and ``(entry, reason)`` defects.
 
     ``decode`` is a record type's ``decode``; ``check(record)`` may raise RecordError
-    for defects only the stage can see (a prompt length, a vocabulary size).
+    for defects only the stage can see (a prompt length, a vocabulary size). With a
+    ``reader``, an entry past its delivery limit is a defect before it is even decoded.
     """
     good, bad = [], []
     for e in entries:
         try:
+            if reader is not None and (reason := reader.over_limit(e)):
+                raise RecordError(reason)
             if e.payload is None:
                 raise RecordError("entry has no payload field")
             record = decode(e.payload)
@@ -202,8 +268,83 @@ class VersionWatch:
         return int(entries[-1][1][b"version"])
 
 
+_local_stop = threading.Event()
+
+
+def request_local_stop() -> None:
+    """Ask this process's stage loop to finish its current batch and exit (the first SIGTERM)."""
+    _local_stop.set()
+
+
 def stop_requested(r: redis.Redis, keys: Keys) -> bool:
-    return bool(r.exists(keys.stop))
+    """Whether this process was asked to stop (SIGTERM), or the whole run was (``{ns}:stop``)."""
+    return _local_stop.is_set() or bool(r.exists(keys.stop))
+
+
+def unacked(r: redis.Redis, stream: str, group: str) -> int:
+    """Entries of ``stream`` its group has not acked yet: never delivered (lag) plus pending."""
+    try:
+        for g in r.xinfo_groups(stream):
+            if g["name"].decode() == group:
+                lag = g.get("lag")
+                return int(g["pending"]) + (int(lag) if lag is not None else int(r.xlen(stream)))
+    except redis.ResponseError:
+        pass  # the stream does not exist yet
+    return 0
+
+
+def wait_for_room(r: redis.Redis, keys: Keys, stream: str, group: str, *, bound: int, worker_id: str,
+                  stage: str, log, poll_s: float = 0.2) -> float:
+    """Backpressure: block while ``stream`` holds more than ``bound`` unacked entries.
+
+    Says so in the heartbeat (state ``backpressure``), the log and ``{ns}:stats``
+    (``backpressure_waits_total``, ``backpressure_seconds_total``). Returns seconds waited.
+    """
+    t0 = time.perf_counter()
+    depth = unacked(r, stream, group)
+    if depth <= bound:
+        return 0.0
+    log.warning("backpressure", stream=stream, unacked=depth, bound=bound)
+    r.hincrby(keys.stats, "backpressure_waits_total", 1)
+    while depth > bound and not stop_requested(r, keys):
+        heartbeat(r, keys, worker_id, stage, "backpressure", stream=stream, unacked=depth)
+        time.sleep(poll_s)
+        depth = unacked(r, stream, group)
+    waited = time.perf_counter() - t0
+    r.hincrbyfloat(keys.stats, "backpressure_seconds_total", waited)
+    log.info("backpressure_released", stream=stream, unacked=depth, seconds=round(waited, 3))
+    return waited
+
+
+def _next_id(entry_id: bytes | str) -> str:
+    ms, _, seq = (entry_id.decode() if isinstance(entry_id, bytes) else entry_id).partition("-")
+    return f"{ms}-{int(seq or 0) + 1}"
+
+
+def trim_acked(r: redis.Redis, stream: str) -> int:
+    """Remove the entries every consumer group of ``stream`` has acked; returns how many went.
+
+    The floor is, over all groups, the oldest pending entry and the first entry not yet
+    delivered; ``XTRIM MINID`` removes only entries strictly below it, so nothing a
+    group still needs (pending or never delivered) is ever trimmed. A stream without
+    groups is left alone.
+    """
+    try:
+        groups = r.xinfo_groups(stream)
+    except redis.ResponseError:
+        return 0
+    if not groups:
+        return 0
+    floor: tuple[int, int] | None = None
+    for g in groups:
+        summary = r.xpending(stream, g["name"])
+        if summary["pending"]:
+            cand = summary["min"]
+        else:
+            cand = _next_id(g["last-delivered-id"])
+        key = tuple(int(x) for x in (cand.decode() if isinstance(cand, bytes) else cand).split("-"))
+        floor = key if floor is None or key < floor else floor
+    return int(r.xtrim(stream, minid=f"{floor[0]}-{floor[1]}", approximate=False))
 
 
 def heartbeat(r: redis.Redis, keys: Keys, worker_id: str, stage: str, state: str, **extra) -> None:

@@ -1,12 +1,17 @@
 """Trainer: GRPO on bounded-staleness batches of scored groups; publishes each new version.
 
-consumes:     ScoredGroup records from {ns}:scored (group "trainer"), acked after the step
+consumes:     ScoredGroup records from {ns}:scored (group "trainer"), acked once a checkpoint
+              holds the step that consumed them (pipeline.checkpoint)
 produces:     policy version v+1 after each step ({ns}:weights, {ns}:versions); the ledger
-              entry of every consumed prompt ({ns}:ledger); metrics.jsonl; a final checkpoint
+              entry and training-log entry of every consumed prompt ({ns}:ledger,
+              {ns}:trainlog); metrics.jsonl; checkpoints; a final HF checkpoint
 waits for:    groups_per_step (B) scored groups
 unblocked by: verifiers
 Staleness is checked at consumption: a group with v − min_version > η is dropped
 (acked, counted, recorded), and the invariant is re-checked on what is trained.
+A restarted trainer resumes from its latest checkpoint (model, optimizer, schedule, RNG,
+version) and retrains only the groups no checkpoint holds; SIGTERM finishes the current
+step, checkpoints it and exits.
 """
 
 from __future__ import annotations
@@ -17,26 +22,38 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline import task
+from pipeline import checkpoint, task
+from pipeline.checkpoint import StepRecord
 from pipeline.config import RunConfig
 from pipeline.keys import TRAINER_GROUP, Keys
 from pipeline.logs import MetricsFile
 from pipeline.losses import ADVANTAGES, LOSSES, NO_SIGNAL_STD, LossSettings, kl_k3
 from pipeline.model import completion_logprobs, greedy_accuracy, load_checkpoint, save_checkpoint, state_tensors
 from pipeline.records import ScoredGroup
-from pipeline.streams import GroupReader, dead_letter, decode_entries, ensure_all_groups, incr_stats, stop_requested
+from pipeline.records import RecordError
+from pipeline.streams import dead_letter, decode_entries, ensure_all_groups, group_reader, incr_stats, stop_requested
 from pipeline.weights import make_publisher
 
 
-def collect_batch(reader: GroupReader, r, keys: Keys, *, size: int, block_ms: int, log):
+def check_scored(g: ScoredGroup, *, vocab_size: int) -> None:
+    """Defects only the trainer can see: token ids its model cannot embed."""
+    ro = g.rollout
+    for name, ids in (("prompt", ro.prompt_ids), ("completion", ro.completion_ids)):
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+            raise RecordError(f"{name} token id outside the vocabulary [0, {vocab_size})")
+
+
+def collect_batch(reader, r, keys: Keys, *, size: int, block_ms: int, log, vocab_size: int,
+                  held: set[str] = frozenset()):
     """Read until ``size`` new groups are in hand; None if a stop is requested first.
 
-    Undecodable entries are dead-lettered; a prompt already in the ledger (trained or
-    dropped before, e.g. redone by a generator after a crash) is acked and counted, never
+    Undecodable entries, and entries past their delivery limit, are dead-lettered; a
+    prompt already in the ledger (trained or dropped before, e.g. redone by a generator
+    after a crash) or ``held`` by a step not yet committed is acked and counted, never
     trained twice.
     """
     batch: list[tuple] = []
-    seen: set[str] = set()
+    seen: set[str] = set(held)
     while len(batch) < size:
         if stop_requested(r, keys):
             return None
@@ -44,7 +61,8 @@ def collect_batch(reader: GroupReader, r, keys: Keys, *, size: int, block_ms: in
         if not entries:
             continue
         pipe = r.pipeline(transaction=True)
-        decoded, bad = decode_entries(entries, ScoredGroup.decode)
+        decoded, bad = decode_entries(entries, ScoredGroup.decode, lambda g: check_scored(g, vocab_size=vocab_size),
+                                      reader=reader)
         for e, reason in bad:
             log.warning("dead_letter", id=e.id, reason=reason)
             dead_letter(pipe, keys, stream=keys.scored, group=TRAINER_GROUP, entry=e, reason=reason,
@@ -53,7 +71,7 @@ def collect_batch(reader: GroupReader, r, keys: Keys, *, size: int, block_ms: in
         for (e, g), outcome in zip(decoded, known):
             if outcome is not None or g.rollout.prompt_id in seen:
                 log.warning("duplicate_skipped", prompt_id=g.rollout.prompt_id, group_id=g.rollout.group_id,
-                            earlier=outcome.decode() if outcome else "this batch")
+                            earlier=outcome.decode() if outcome else "a step not yet committed")
                 pipe.xack(keys.scored, TRAINER_GROUP, e.id)
                 pipe.hincrby(keys.stats, "duplicates_skipped_total", 1)
             else:
@@ -90,17 +108,40 @@ def step_metrics(batch, fresh, signal, *, version: int, stats: dict, wait_s: flo
     }
 
 
-def commit_step(r, keys: Keys, batch, kinds: list[str], *, version: int, row: dict) -> None:
-    """In one transaction: each prompt's outcome in the ledger (HSETNX), the acks, counters, progress."""
+def step_record(batch, kinds: list[str], *, version: int, row: dict) -> StepRecord:
+    """What a step consumed, kept until a checkpoint holds the step and ``commit`` makes it final."""
+    return StepRecord(
+        version=version, entry_ids=[e.id.decode() for e, _ in batch],
+        outcomes={g.rollout.prompt_id: f"{kind}:{version}" for (_, g), kind in zip(batch, kinds)},
+        group_ids={g.rollout.prompt_id: g.rollout.group_id for _, g in batch},
+        counts={"groups_trained_total": row["groups_trained"], "groups_nosignal_total": row["groups_nosignal"],
+                "dropped_stale_total": row["groups_stale"], "tokens_trained_total": row.get("tokens", 0)})
+
+
+def commit(r, keys: Keys, steps: list[StepRecord]) -> None:
+    """Make checkpointed steps final, in one transaction: ledger (HSETNX), training log, acks, counters.
+
+    ``{ns}:trainer`` ``committed_version`` records the last committed step, so a resumed
+    trainer re-applies only the steps of its checkpoint that never committed.
+    """
+    if not steps:
+        return
     pipe = r.pipeline(transaction=True)
-    for (_, g), kind in zip(batch, kinds):
-        pipe.hsetnx(keys.ledger, g.rollout.prompt_id, f"{kind}:{version}")
-    pipe.xack(keys.scored, TRAINER_GROUP, *[e.id for e, _ in batch])
-    incr_stats(pipe, keys, groups_trained_total=row["groups_trained"], groups_nosignal_total=row["groups_nosignal"],
-               dropped_stale_total=row["groups_stale"], tokens_trained_total=row.get("tokens", 0))
-    pipe.hset(keys.trainer, mapping={"version": version, "reward_mean": row["reward_mean"],
-                                     "sample_accuracy": row["sample_accuracy"], "updated_at": time.time()})
+    for s in steps:
+        for pid, outcome in s.outcomes.items():
+            pipe.hsetnx(keys.ledger, pid, outcome)
+            pipe.xadd(keys.trainlog, {"prompt_id": pid, "group_id": s.group_ids.get(pid, ""),
+                                      "outcome": outcome, "version": s.version})
+        if s.entry_ids:
+            pipe.xack(keys.scored, TRAINER_GROUP, *s.entry_ids)
+        incr_stats(pipe, keys, **s.counts)
+    pipe.hset(keys.trainer, "committed_version", steps[-1].version)
     pipe.execute()
+
+
+def report_progress(r, keys: Keys, *, version: int, row: dict) -> None:
+    r.hset(keys.trainer, mapping={"version": version, "reward_mean": row["reward_mean"],
+                                  "sample_accuracy": row["sample_accuracy"], "updated_at": time.time()})
 
 
 def pad_batch(groups: list[ScoredGroup], pad_id: int):
@@ -148,7 +189,7 @@ def train_step(model, opt, groups: list[ScoredGroup], cfg: RunConfig, *, pad_id:
 
 
 def run_trainer(cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = None) -> dict:
-    """Train for ``trainer.steps`` steps (or until stopped); returns a summary of the run."""
+    """Train until the policy reaches version ``trainer.steps`` (or a stop); returns a summary."""
     t = cfg.trainer
     torch.manual_seed(t.seed)
     torch.set_num_threads(t.threads)
@@ -160,15 +201,43 @@ def run_trainer(cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = No
     heldout = task.heldout_problems(n=cfg.task.heldout_size, seed=cfg.task.heldout_seed,
                                     digits=cfg.task.digits, ops=tuple(cfg.task.ops))
     transport_opts = {"host": cfg.weights.tcp_host} if cfg.weights.transport == "tcp" else {}
-    publisher = make_publisher(cfg.weights.transport, r, keys.weights, ns=keys.ns,
-                               keep_versions=cfg.weights.keep_versions, **transport_opts)
     metrics = MetricsFile(run_dir / "metrics.jsonl" if run_dir else None)
+    ckpt_dir = run_dir / "checkpoints" if run_dir else None
     ensure_all_groups(r, keys)
-    reader = GroupReader(r, keys.scored, TRAINER_GROUP, "trainer")
+    # The only consumer of its group: nothing to reclaim from others, and its own
+    # uncommitted entries must not come back to it while it still holds them.
+    reader = group_reader(r, keys.scored, TRAINER_GROUP, "trainer", cfg.redis, claim=False)
+    uncommitted: list[StepRecord] = []
+    held: set[str] = set()
+    labelmodel_versions: set[int] = set()
 
-    def publish(version: int) -> None:
-        publisher.publish(version, state_tensors(model))
-        r.xadd(keys.versions, {"version": version}, maxlen=10_000, approximate=True)
+    version, evals = 0, {}
+    resumed_from = checkpoint.latest(ckpt_dir) if ckpt_dir is not None and t.resume else None
+    if resumed_from is not None:
+        state = checkpoint.load(resumed_from, model=model, opt=opt)
+        sched.load_state_dict(state.sched)
+        committed = int(r.hget(keys.trainer, "committed_version") or 0)
+        commit(r, keys, [s for s in state.uncommitted if s.version > committed])
+        version, evals = state.version, state.evals
+        labelmodel_versions.update(state.labelmodel_versions)
+        announced = int(r.hget(keys.trainer, "version") or 0)
+        if announced > version:
+            # Steps after the checkpoint published versions whose model died with the
+            # process. Versions only go up: the checkpoint's model becomes the next one.
+            log.warning("versions_lost_in_crash", checkpoint=version, announced=announced, resume_as=announced + 1)
+            version = announced + 1
+        log.info("trainer_resumed", checkpoint=str(resumed_from), version=version, reapplied=len(state.uncommitted),
+                 committed_before=committed)
+
+    def durable() -> None:
+        """Checkpoint, then make the checkpointed steps final (the order that loses nothing)."""
+        if ckpt_dir is not None:
+            checkpoint.save(ckpt_dir, model=model, opt=opt, keep=t.keep_checkpoints, state=checkpoint.TrainerState(
+                version=version, sched=sched.state_dict(), param_groups=[], evals=evals,
+                uncommitted=list(uncommitted), labelmodel_versions=sorted(labelmodel_versions)))
+        commit(r, keys, uncommitted)
+        uncommitted.clear()
+        held.clear()
 
     def evaluate(version: int) -> float:
         t0 = time.perf_counter()
@@ -178,17 +247,29 @@ def run_trainer(cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = No
         r.hset(keys.trainer, mapping={"eval_accuracy": acc, "eval_version": version})
         return acc
 
+    publisher = make_publisher(cfg.weights.transport, r, keys.weights, ns=keys.ns,
+                               keep_versions=cfg.weights.keep_versions, **transport_opts)
+
+    def publish(version: int) -> None:
+        publisher.publish(version, state_tensors(model))
+        r.xadd(keys.versions, {"version": version}, maxlen=10_000, approximate=True)
+        r.hset(keys.trainer, "version", version)
+
     # The publisher owns transport resources (shm files, a tcp server thread): release
     # them however the loop ends, an interrupt included.
     try:
-        version = 0
         publish(version)
-        evals = {0: evaluate(0)}
-        r.hset(keys.trainer, mapping={"base_accuracy": evals[0], "version": 0, "steps": t.steps, "state": "training"})
-        log.info("trainer_started", steps=t.steps, groups_per_step=t.groups_per_step, max_staleness=t.max_staleness)
+        if version not in evals:
+            evals[version] = evaluate(version)
+        if resumed_from is None:
+            r.hset(keys.trainer, "base_accuracy", evals[0])
+        r.hset(keys.trainer, mapping={"steps": t.steps, "state": "training"})
+        log.info("trainer_started", steps=t.steps, groups_per_step=t.groups_per_step, max_staleness=t.max_staleness,
+                 version=version, checkpoint_every=t.checkpoint_every)
         while version < t.steps:
             t_wait = time.perf_counter()
-            batch = collect_batch(reader, r, keys, size=t.groups_per_step, block_ms=cfg.redis.block_ms, log=log)
+            batch = collect_batch(reader, r, keys, size=t.groups_per_step, block_ms=cfg.redis.block_ms, log=log,
+                                  vocab_size=tok.vocab_size, held=held)
             if batch is None:
                 log.info("stop_requested", version=version)
                 break
@@ -201,14 +282,21 @@ def run_trainer(cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = No
             stats = train_step(model, opt, signal, cfg, pad_id=tok.pad_id, ref_model=ref_model) if signal else {}
             sched.step()
             version += 1
-            publish(version)
             row = step_metrics(batch, fresh, signal, version=version, stats=stats, wait_s=t_step - t_wait,
                                step_s=time.perf_counter() - t_step)
-            commit_step(r, keys, batch, kinds, version=version, row=row)
+            uncommitted.append(step_record(batch, kinds, version=version, row=row))
+            held.update(g.rollout.prompt_id for _, g in batch)
+            labelmodel_versions.update(g.labelmodel_version for g in fresh)
+            if version % t.checkpoint_every == 0 or version >= t.steps:
+                durable()
+            publish(version)
+            report_progress(r, keys, version=version, row=row)
             metrics.write("step", **row)
             log.info("step", **{k: (round(v, 5) if isinstance(v, float) else v) for k, v in row.items()})
             if version % t.eval_every == 0 or version == t.steps:
                 evals[version] = evaluate(version)
+        if uncommitted:
+            durable()
         if run_dir is not None:
             save_checkpoint(model, tok, run_dir / "checkpoints" / "final")
         r.hset(keys.trainer, "state", "finished" if version >= t.steps else "stopped")

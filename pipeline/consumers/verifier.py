@@ -17,16 +17,18 @@ import msgpack
 import numpy as np
 
 from pipeline.config import ConfigError, RunConfig, VerifierConfig
-from pipeline.keys import VERIFIERS_GROUP, Keys
+from pipeline.keys import TRAINER_GROUP, VERIFIERS_GROUP, Keys
 from pipeline.labelmodel import LabelModel, fit_label_model
 from pipeline.model import CharTokenizer
 from pipeline.records import RecordError, RolloutGroup, ScoredGroup
 from pipeline.rewards import RewardMode, parse_reward_mode
-from pipeline.streams import (FIELD, GroupReader, dead_letter, decode_entries, ensure_all_groups, heartbeat,
-                              incr_stats, stop_requested)
+from pipeline.streams import (FIELD, dead_letter, decode_entries, ensure_all_groups, group_reader, heartbeat,
+                              incr_stats, stop_requested, trim_acked, wait_for_room)
 from pipeline.verifiers import Scorer, check_spec, correctness
 
 FIRST_MODEL_WAIT_S = 60.0
+TRIM_EVERY = 10
+"""Batches between trims of the acked rollouts."""
 LOCK_TTL_MS = 30_000
 
 
@@ -157,19 +159,23 @@ def run_verifier(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batc
     ensure_all_groups(r, keys)
     vocab_size = CharTokenizer.load(cfg.model.base_dir).vocab_size
     shared = SharedLabelModel(r, keys, v, worker_id, log) if mode.needs_label_model else None
-    reader = GroupReader(r, keys.rollouts, VERIFIERS_GROUP, worker_id)
+    reader = group_reader(r, keys.rollouts, VERIFIERS_GROUP, worker_id, cfg.redis)
     posteriors_path = cfg.run_dir / POSTERIORS_FILE
     scorer = Scorer(v.verifiers, timeouts=v.timeout_map(), default_timeout_s=v.timeout_s)
     batches, scored = 0, 0
     log.info("verifier_started", reward=v.reward, verifiers=v.verifiers)
     while not stop_requested(r, keys) and (max_batches is None or batches < max_batches):
+        # Backpressure before taking work: the trainer has not drained what we wrote.
+        wait_for_room(r, keys, keys.scored, TRAINER_GROUP, bound=cfg.redis.max_stream_lag,
+                      worker_id=worker_id, stage="verifier", log=log)
         entries = reader.read(v.batch, cfg.redis.block_ms)
         if not entries:
             heartbeat(r, keys, worker_id, "verifier", "idle")
             continue
         batches += 1
         t0 = time.perf_counter()
-        good, bad = decode_entries(entries, RolloutGroup.decode, lambda g: check_tokens(g, vocab_size=vocab_size))
+        good, bad = decode_entries(entries, RolloutGroup.decode, lambda g: check_tokens(g, vocab_size=vocab_size),
+                                   reader=reader)
         votes, failed = score_batch(scorer, [g for _, g in good], log)
         lm = None
         if shared is not None and good:
@@ -197,6 +203,8 @@ def run_verifier(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batc
         pipe.execute()
         append_posteriors(posteriors_path, rows)
         scored += len(good)
+        if cfg.redis.trim_acked and batches % TRIM_EVERY == 0:
+            trim_acked(r, keys.rollouts)
         heartbeat(r, keys, worker_id, "verifier", "scored", groups=scored,
                   abstained={n: st.abstained for n, st in scorer.stats.items()})
         log.info("batch_scored", groups=len(good), dead=len(bad), labelmodel_version=shared.version if shared else -1,

@@ -16,13 +16,17 @@ import numpy as np
 import torch
 
 from pipeline.config import RunConfig
-from pipeline.keys import GENERATORS_GROUP, Keys
+from pipeline.keys import GENERATORS_GROUP, VERIFIERS_GROUP, Keys
 from pipeline.model import load_checkpoint, load_state_tensors, sample
 from pipeline.records import PromptTask, RecordError, RolloutGroup
-from pipeline.streams import (FIELD, Admission, GroupReader, VersionWatch, dead_letter, decode_entries,
-                              ensure_all_groups, heartbeat, incr_stats, stop_requested)
+from pipeline.streams import (FIELD, Admission, VersionWatch, dead_letter, decode_entries, ensure_all_groups,
+                              group_reader, heartbeat, incr_stats, stop_requested, trim_acked, wait_for_room)
 from pipeline.task import prompt_length
 from pipeline.weights import WeightsError, make_fetcher
+
+
+TRIM_EVERY = 10
+"""Batches between trims of the acked prompts."""
 
 
 def swap_weights(fetcher, model, version: int, log) -> int:
@@ -76,14 +80,18 @@ def run_generator(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_bat
     fetcher = make_fetcher(cfg.weights.transport, r, keys.weights)
     admission = Admission(r, keys, max_staleness=cfg.trainer.max_staleness, groups_per_step=cfg.trainer.groups_per_step)
     watch = VersionWatch(r, keys)
-    reader = GroupReader(r, keys.prompts, GENERATORS_GROUP, worker_id)
+    reader = group_reader(r, keys.prompts, GENERATORS_GROUP, worker_id, cfg.redis)
     rng = torch.Generator().manual_seed(g.seed * 1_000_003 + zlib.crc32(worker_id.encode()))
     plen = prompt_length(cfg.task.digits)
     version, batches, produced = 0, 0, 0
     log.info("generator_started", group_size=g.group_size, transport=cfg.weights.transport)
     while not stop_requested(r, keys) and (max_batches is None or batches < max_batches):
         version = swap_weights(fetcher, model, version, log)
-        entries = reader.read_pending(g.prompts_per_batch)  # admitted before a restart
+        # Backpressure before taking work: the verifiers have not drained what we wrote.
+        wait_for_room(r, keys, keys.rollouts, VERIFIERS_GROUP, bound=cfg.redis.max_stream_lag,
+                      worker_id=worker_id, stage="generator", log=log)
+        # Already admitted: own entries left from before a restart, or a dead generator's.
+        entries = reader.read_owned(g.prompts_per_batch)
         if not entries:
             granted = admission.admit(g.prompts_per_batch, version)
             if not granted:
@@ -93,7 +101,7 @@ def run_generator(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_bat
             entries = reader.read_new(granted, cfg.redis.block_ms)
             admission.release(granted - len(entries))
         good, bad = decode_entries(entries, PromptTask.decode,
-                                   lambda t: check_prompt(t, prompt_len=plen, vocab_size=tok.vocab_size))
+                                   lambda t: check_prompt(t, prompt_len=plen, vocab_size=tok.vocab_size), reader=reader)
         pipe = r.pipeline(transaction=True)
         for e, reason in bad:
             log.warning("dead_letter", id=e.id, reason=reason)
@@ -119,5 +127,7 @@ def run_generator(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_bat
                      tokens=int(lengths.sum()),
                      prompt_ids=[t.prompt_id for _, t in good])
         pipe.execute()
+        if cfg.redis.trim_acked and batches % TRIM_EVERY == 0:
+            trim_acked(r, keys.prompts)
     log.info("generator_stopped", groups=produced, version=version)
     return produced
