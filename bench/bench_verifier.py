@@ -381,12 +381,16 @@ def main() -> int:
         prompts = args.prompts // 4 if args.quick else args.prompts
         say(f"real rollouts: {prompts} prompts × {args.group_size} from {args.base_dir}")
         data = real_rollouts(base_dir=args.base_dir, prompts=prompts, group_size=args.group_size, seed=args.seed)
-        train, test = split(data)
-        r = compare(train, test)
-        r["abstained"] = data["abstained"]
-        res["data"]["real rollouts (base model)"] = r
-        say("  selection: " + ", ".join(f"{k} {v:.3f}" for k, v in r["selection"].items())
-            + f"; weaver ECE {r['calibration']['weaver']['ece']:.3f}")
+        first, second = split(data)
+        # Both folds: each half is once the (unlabeled) evaluation window and once the
+        # logistic regression's training set, which shows how much the label-free fit
+        # moves between two windows of the same policy.
+        for fold, (train, test) in enumerate([(first, second), (second, first)], start=1):
+            r = compare(train, test)
+            r["abstained"] = data["abstained"]
+            res["data"][f"real rollouts, fold {fold}"] = r
+            say(f"  fold {fold} selection: " + ", ".join(f"{k} {v:.3f}" for k, v in r["selection"].items())
+                + f"; weaver ECE {r['calibration']['weaver']['ece']:.3f}")
     else:
         say(f"no base model in {args.base_dir}: skipping real rollouts (run `pipeline pretrain`)")
     rows = 20_000 if args.quick else 100_000

@@ -165,7 +165,16 @@ class LabelModel:
         """The fit in one plain map for logs: what was kept, dropped (why) and merged,
         TPR/TNR of the kept verifiers, π, the objective, and the iterations it took."""
         kept = self.kept_names
+        warnings = []
+        if len(kept) <= 3:
+            # k binary verifiers give 2k + 1 unknowns and, with k = 3, exactly as many
+            # independent moments: any dependence among them is absorbed into the rates.
+            warnings.append(f"only {len(kept)} verifiers kept: the model is not over-determined, so dependence "
+                            "among them cannot show as misfit and biases TPR/TNR instead")
+        if not self.converged:
+            warnings.append("EM or L-BFGS-B stopped before converging (a flat likelihood: weakly identified rates)")
         return {
+            "warnings": warnings,
             "version": self.version, "rows": self.fitted_rows, "pi": round(self.pi, 4),
             "dependence": self.dependence, "kept": list(kept), "dropped": dict(self.dropped),
             "merged": {k: {"into": r, "inverted": inv} for k, (r, inv) in self.merged.items()},

@@ -371,3 +371,10 @@ def test_the_fit_report_carries_rates_balance_objective_and_iterations():
     msgpack.packb(report)  # plain data, loggable and storable
     back = LabelModel.from_dict(msgpack.unpackb(msgpack.packb(model.to_dict())))
     assert back.merged == model.merged and back.report() == report
+
+
+def test_the_report_warns_when_too_few_verifiers_are_kept_to_reveal_dependence():
+    _, votes = synthetic(5_000, 0.3, seed=28)
+    assert fit_label_model(votes, NAMES).report()["warnings"] == []
+    few = fit_label_model(votes[:, :3], NAMES[:3]).report()["warnings"]
+    assert any("only 3 verifiers kept" in w for w in few)
