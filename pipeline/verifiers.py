@@ -363,9 +363,8 @@ class Scorer:
 
     def __post_init__(self) -> None:
         self.names = list(self.names)
-        bad = [n for n in self.names if not _is_valid(n)]
-        if bad:
-            check_spec(bad[0])  # raises with the allowed specs
+        for n in self.names:
+            check_spec(n)  # raises naming the allowed specs
         unknown = sorted(set(self.timeouts) - set(self.names))
         if unknown:
             raise ValueError(f"timeouts for verifiers not in the list {unknown}; the list is {self.names}")
@@ -445,14 +444,6 @@ class Scorer:
         if "exc" in box:
             raise box["exc"]  # type: ignore[misc]
         return box["out"]  # type: ignore[return-value]
-
-
-def _is_valid(spec: str) -> bool:
-    try:
-        check_spec(spec)
-    except ValueError:
-        return False
-    return True
 
 
 def score_group(
