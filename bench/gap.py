@@ -13,6 +13,12 @@ that Weaver closes: (weaver − single) / (ground_truth − single).
 
     python bench/gap.py                       # 200 steps per run (the default budget)
     python bench/gap.py --steps 120           # a smaller budget when time is short
+    python bench/gap.py --reuse               # re-read the runs named in gap.json, rewrite the report
+    python bench/gap.py --reuse --extra distilled=runs/<id>   # add a run as an extra row (not in the gap)
+
+Beside the gap it reports the calibration of the Weaver posterior in the weaver run (hidden
+accuracy of the sampled answers per posterior bin, from runs/<id>/posteriors.jsonl): where a
+bin's accuracy is far from its posterior, the label model mis-weights its verifiers.
 
 Writes bench/results/gap.json, gap.md and gap.png (accuracy over steps, three runs).
 """
@@ -58,6 +64,28 @@ def probe_verifiers(cfg, *, prompts: int, seed: int) -> dict:
             "selection_accuracy": acc, "best_single": best, "seconds": round(time.perf_counter() - t0, 1)}
 
 
+def posterior_calibration(run_dir: Path, *, last_steps: int = 30) -> list[dict]:
+    """Hidden accuracy of sampled answers per Weaver-posterior bin over the run's last ``last_steps`` versions."""
+    path = run_dir / "posteriors.jsonl"
+    if not path.is_file():
+        return []
+    post, truth, top = [], [], 0
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    top = max(r["policy_version"] for r in rows)
+    for r in rows:
+        if r["posterior"] is not None and r["policy_version"] > top - last_steps:
+            post += r["posterior"]
+            truth += r["truth"]
+    p, t = np.asarray(post), np.asarray(truth, dtype=float)
+    out = []
+    for lo, hi in [(0.0, 0.2), (0.2, 0.5), (0.5, 0.8), (0.8, 1.0001)]:
+        m = (p >= lo) & (p < hi)
+        out.append({"posterior": f"[{lo:.1f}, {min(hi, 1.0):.1f}{']' if hi > 1 else ')'}", "rows": int(m.sum()),
+                    "mean_posterior": round(float(p[m].mean()), 3) if m.any() else None,
+                    "hidden_accuracy": round(float(t[m].mean()), 3) if m.any() else None})
+    return out
+
+
 def gap_closed(single: float, weaver: float, truth: float) -> float | None:
     """(weaver − single) / (truth − single); None when there is no gap to close."""
     return None if truth - single <= 1e-9 else (weaver - single) / (truth - single)
@@ -90,12 +118,23 @@ def main() -> int:
     ap.add_argument("--probe-prompts", type=int, default=512, help="base-model prompts for picking the best verifier")
     ap.add_argument("--runs-dir", default="runs", help="where the three runs go")
     ap.add_argument("--out", default=str(RESULTS), help="results directory")
+    ap.add_argument("--reuse", action="store_true", help="re-read the runs named in <out>/gap.json instead of training")
+    ap.add_argument("--extra", action="append", default=[], metavar="LABEL=RUN_DIR",
+                    help="an extra finished run to report and plot beside the three (not part of the gap)")
     args = ap.parse_args()
     if args.steps < 10:
         raise SystemExit("--steps: must be >= 10 (the final figure is the mean of the last three evaluations)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = load_config(None, {})
+    extras = {}
+    for item in args.extra:
+        label, sep, path = item.partition("=")
+        if not sep or not (ROOT / path / "summary.json").is_file():
+            raise SystemExit(f"--extra {item!r}: expected LABEL=RUN_DIR with a finished run (summary.json)")
+        extras[label] = ROOT / path
+    if args.reuse:
+        return report(json.loads((out / "gap.json").read_text()), extras, out)
 
     print(f"probing the weak verifiers on {args.probe_prompts} base-model prompts x {cfg.generator.group_size} samples",
           flush=True)
@@ -109,19 +148,32 @@ def main() -> int:
     if args.lr is not None:
         overrides["trainer.lr"] = args.lr
     modes = {best: best, "weaver": "weaver", "ground_truth": "ground_truth"}
-    runs, dirs = {}, {}
+    dirs = {}
     for label, reward in modes.items():
         tag = "gap-" + label.replace(":", "-").replace("_", "-")
-        run_dir = run_up(tag, {**overrides, "verifier.reward": reward}, runs_dir=ROOT / args.runs_dir)
-        runs[label], dirs[label] = read_run(run_dir), run_dir
+        dirs[label] = run_up(tag, {**overrides, "verifier.reward": reward}, runs_dir=ROOT / args.runs_dir)
+    budget = {"steps": args.steps, **{k: v for k, v in overrides.items() if k != "trainer.steps"},
+              "seed": cfg.trainer.seed, "feeder_seed": cfg.feeder.seed}
+    return report({"budget": budget, "probe": probe, "runs": {k: str(d.relative_to(ROOT)) for k, d in dirs.items()}},
+                  extras, out)
+
+
+def report(prior: dict, extras: dict[str, Path], out: Path) -> int:
+    """Read the three runs (and any extras) named in ``prior``, write gap.json, gap.md and gap.png."""
+    probe, budget = prior["probe"], prior["budget"]
+    best = probe["best_single"]
+    modes = [best, "weaver", "ground_truth"]
+    dirs = {k: ROOT / prior["runs"][k] for k in modes}
+    runs = {k: read_run(d) for k, d in dirs.items()}
+    steps = budget["steps"]
 
     final = {k: r["summary"]["final_accuracy_mean_last3"] for k, r in runs.items()}
     base = runs["weaver"]["summary"]["base_accuracy"]
     closed = gap_closed(final[best], final["weaver"], final["ground_truth"])
+    extra_runs = {k: read_run(d) for k, d in extras.items()}
+    calibration = posterior_calibration(dirs["weaver"])
     result = {
-        "budget": {"steps": args.steps, **{k: v for k, v in overrides.items() if k != "trainer.steps"},
-                   "seed": cfg.trainer.seed, "feeder_seed": cfg.feeder.seed,
-                   "heldout_size": runs["weaver"]["summary"]["heldout_size"]},
+        "budget": {**budget, "heldout_size": runs["weaver"]["summary"]["heldout_size"]},
         "probe": probe,
         "base_accuracy": base,
         "final_accuracy_mean_last3": final,
@@ -131,12 +183,21 @@ def main() -> int:
         "runs": {k: str(d.relative_to(ROOT)) for k, d in dirs.items()},
         "evals": {k: dict(zip(*eval_series(r))) for k, r in runs.items()},
         "wall_seconds": {k: r["summary"].get("wall_seconds") for k, r in runs.items()},
+        "weaver_posterior_calibration_last_30_steps": calibration,
+        "extra": {k: {"run": str(extras[k].relative_to(ROOT)),
+                      "reward": r["summary"].get("reward_mode"),
+                      "final_accuracy_mean_last3": r["summary"]["final_accuracy_mean_last3"],
+                      "evals": dict(zip(*eval_series(r)))} for k, r in extra_runs.items()},
     }
     (out / "gap.json").write_text(json.dumps(result, indent=2) + "\n")
     rows = [[k, f"{base:.3f}", f"{final[k]:.3f}", f"{100 * (final[k] - base):+.1f}",
              str(dirs[k].relative_to(ROOT))] for k in modes]
+    rows += [[f"{k} (extra: `{r['summary'].get('reward_mode')}`)", f"{r['summary']['base_accuracy']:.3f}",
+              f"{r['summary']['final_accuracy_mean_last3']:.3f}",
+              f"{100 * (r['summary']['final_accuracy_mean_last3'] - r['summary']['base_accuracy']):+.1f}",
+              str(extras[k].relative_to(ROOT))] for k, r in extra_runs.items()]
     sel = probe["selection_accuracy"]
-    md = (f"# Generation–verification gap ({args.steps} trainer steps per run, same base model and seeds)\n\n"
+    md = (f"# Generation–verification gap ({steps} trainer steps per run, same base model and seeds)\n\n"
           f"Best single verifier by selection accuracy on {probe['prompts']} base-model prompts x "
           f"{probe['group_size']} samples: **{best}** ({sel[best]:.3f}; weaver {sel['weaver']:.3f}, "
           f"majority {sel['majority']:.3f}).\n\n"
@@ -147,8 +208,14 @@ def main() -> int:
           + "Selection accuracy of each reward on base-model rollouts:\n\n"
           + md_table(["reward", "selection accuracy"], [[k, f"{v:.3f}"] for k, v in
                                                         sorted(sel.items(), key=lambda kv: -kv[1])]))
+    if calibration:
+        md += ("\nCalibration of the Weaver posterior in the weaver run (last 30 steps; hidden accuracy of the "
+               "sampled answers per posterior bin):\n\n"
+               + md_table(["posterior", "rows", "mean posterior", "hidden accuracy"],
+                          [[c["posterior"], c["rows"], c["mean_posterior"], c["hidden_accuracy"]] for c in calibration]))
     (out / "gap.md").write_text(md)
-    plot(runs, out / "gap.png", f"held-out accuracy, {args.steps} steps per run")
+    plot({**runs, **{f"{k} (extra)": r for k, r in extra_runs.items()}}, out / "gap.png",
+         f"held-out accuracy, {steps} steps per run")
     print(md, flush=True)
     return 0
 
