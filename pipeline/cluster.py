@@ -83,10 +83,10 @@ def up(cfg: RunConfig) -> int:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     start = time.time()
     base_info = ensure_base_model(cfg)
-    server = provision(run_dir / "redis", url=cfg.redis.url, appendfsync=cfg.redis.appendfsync)
+    server = provision(run_dir / "redis", url=cfg.redis.url, appendfsync=cfg.redis.appendfsync, redis_cfg=cfg.redis)
     cfg.redis.url = server.url
     (run_dir / "config.toml").write_text(to_toml(cfg))
-    r, keys = connect(server.url, name=f"{cfg.run_id}:driver"), Keys(cfg.run_id)
+    r, keys = connect(server.url, name=f"{cfg.run_id}:driver", redis_cfg=cfg.redis), Keys(cfg.run_id)
     if r.exists(keys.ledger, keys.prompts):
         server.stop()
         raise SystemExit(f"pipeline: run {cfg.run_id!r} already has data in {server.url}; choose another --run-id")

@@ -49,6 +49,16 @@ class RedisConfig:
     trim_acked: bool = True
     """Consumers trim their input stream of entries every consumer group has acked
     (XTRIM MINID below the oldest pending or undelivered entry), keeping memory flat."""
+    username_env: str = "REDIS_USERNAME"
+    """Environment variable holding the ACL user name (used with password_env when the URL has no credentials)."""
+    password_env: str = "REDIS_PASSWORD"
+    """Environment variable holding the password (AUTH/ACL) when the URL carries none; keeps it out of config files."""
+    tls_ca_file: str = ""
+    """``rediss://`` only: CA bundle that signed the server's certificate (empty: the system CAs)."""
+    tls_cert_file: str = ""
+    """``rediss://`` only: client certificate, for servers that require mutual TLS."""
+    tls_key_file: str = ""
+    """``rediss://`` only: the client certificate's private key."""
 
     def validate(self, p: str) -> None:
         _check(self.appendfsync in ("always", "everysec", "no"), f"{p}.appendfsync", "always|everysec|no", self.appendfsync)
@@ -57,6 +67,11 @@ class RedisConfig:
                "0 (off) or >= 100", self.claim_idle_ms)
         _check(self.max_deliveries >= 1, f"{p}.max_deliveries", ">= 1", self.max_deliveries)
         _check(self.max_stream_lag >= 1, f"{p}.max_stream_lag", ">= 1", self.max_stream_lag)
+        _check(not self.url or self.url.startswith(("redis://", "rediss://", "unix://")), f"{p}.url",
+               "a redis://, rediss:// or unix:// URL", self.url)
+        for name in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
+            value = getattr(self, name)
+            _check(not value or Path(value).is_file(), f"{p}.{name}", "empty or an existing file", value)
 
 
 @dataclass(kw_only=True)
@@ -278,15 +293,24 @@ class TrainerConfig:
 @dataclass(kw_only=True)
 class WeightsConfig:
     transport: str = "shm"
-    """How generators fetch new versions: ``shm`` (same host) or ``tcp`` (ZeroMQ)."""
+    """How generators fetch new versions: ``shm`` (same host), ``tcp`` (ZeroMQ) or ``ucx``
+    (ucxx; needs the ``ucx`` extra). See docs/weights.md."""
     keep_versions: int = 3
     """Versions kept fetchable by the publisher."""
     tcp_host: str = "127.0.0.1"
-    """Address the tcp publisher binds to (loopback by default)."""
+    """Address the tcp/ucx publisher binds its request socket and the PUB announcer to."""
+    fetch_timeout_s: float = 10.0
+    """tcp/ucx: most seconds a generator waits for one reply or payload before it keeps its
+    weights and retries at the next batch."""
+    ucx_tls: str = ""
+    """ucx: the ``UCX_TLS`` transport list (e.g. ``cma,self`` or ``tcp``); empty: the
+    ``UCX_TLS`` environment variable, else UCX's default (``all``)."""
 
     def validate(self, p: str) -> None:
-        _check(self.transport in ("shm", "tcp"), f"{p}.transport", "shm|tcp", self.transport)
+        _check(self.transport in ("shm", "tcp", "ucx"), f"{p}.transport", "shm|tcp|ucx", self.transport)
         _check(self.keep_versions >= 1, f"{p}.keep_versions", ">= 1", self.keep_versions)
+        _check(self.fetch_timeout_s > 0, f"{p}.fetch_timeout_s", "> 0", self.fetch_timeout_s)
+        _check(" " not in self.ucx_tls, f"{p}.ucx_tls", "a comma-separated list without spaces", self.ucx_tls)
 
 
 @dataclass(kw_only=True)

@@ -18,6 +18,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 import redis
 
@@ -62,6 +63,8 @@ class LocalServer:
     url: str
     process: subprocess.Popen | None
     pid_file: Path | None
+    args: list[str] | None = None
+    """The exact command line, so ``restart`` brings the same server back (same port, same data)."""
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.process is None:
@@ -77,11 +80,62 @@ class LocalServer:
             self.pid_file.unlink(missing_ok=True)
         self.process = None
 
+    def restart(self, *, kill: bool = True) -> None:
+        """Kill (SIGKILL, or SIGTERM when ``kill`` is False) and start the same server again.
+
+        The new process replays its append-only file, so what it had acknowledged comes
+        back (all of it with ``appendfsync always``; with ``everysec`` a SIGKILL can lose
+        the last second). Clients reconnect on their own with backoff.
+        """
+        if self.args is None or self.process is None:
+            raise ServerError("restart: this server was not started by the project")
+        if kill:
+            self.process.kill()
+            self.process.wait()
+        self.stop()
+        self.process = _launch(self.args, self.url)
+        if self.pid_file is not None:
+            self.pid_file.write_text(f"{self.process.pid}\n{self.url}\n")
+
+
+def _answers(url: str) -> bool:
+    """Whether something speaking RESP answers PING (an auth error is an answer too)."""
+    p = urlparse(url)
+    try:
+        with socket.create_connection((p.hostname, p.port), timeout=1) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(64)[:1] in (b"+", b"-")
+    except OSError:
+        return False
+
+
+def _launch(args: list[str], url: str) -> subprocess.Popen:
+    # Its own session: a Ctrl-C in the terminal must not kill the server before the
+    # driver has stopped the workers and read the accounting back.
+    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    log_file = Path(args[args.index("--logfile") + 1])
+    deadline = time.monotonic() + 15
+    while not _answers(url):
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+            tail = log_file.read_text(errors="replace")[-2000:] if log_file.exists() else ""
+            raise ServerError(f"{args[0]} exited with code {proc.returncode}: {err}{tail}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise ServerError(f"{args[0]} did not answer on {url} within 15 s; see {log_file}")
+        time.sleep(0.05)
+    return proc
+
 
 def start_local_server(
-    data_dir: Path, *, port: int | None = None, appendfsync: str = "everysec", binary: str | None = None
+    data_dir: Path, *, port: int | None = None, appendfsync: str = "everysec", binary: str | None = None,
+    extra_args: list[str] | None = None,
 ) -> LocalServer:
-    """Start a server bound to loopback with AOF persistence under ``data_dir``."""
+    """Start a server bound to loopback with AOF persistence under ``data_dir``.
+
+    ``extra_args`` go to the server as they are (ACL users, TLS ports and files...).
+    """
     if appendfsync not in ("always", "everysec", "no"):
         raise ValueError(f"appendfsync must be one of always, everysec, no; got {appendfsync!r}")
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -99,38 +153,24 @@ def start_local_server(
         "--save", "",
         "--maxmemory-policy", "noeviction",
         "--logfile", str(log_file.resolve()),
+        *(extra_args or []),
     ]
-    # Its own session: a Ctrl-C in the terminal must not kill the server before the
-    # driver has stopped the workers and read the accounting back.
-    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
     url = f"redis://127.0.0.1:{port}/0"
-    deadline = time.monotonic() + 15
-    while True:
-        if proc.poll() is not None:
-            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-            tail = log_file.read_text(errors="replace")[-2000:] if log_file.exists() else ""
-            raise ServerError(f"{binary} exited with code {proc.returncode}: {err}{tail}")
-        try:
-            redis.Redis.from_url(url, socket_timeout=1).ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise ServerError(f"{binary} did not answer on {url} within 15 s; see {log_file}")
-            time.sleep(0.05)
+    proc = _launch(args, url)
     pid_file = data_dir / "server.pid"
     pid_file.write_text(f"{proc.pid}\n{url}\n")
-    return LocalServer(url=url, process=proc, pid_file=pid_file)
+    return LocalServer(url=url, process=proc, pid_file=pid_file, args=args)
 
 
-def provision(data_dir: Path, *, url: str = "", appendfsync: str = "everysec") -> LocalServer:
+def provision(data_dir: Path, *, url: str = "", appendfsync: str = "everysec", redis_cfg=None) -> LocalServer:
     """The server a run uses: ``url``, else ``$REDIS_URL``, else a local one we start."""
     url = url or os.environ.get("REDIS_URL", "")
     if url:
+        from pipeline.streams import connect
+
         try:
-            redis.Redis.from_url(url, socket_timeout=5).ping()
+            connect(url, name="provision", redis_cfg=redis_cfg).close()
         except redis.RedisError as e:
-            raise ServerError(f"cannot reach Redis at {url}: {e}") from e
+            raise ServerError(str(e)) from e
         return LocalServer(url=url, process=None, pid_file=None)
     return start_local_server(data_dir, appendfsync=appendfsync)

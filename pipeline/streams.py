@@ -11,6 +11,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from urllib.parse import urlparse
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
@@ -23,14 +24,32 @@ FIELD = b"d"
 CONNECT_RETRIES = 10
 
 
-def connect(url: str, *, name: str = "pipeline", socket_timeout: float = 30.0) -> redis.Redis:
+def connect(url: str, *, name: str = "pipeline", socket_timeout: float = 30.0, redis_cfg=None) -> redis.Redis:
     """A client that retries with exponential backoff (up to ~10 s) when the server restarts.
 
     ``socket_timeout`` must exceed the longest ``BLOCK`` a caller uses, or redis-py
-    reports a blocking read as a timeout.
+    reports a blocking read as a timeout. Credentials come from the URL
+    (``redis://user:password@host``) or, to keep them out of config files, from the
+    environment variables named by ``redis_cfg.username_env`` / ``password_env``.
+    ``rediss://`` URLs use TLS, verified against ``redis_cfg.tls_ca_file`` (else the
+    system CAs), with ``tls_cert_file``/``tls_key_file`` as the client certificate.
     """
     if not url:
         raise ValueError("redis.url: empty; pass --redis.url or set REDIS_URL")
+    extra: dict = {}
+    if redis_cfg is not None:
+        user = os.environ.get(redis_cfg.username_env, "") if redis_cfg.username_env else ""
+        password = os.environ.get(redis_cfg.password_env, "") if redis_cfg.password_env else ""
+        parsed = urlparse(url)
+        if password and not parsed.password:
+            extra["password"] = password
+            if user and not parsed.username:
+                extra["username"] = user
+        if url.startswith("rediss://"):
+            for key, attr in (("ssl_ca_certs", "tls_ca_file"), ("ssl_certfile", "tls_cert_file"),
+                              ("ssl_keyfile", "tls_key_file")):
+                if getattr(redis_cfg, attr):
+                    extra[key] = getattr(redis_cfg, attr)
     client = redis.Redis.from_url(
         url,
         client_name=name,
@@ -39,12 +58,28 @@ def connect(url: str, *, name: str = "pipeline", socket_timeout: float = 30.0) -
         health_check_interval=30,
         retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), CONNECT_RETRIES),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        **extra,
     )
     try:
         client.ping()
+    except redis.AuthenticationError as e:
+        raise redis.ConnectionError(f"Redis at {_redact(url)} refused the credentials: {e}") from e
+    except redis.ResponseError as e:
+        if "NOAUTH" in str(e) or "WRONGPASS" in str(e):
+            raise redis.ConnectionError(f"Redis at {_redact(url)} needs credentials: {e}") from e
+        raise
     except redis.ConnectionError as e:
-        raise redis.ConnectionError(f"cannot reach Redis at {url} after {CONNECT_RETRIES} retries: {e}") from e
+        raise redis.ConnectionError(
+            f"cannot reach Redis at {_redact(url)} after {CONNECT_RETRIES} retries with backoff: {e}") from e
     return client
+
+
+def _redact(url: str) -> str:
+    """The URL without its password, for messages and logs."""
+    p = urlparse(url)
+    if not p.password:
+        return url
+    return p._replace(netloc=p.netloc.replace(f":{p.password}@", ":***@")).geturl()
 
 
 def ensure_group(r: redis.Redis, stream: str, group: str) -> None:

