@@ -32,7 +32,7 @@ from pipeline.model import completion_logprobs, greedy_accuracy, load_checkpoint
 from pipeline.records import ScoredGroup
 from pipeline.records import RecordError
 from pipeline.streams import dead_letter, decode_entries, ensure_all_groups, group_reader, incr_stats, stop_requested
-from pipeline.weights import make_publisher
+from pipeline.weights import make_publisher, publisher_options
 
 
 def check_scored(g: ScoredGroup, *, vocab_size: int) -> None:
@@ -200,7 +200,7 @@ def run_trainer(cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = No
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / (t.warmup_steps + 1)))
     heldout = task.heldout_problems(n=cfg.task.heldout_size, seed=cfg.task.heldout_seed,
                                     digits=cfg.task.digits, ops=tuple(cfg.task.ops))
-    transport_opts = {"host": cfg.weights.tcp_host} if cfg.weights.transport == "tcp" else {}
+    transport_opts = publisher_options(cfg.weights)
     metrics = MetricsFile(run_dir / "metrics.jsonl" if run_dir else None)
     ckpt_dir = run_dir / "checkpoints" if run_dir else None
     ensure_all_groups(r, keys)

@@ -22,7 +22,7 @@ from pipeline.records import PromptTask, RecordError, RolloutGroup
 from pipeline.streams import (FIELD, Admission, VersionWatch, dead_letter, decode_entries, ensure_all_groups,
                               group_reader, heartbeat, incr_stats, stop_requested, trim_acked, wait_for_room)
 from pipeline.task import prompt_length
-from pipeline.weights import WeightsError, make_fetcher
+from pipeline.weights import WeightsError, fetcher_options, make_fetcher
 
 
 TRIM_EVERY = 10
@@ -36,7 +36,8 @@ def swap_weights(fetcher, model, version: int, log) -> int:
         return version
     t0 = time.perf_counter()
     try:
-        new_version, tensors = fetcher.fetch(latest)
+        # Views of the fetcher's verified second buffer, copied into the model right here.
+        new_version, tensors = fetcher.fetch(latest, copy=False)
         load_state_tensors(model, tensors)
     except (WeightsError, ValueError) as e:
         log.warning("weights_fetch_failed", version=latest, error=str(e), keeping=version)
@@ -77,7 +78,7 @@ def run_generator(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_bat
     model, tok = load_checkpoint(cfg.model.base_dir)
     model.eval()
     ensure_all_groups(r, keys)
-    fetcher = make_fetcher(cfg.weights.transport, r, keys.weights)
+    fetcher = make_fetcher(cfg.weights.transport, r, keys.weights, **fetcher_options(cfg.weights))
     admission = Admission(r, keys, max_staleness=cfg.trainer.max_staleness, groups_per_step=cfg.trainer.groups_per_step)
     watch = VersionWatch(r, keys)
     reader = group_reader(r, keys.prompts, GENERATORS_GROUP, worker_id, cfg.redis)

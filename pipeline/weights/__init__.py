@@ -2,20 +2,25 @@
 
 ::
 
-    trainer                                         generator x N
-    publish(v, tensors)                             fetch()
-      │ safetensors.torch.save -> payload bytes       │ HGET <key> manifest
-      │ cut into buckets, CRC-32 each                 │ transfer payload into a reused buffer
-      │ transport stores payload   ── shm file ──►    │   (shm: readinto; tcp: recv_into per bucket)
-      │                            ── tcp/zmq ──►     │ check size + every bucket checksum
-      │ HSET <key> version, manifest  (announce)      │ safetensors.torch.load -> tensors
-      └ drop versions older than keep_versions        └ any defect -> WeightsError, keep old weights
+    trainer                                          generator x N
+    publish(v, tensors)                              WeightWatch: PUB/SUB note of v (or the hash)
+      │ lay out a safetensors payload                fetch(v)
+      │ copy tensors into the transport's buffer       │ HGET <key> manifest:<v>
+      │   (the snapshot; one copy)                     │ transfer into the second buffer
+      │ CRC-32C each bucket                            │   (shm: map the file; tcp: recv_into per
+      │ transport serves it ── shm file ──────►        │    bucket; ucx: one tag_recv)
+      │                      ── tcp (ZeroMQ) ─►        │ check size + every bucket checksum
+      │                      ── ucx (ucxx) ───►        │ tensors over the verified buffer
+      │ HSET <key> version, manifest  (durable)        │   (copy=False: views, no copy)
+      │ PUB <key> v                   (fast)           └ any defect -> WeightsError, keep old weights
+      └ drop versions older than keep_versions
 
 The Redis hash ``key`` (e.g. ``<ns>:weights``) holds:
 
 - ``version``: the newest published version (decimal);
 - ``manifest``: that version's manifest JSON (``Manifest.to_json``);
-- ``manifest:<v>``: the manifest of every retained version, for ``fetch(v)``.
+- ``manifest:<v>``: the manifest of every retained version, for ``fetch(v)``;
+- ``announce``: the ZeroMQ PUB endpoint that announces new versions (``WeightWatch``).
 
 Ordering is what keeps readers safe: the payload is complete at its address before
 one atomic HSET announces it, and a version's announcement is deleted before its
@@ -23,25 +28,28 @@ payload is. A reader that loses a race (its version dropped mid-transfer) gets a
 ``WeightsError`` and retries with the newest version; it never gets bad tensors.
 
 Transports are picked by name in one factory (``make_publisher``/``make_fetcher``);
-adding one means subclassing ``WeightPublisher`` (``_store``, ``_retain``,
+adding one means subclassing ``WeightPublisher`` (``_allocate``, ``_store``, ``_retain``,
 ``_shutdown``) and ``WeightFetcher`` (``_transfer``) and naming it in ``TRANSPORTS``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import redis
-import safetensors.torch
 
+from pipeline.weights.announce import Announcer, WeightWatch
 from pipeline.weights.manifest import (
     DEFAULT_BUCKET_BYTES,
     Manifest,
     TensorSpec,
     WeightsError,
     describe,
+    lay_out,
+    load_tensors,
     verify,
 )
 
@@ -55,17 +63,21 @@ __all__ = [
     "TensorSpec",
     "WeightFetcher",
     "WeightPublisher",
+    "WeightWatch",
     "WeightsError",
+    "fetcher_options",
     "make_fetcher",
     "make_publisher",
+    "publisher_options",
 ]
 
-TRANSPORTS = ("shm", "tcp")
+TRANSPORTS = ("shm", "tcp", "ucx")
 """Transport names ``make_publisher``/``make_fetcher`` accept."""
 
 _VERSION_FIELD = "version"
 _MANIFEST_FIELD = "manifest"
 _VERSIONED_PREFIX = "manifest:"
+ANNOUNCE_FIELD = "announce"
 
 
 def _manifest_field(version: int) -> str:
@@ -87,6 +99,7 @@ class WeightPublisher(ABC):
         *,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         keep_versions: int = 3,
+        announce_host: str | None = "127.0.0.1",
     ) -> None:
         if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be an int > 0, got {bucket_bytes!r}")
@@ -100,6 +113,8 @@ class WeightPublisher(ABC):
         self._keep_versions = keep_versions
         self._retained: list[int] = []  # oldest first
         self._closed = False
+        # None: no PUB socket; generators then learn of versions from the hash alone.
+        self._announcer = Announcer(key, host=announce_host) if announce_host else None
 
     @property
     def retained_versions(self) -> tuple[int, ...]:
@@ -107,9 +122,11 @@ class WeightPublisher(ABC):
         return tuple(self._retained)
 
     def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> Manifest:
-        """Serialise ``tensors`` (a CPU snapshot the caller will not mutate), serve, announce.
+        """Copy ``tensors`` into a new payload, serve it, announce it; returns the manifest.
 
-        Versions must increase. Returns the announced manifest.
+        The copy is the snapshot: once ``publish`` returns, the caller may change its
+        tensors (an optimizer step) without touching the published version. Versions
+        must increase.
         """
         if self._closed:
             raise RuntimeError("publish() on a closed WeightPublisher")
@@ -117,19 +134,29 @@ class WeightPublisher(ABC):
             raise ValueError(f"version must be an int >= 0, got {version!r}")
         if self._retained and version <= self._retained[-1]:
             raise ValueError(f"version {version} is not newer than the last published ({self._retained[-1]})")
-        payload = safetensors.torch.save(tensors)
-        # 1. The payload is complete and served at its address ...
-        address = self._store(version, payload)
-        manifest = describe(payload, version=version, transport=self.transport, address=address,
+        layout = lay_out(tensors)
+        buffer = self._allocate(version, layout.total_bytes)
+        layout.write(buffer)
+        manifest = describe(buffer, version=version, transport=self.transport, address="pending",
                             bucket_bytes=self._bucket_bytes, created_at=time.time())
+        del buffer  # the transport may close the mapping behind it
+        # 1. The payload is complete and served at its address ...
+        address = self._store(version)
+        manifest = dataclasses.replace(manifest, address=address)
         text = manifest.to_json()
         # 2. ... before one atomic HSET makes it visible (both "version" and "manifest"
         # appear together, so a reader never pairs a version with another's manifest).
-        self._redis.hset(self._key, mapping={_manifest_field(version): text,
-                                             _VERSION_FIELD: version, _MANIFEST_FIELD: text})
+        fields: dict[str, str | int] = {_manifest_field(version): text, _VERSION_FIELD: version,
+                                        _MANIFEST_FIELD: text}
+        if self._announcer is not None:
+            fields[ANNOUNCE_FIELD] = self._announcer.address
+        self._redis.hset(self._key, mapping=fields)
+        # 3. The PUB note is only a wake-up call; the hash above is the record.
+        if self._announcer is not None:
+            self._announcer.announce(version)
         self._retained.append(version)
         del self._retained[: -self._keep_versions]
-        # 3. Retire old versions: announcement first, then data. The sweep over all
+        # 4. Retire old versions: announcement first, then data. The sweep over all
         # manifest:<v> fields also clears those a previous publisher process left behind.
         stale = [f for f in self._redis.hkeys(self._key) if _is_stale_field(f, self._retained)]
         if stale:
@@ -144,6 +171,8 @@ class WeightPublisher(ABC):
             return
         self._closed = True
         self._retained.clear()
+        if self._announcer is not None:
+            self._announcer.close()
         self._shutdown()
 
     def __enter__(self) -> WeightPublisher:
@@ -153,8 +182,12 @@ class WeightPublisher(ABC):
         self.close()
 
     @abstractmethod
-    def _store(self, version: int, payload: bytes) -> str:
-        """Make ``payload`` fully available for ``version``; return its address."""
+    def _allocate(self, version: int, nbytes: int) -> memoryview:
+        """A writable buffer of ``nbytes`` that will hold the payload of ``version``."""
+
+    @abstractmethod
+    def _store(self, version: int) -> str:
+        """Serve the (now complete) buffer from ``_allocate`` as ``version``; return its address."""
 
     @abstractmethod
     def _retain(self, versions: frozenset[int]) -> None:
@@ -178,8 +211,9 @@ class WeightFetcher(ABC):
             raise ValueError("key must be a non-empty Redis key name")
         self._redis = redis_client
         self._key = key
-        # The "second buffer": payloads land here, are checked, and only then loaded.
-        # Reused across fetches so each fetch does not pay fresh page faults.
+        # The "second buffer" (the model holds the first): payloads land here, are
+        # checked, and only then loaded. Reused across fetches so that each fetch does
+        # not pay fresh page faults.
         self._buffer = bytearray()
 
     def latest_version(self) -> int:
@@ -211,11 +245,14 @@ class WeightFetcher(ABC):
             raise WeightsError(f"{self._key!r} field {field!r} holds the manifest of v{manifest.version}")
         return manifest
 
-    def fetch(self, version: int | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+    def fetch(self, version: int | None = None, *, copy: bool = True) -> tuple[int, dict[str, torch.Tensor]]:
         """Transfer, verify and load ``version`` (newest if None) -> ``(version, tensors)``.
 
-        Raises ``WeightsError`` on any defect; the tensors are fresh CPU tensors that
-        share nothing with the fetcher's buffer, so the caller may keep them.
+        Raises ``WeightsError`` on any defect. ``copy=True``: fresh CPU tensors that
+        share nothing with the fetcher, so the caller may keep them. ``copy=False``:
+        read-only views of the receive buffer, no copy at all; they are valid until the
+        next ``fetch`` or ``close``, which is all a caller that copies them into a model
+        straight away (``load_state_dict``, vLLM's reload) needs.
         """
         manifest = self.manifest(version)
         if manifest.transport != self.transport:
@@ -223,21 +260,9 @@ class WeightFetcher(ABC):
                 f"weights v{manifest.version} are served over {manifest.transport!r}, "
                 f"but this fetcher speaks {self.transport!r}"
             )
-        if len(self._buffer) < manifest.total_bytes:
-            self._buffer = bytearray(manifest.total_bytes)
-        view = memoryview(self._buffer)[: manifest.total_bytes]
-        self._transfer(manifest, view)
-        verify(manifest, view)
-        # safetensors.torch.load takes only `bytes` (one copy); it parses the header
-        # itself and never executes code.
-        data = bytes(view)
-        try:
-            tensors = safetensors.torch.load(data)
-        except Exception as e:  # SafetensorError has no stable import path
-            raise WeightsError(f"weights v{manifest.version}: safetensors could not load the payload: {e}") from e
-        if set(tensors) != {t.name for t in manifest.tensors}:
-            raise WeightsError(f"weights v{manifest.version}: payload tensors differ from the manifest's")
-        return manifest.version, tensors
+        payload = self._transfer(manifest)
+        verify(manifest, payload)
+        return manifest.version, load_tensors(manifest, payload, copy=copy)
 
     def close(self) -> None:
         """Release transport resources and the receive buffer (idempotent)."""
@@ -250,9 +275,16 @@ class WeightFetcher(ABC):
         self.close()
 
     @abstractmethod
-    def _transfer(self, manifest: Manifest, into: memoryview) -> None:
-        """Fill ``into`` (exactly ``manifest.total_bytes``) with the payload, or raise
-        ``WeightsError``. Must give up within a bounded time."""
+    def _transfer(self, manifest: Manifest) -> memoryview:
+        """The payload (exactly ``manifest.total_bytes``, unverified), or ``WeightsError``.
+        Must give up within a bounded time."""
+
+    def _receive_buffer(self, nbytes: int) -> memoryview:
+        """The reused receive buffer, grown to ``nbytes`` if needed."""
+        if len(self._buffer) < nbytes:
+            self._buffer = bytearray()  # drop the old one before allocating the new
+            self._buffer = bytearray(nbytes)
+        return memoryview(self._buffer)[:nbytes]
 
     def _hget(self, field: str) -> bytes | str | None:
         try:
@@ -268,7 +300,7 @@ def make_publisher(
 
     ``ns`` (the run id) scopes transport resources, e.g. the shm directory.
     """
-    # Imports are local so that choosing shm never imports zmq, and vice versa.
+    # Imports are local so that choosing shm or tcp never imports ucxx.
     if transport == "shm":
         from pipeline.weights.shm import ShmPublisher
 
@@ -277,6 +309,10 @@ def make_publisher(
         from pipeline.weights.tcp import TcpPublisher
 
         return TcpPublisher(redis_client, key, ns=ns, **opts)
+    if transport == "ucx":
+        from pipeline.weights.ucx import UcxPublisher
+
+        return UcxPublisher(redis_client, key, ns=ns, **opts)
     raise ValueError(f"unknown weights transport {transport!r}; allowed: {', '.join(TRANSPORTS)}")
 
 
@@ -290,7 +326,32 @@ def make_fetcher(transport: str, redis_client: redis.Redis, key: str, **opts: An
         from pipeline.weights.tcp import TcpFetcher
 
         return TcpFetcher(redis_client, key, **opts)
+    if transport == "ucx":
+        from pipeline.weights.ucx import UcxFetcher
+
+        return UcxFetcher(redis_client, key, **opts)
     raise ValueError(f"unknown weights transport {transport!r}; allowed: {', '.join(TRANSPORTS)}")
+
+
+def publisher_options(weights_cfg: Any) -> dict[str, Any]:
+    """``make_publisher`` options from a ``WeightsConfig``, the transport's own (the caller
+    passes ``keep_versions``)."""
+    opts: dict[str, Any] = {"announce_host": weights_cfg.tcp_host}
+    if weights_cfg.transport in ("tcp", "ucx"):
+        opts["host"] = weights_cfg.tcp_host
+    if weights_cfg.transport == "ucx" and weights_cfg.ucx_tls:
+        opts["tls"] = weights_cfg.ucx_tls
+    return opts
+
+
+def fetcher_options(weights_cfg: Any) -> dict[str, Any]:
+    """``make_fetcher`` options from a ``WeightsConfig``."""
+    opts: dict[str, Any] = {}
+    if weights_cfg.transport in ("tcp", "ucx"):
+        opts["timeout_s"] = weights_cfg.fetch_timeout_s
+    if weights_cfg.transport == "ucx" and weights_cfg.ucx_tls:
+        opts["tls"] = weights_cfg.ucx_tls
+    return opts
 
 
 def _is_stale_field(field: bytes | str, retained: list[int]) -> bool:

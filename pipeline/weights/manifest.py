@@ -10,13 +10,20 @@ The manifest is the only thing announced through Redis; the payload itself moves
 over a transport (``shm``, ``tcp``). A fetcher trusts nothing it receives until the
 sizes and every bucket checksum match the manifest.
 
-Checksum: CRC-32 (``zlib.crc32``), 8 lowercase hex digits per bucket. Measured here
-on 64 MiB: crc32 ~3.4 GB/s, sha256 ~1.5 GB/s, blake2b-128 ~0.8 GB/s. The checksum
-guards against *accidental* damage (torn or short writes, a wrong buffer slice, a
-stale file), for which CRC-32 is the standard choice: it catches every burst error up
-to 32 bits and misses random damage with probability 2^-32 per bucket. It is no
-defence against an attacker, but neither would a hash be here: whoever can rewrite
-the payload can rewrite the manifest in the same Redis.
+Checksum: CRC-32C (Castagnoli; the ``crc32c`` package, SSE4.2 hardware instructions),
+8 lowercase hex digits per bucket. Measured here on 256 MiB: crc32c ~12 GB/s, about
+memcpy speed, where ``zlib.crc32`` ran at ~1.7 GB/s and sha256 ~1.5 GB/s, so checking
+a version no longer costs more than moving it. The checksum guards against
+*accidental* damage (torn or short writes, a wrong buffer slice, a stale file), for
+which a CRC is the standard choice (iSCSI, ext4 and btrfs use this one): it catches
+every burst error up to 32 bits and misses random damage with probability 2^-32 per
+bucket. It is no defence against an attacker, but neither would a hash be here:
+whoever can rewrite the payload can rewrite the manifest in the same Redis.
+
+The payload is written by ``write_payload`` straight from the caller's tensors into
+the transport's buffer (one copy: that copy *is* the snapshot), and read back by
+``load_tensors`` as tensors over the verified buffer, after checking that the
+buffer's own safetensors header says exactly what the manifest says.
 """
 
 from __future__ import annotations
@@ -25,16 +32,22 @@ import json
 import math
 import re
 import struct
-import zlib
+import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import crc32c
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_BUCKET_BYTES = 16 << 20
 """Default bucket size (16 MiB): large enough that per-bucket overhead (one request,
 one checksum call) is negligible, small enough to pipeline and to retry cheaply."""
 
-SCHEMA = 1
-"""Version of the manifest's JSON layout; bump it when a field changes meaning."""
+SCHEMA = 2
+"""Version of the manifest's JSON layout; bump it when a field changes meaning
+(2: bucket checksums are CRC-32C, where 1 had zlib's CRC-32)."""
 
 _CHECKSUM_RE = re.compile(r"[0-9a-f]{8}")
 _MAX_HEADER_BYTES = 100 << 20  # the same bound safetensors itself enforces
@@ -48,8 +61,8 @@ class WeightsError(RuntimeError):
 
 
 def checksum(data: bytes | bytearray | memoryview) -> str:
-    """CRC-32 of ``data`` as 8 lowercase hex digits (see the module docstring for why)."""
-    return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+    """CRC-32C of ``data`` as 8 lowercase hex digits (see the module docstring for why)."""
+    return f"{crc32c.crc32c(data):08x}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,7 +122,7 @@ class Manifest:
     bucket_bytes: int
     """Bucket size in bytes; the last bucket may be shorter."""
     checksums: tuple[str, ...]
-    """CRC-32 of each bucket, 8 hex digits, ``ceil(total_bytes / bucket_bytes)`` of them."""
+    """CRC-32C of each bucket, 8 hex digits, ``ceil(total_bytes / bucket_bytes)`` of them."""
     tensors: tuple[TensorSpec, ...]
     """The tensors in the payload, in byte order."""
     created_at: float
@@ -279,3 +292,125 @@ def verify(manifest: Manifest, payload: bytes | bytearray | memoryview) -> None:
 def _is_int(x: object) -> bool:
     # bool is an int subclass; a JSON `true` must not pass for a size or a version.
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+# --- payload layout: writing tensors in, reading tensors out -------------------------
+
+_DTYPE_CODES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
+    "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16",
+    "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}
+"""safetensors dtype code -> torch dtype attribute name (the codes safetensors writes)."""
+
+
+def _torch_dtype(code: str) -> torch.dtype:
+    import torch
+
+    name = _DTYPE_CODES.get(code)
+    if name is None or not hasattr(torch, name):
+        raise ValueError(f"dtype {code!r} is not supported (known: {', '.join(_DTYPE_CODES)})")
+    return getattr(torch, name)
+
+
+def _dtype_code(dtype: torch.dtype) -> str:
+    for code, name in _DTYPE_CODES.items():
+        if str(dtype) == f"torch.{name}":
+            return code
+    raise ValueError(f"dtype {dtype} cannot be published (supported: {', '.join(_DTYPE_CODES)})")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each tensor of a version goes in its safetensors payload; ``write`` fills a buffer."""
+
+    header: bytes
+    """The 8-byte length prefix and the JSON header, padded so tensor data starts 8-aligned."""
+    parts: tuple[tuple[torch.Tensor, int, int], ...]
+    """(tensor, start, end) byte ranges in the payload, in payload order."""
+    total_bytes: int
+
+    def write(self, into: memoryview) -> None:
+        """Copy the header and every tensor into ``into`` (exactly ``total_bytes``, writable).
+
+        This is the only copy the publisher makes: it is the snapshot, so the caller's
+        tensors may change as soon as it returns.
+        """
+        import torch
+
+        if len(into) != self.total_bytes:
+            raise ValueError(f"payload buffer has {len(into)} bytes, the layout needs {self.total_bytes}")
+        into[: len(self.header)] = self.header
+        dst = torch.frombuffer(into, dtype=torch.uint8)
+        for tensor, start, end in self.parts:
+            if end > start:
+                dst[start:end].copy_(tensor.detach().reshape(-1).view(torch.uint8))
+
+
+def lay_out(tensors: dict[str, torch.Tensor]) -> Layout:
+    """Plan the safetensors payload of ``tensors`` (HF names -> tensors, any device).
+
+    Tensors are ordered by element size, largest first, then by name, so every one
+    starts aligned to its element size and views of the payload need no realignment.
+    ``ValueError`` names the offending tensor if one cannot be published.
+    """
+    if not tensors:
+        raise ValueError("cannot publish an empty set of tensors")
+    entries = []
+    for name, t in tensors.items():
+        if not isinstance(name, str) or not name or name == "__metadata__":
+            raise ValueError(f"tensor name must be a non-empty string other than '__metadata__', got {name!r}")
+        entries.append((name, t, _dtype_code(t.dtype)))
+    entries.sort(key=lambda e: (-e[1].element_size(), e[0]))
+    header: dict[str, Any] = {}
+    offset, placed = 0, []
+    for name, t, code in entries:
+        if not t.is_contiguous():
+            t = t.contiguous()
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        placed.append((t, offset, offset + size))
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)  # safetensors pads the header with spaces
+    prefix = struct.pack("<Q", len(text)) + text
+    base = len(prefix)
+    return Layout(header=prefix, parts=tuple((t, base + s, base + e) for t, s, e in placed),
+                  total_bytes=base + offset)
+
+
+def load_tensors(manifest: Manifest, payload: memoryview, *, copy: bool) -> dict[str, torch.Tensor]:
+    """Tensors of a verified ``payload`` (run ``verify`` first).
+
+    The payload's own safetensors header must describe exactly the manifest's tensors
+    (``WeightsError`` otherwise). ``copy=True``: fresh tensors (one copy each) that
+    share nothing with ``payload``. ``copy=False``: views of ``payload`` (no copy),
+    valid while the payload's buffer is; read-only when the buffer is.
+    """
+    import torch
+
+    try:
+        specs = parse_header(payload)
+    except ValueError as e:
+        raise WeightsError(f"weights v{manifest.version}: payload header unreadable: {e}") from None
+    if specs != manifest.tensors:
+        raise WeightsError(f"weights v{manifest.version}: payload header differs from the manifest's tensors")
+    out = {}
+    with warnings.catch_warnings():
+        # A read-only buffer (an mmap of a published file) gives read-only views; torch
+        # warns about that on every call, and copy=False callers only read them.
+        warnings.simplefilter("ignore", UserWarning)
+        for spec in specs:
+            try:
+                dtype = _torch_dtype(spec.dtype)
+            except ValueError as e:
+                raise WeightsError(f"weights v{manifest.version}: tensor {spec.name!r}: {e}") from None
+            numel = math.prod(spec.shape)
+            if numel * dtype.itemsize != spec.end - spec.start:
+                raise WeightsError(f"weights v{manifest.version}: tensor {spec.name!r} size does not match its shape")
+            if numel == 0:
+                out[spec.name] = torch.empty(spec.shape, dtype=dtype)
+                continue
+            t = torch.frombuffer(payload, dtype=dtype, count=numel, offset=spec.start).reshape(spec.shape)
+            out[spec.name] = t.clone() if copy else t
+    return out

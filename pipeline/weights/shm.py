@@ -1,17 +1,24 @@
 """``shm`` transport: one immutable file per version in shared memory (same host only).
 
 The publisher writes each payload to ``/dev/shm/<ns>/<key>.v<version>.safetensors``
-(``<tempdir>/<ns>/...`` where ``/dev/shm`` is missing) by writing a temporary file in
-the same directory and renaming it into place, so the final name only ever refers to
-a complete payload. Files are never modified after the rename; dropping a version
-unlinks its file, and a reader that already opened it keeps reading the intact data
-(POSIX unlink semantics). The address in the manifest is the file path.
+(``<tempdir>/<ns>/...`` where ``/dev/shm`` is missing): it maps a temporary file in
+the same directory, copies the tensors straight into the mapping (the only copy on
+the publishing side) and renames the file into place, so the final name only ever
+refers to a complete payload. Files are never modified after the rename; dropping a
+version unlinks its file, and a reader that already opened it keeps reading the
+intact data (POSIX unlink semantics). The address in the manifest is the file path.
+
+The fetcher maps the file read-only: the page cache pages the publisher wrote are
+the fetcher's receive buffer, so a fetch copies nothing until the tensors are loaded
+into a model. Every file is a valid safetensors file (``safetensors.torch.load_file``
+reads it).
 
 Both sides must see the same filesystem: use ``tcp`` across hosts or containers.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import stat
@@ -62,6 +69,8 @@ class ShmPublisher(WeightPublisher):
         # The key scopes file names, so two publishers sharing a namespace never
         # delete each other's files; only filename-safe characters survive.
         self._stem = re.sub(r"[^A-Za-z0-9_.-]", "_", key)
+        self._map: mmap.mmap | None = None  # the payload being written, until _store
+        self._tmp: Path | None = None
 
     @property
     def directory(self) -> Path:
@@ -71,17 +80,42 @@ class ShmPublisher(WeightPublisher):
     def _path(self, version: int) -> Path:
         return self._dir / f"{self._stem}.v{version}{_SUFFIX}"
 
-    def _store(self, version: int, payload: bytes) -> str:
-        path = self._path(version)
-        tmp = self._dir / f".{self._stem}.v{version}.{os.getpid()}.tmp"
+    def _allocate(self, version: int, nbytes: int) -> memoryview:
+        self._abandon()
+        self._tmp = self._dir / f".{self._stem}.v{version}.{os.getpid()}.tmp"
+        fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            with open(tmp, "wb") as f:
-                f.write(payload)
-            os.replace(tmp, path)  # atomic: readers see no file or the whole file
+            os.ftruncate(fd, nbytes)
+            self._map = mmap.mmap(fd, nbytes)
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            self._abandon()
             raise
+        finally:
+            os.close(fd)
+        return memoryview(self._map)
+
+    def _store(self, version: int) -> str:
+        path = self._path(version)
+        assert self._map is not None and self._tmp is not None, "_store without _allocate"
+        # tmpfs needs no msync: the pages are the file. Closing the mapping before the
+        # rename means nothing can write to the file once it has its final name.
+        self._map.close()
+        self._map = None
+        os.replace(self._tmp, path)  # atomic: readers see no file or the whole file
+        self._tmp = None
         return str(path)
+
+    def _abandon(self) -> None:
+        """Drop a half-written temporary (a publish that raised before ``_store``)."""
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass  # a view is still alive; the mapping goes when it does
+            self._map = None
+        if self._tmp is not None:
+            self._tmp.unlink(missing_ok=True)
+            self._tmp = None
 
     def _retain(self, versions: frozenset[int]) -> None:
         # Scan the folder rather than only our own list, so files (and temporaries)
@@ -98,6 +132,7 @@ class ShmPublisher(WeightPublisher):
                 path.unlink(missing_ok=True)
 
     def _shutdown(self) -> None:
+        self._abandon()
         self._retain(frozenset())
         try:
             self._dir.rmdir()  # only if empty: other publishers may share the namespace
@@ -106,11 +141,11 @@ class ShmPublisher(WeightPublisher):
 
 
 class ShmFetcher(WeightFetcher):
-    """Reads a version's file into the fetcher's reused buffer. No options."""
+    """Maps a version's file read-only; the mapping is the receive buffer. No options."""
 
     transport = "shm"
 
-    def _transfer(self, manifest: Manifest, into: memoryview) -> None:
+    def _transfer(self, manifest: Manifest) -> memoryview:
         where = f"weights v{manifest.version} at {manifest.address}"
         try:
             # O_NONBLOCK: opening a FIFO or device named by a bad manifest must not
@@ -120,20 +155,20 @@ class ShmFetcher(WeightFetcher):
             raise WeightsError(f"{where}: file gone (version dropped or publisher closed)") from None
         except OSError as e:
             raise WeightsError(f"{where}: cannot open: {e}") from e
-        with open(fd, "rb", buffering=0) as f:
+        try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
                 raise WeightsError(f"{where}: not a regular file")
             if info.st_size != manifest.total_bytes:
-                raise WeightsError(f"{where}: file has {info.st_size} bytes, manifest says {manifest.total_bytes}")
-            got = 0
+                raise WeightsError(
+                    f"{where}: short read, file has {info.st_size} bytes, manifest says {manifest.total_bytes}"
+                )
             try:
-                while got < len(into):
-                    n = f.readinto(into[got:])
-                    if not n:
-                        break
-                    got += n
-            except OSError as e:
-                raise WeightsError(f"{where}: read failed after {got} bytes: {e}") from e
-        if got != manifest.total_bytes:
-            raise WeightsError(f"{where}: short read, {got} of {manifest.total_bytes} bytes")
+                # Published files are never truncated (only unlinked, which keeps the
+                # pages of an open mapping), so the mapping stays fully readable.
+                mapping = mmap.mmap(fd, manifest.total_bytes, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as e:
+                raise WeightsError(f"{where}: cannot map: {e}") from e
+        finally:
+            os.close(fd)
+        return memoryview(mapping)

@@ -14,9 +14,10 @@ straight into its slice of the receive buffer (``recv_into``). Every reply must 
 within ``timeout_s``, so a dead or wedged publisher costs one timeout, not a hang.
 
 Threading: the ROUTER socket lives and dies in the server thread (zmq sockets are not
-thread-safe); ``publish`` hands payloads to it through a lock-protected dict. Payloads
-are immutable ``bytes``, so replies send slices of them without copying, and a
-payload dropped while a reply is still in flight stays alive until zmq is done with it.
+thread-safe); ``publish`` hands payloads to it through a lock-protected dict. A payload
+is never written after ``publish`` stores it, so replies send memoryview slices of it
+without copying (``copy=False``), and a payload dropped while a reply is still in
+flight stays alive until zmq is done with it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class TcpPublisher(WeightPublisher):
     """
 
     transport = "tcp"
+    _max_request_bytes = _MAX_REQUEST_BYTES
 
     def __init__(
         self,
@@ -61,7 +63,8 @@ class TcpPublisher(WeightPublisher):
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in 0..65535, got {port!r}")
         self._lock = threading.Lock()
-        self._payloads: dict[int, bytes] = {}  # version -> payload; guarded by _lock
+        self._payloads: dict[int, bytearray] = {}  # version -> payload; guarded by _lock
+        self._writing: bytearray | None = None  # between _allocate and _store
         self._ctx = zmq.Context()
         self._bound = threading.Event()
         self._bind_error: BaseException | None = None
@@ -73,6 +76,8 @@ class TcpPublisher(WeightPublisher):
         self._bound.wait()  # binding is local and immediate; it either works or raises
         if self._bind_error is not None:
             self._ctx.term()
+            if self._announcer is not None:
+                self._announcer.close()
             raise self._bind_error
         self._address = f"tcp://{_bracket(advertise_host or host)}:{self._port}"
 
@@ -81,7 +86,13 @@ class TcpPublisher(WeightPublisher):
         """Endpoint fetchers connect to (also in every manifest)."""
         return self._address
 
-    def _store(self, version: int, payload: bytes) -> str:
+    def _allocate(self, version: int, nbytes: int) -> memoryview:
+        self._writing = bytearray(nbytes)
+        return memoryview(self._writing)
+
+    def _store(self, version: int) -> str:
+        payload, self._writing = self._writing, None
+        assert payload is not None, "_store without _allocate"
         with self._lock:
             self._payloads[version] = payload
         return self._address
@@ -103,7 +114,7 @@ class TcpPublisher(WeightPublisher):
         sock = self._ctx.socket(zmq.ROUTER)
         try:
             sock.linger = 0
-            sock.maxmsgsize = _MAX_REQUEST_BYTES
+            sock.maxmsgsize = self._max_request_bytes
             if ":" in host:
                 sock.ipv6 = True
             endpoint = f"tcp://{_bracket(host)}"
@@ -118,16 +129,20 @@ class TcpPublisher(WeightPublisher):
         finally:
             self._bound.set()
         try:
-            while True:
-                frames = sock.recv_multipart()
-                if len(frames) != 2:
-                    continue  # not our protocol (DEALER requests are [identity, body])
-                identity, request = frames
-                sock.send_multipart([identity, *self._answer(request)], copy=False)
+            self._loop(sock)
         except zmq.ContextTerminated:
             pass
         finally:
             sock.close(linger=0)
+
+    def _loop(self, sock: zmq.Socket) -> None:
+        """Answer requests until the context is terminated."""
+        while True:
+            frames = sock.recv_multipart()
+            if len(frames) != 2:
+                continue  # not our protocol (DEALER requests are [identity, body])
+            identity, request = frames
+            sock.send_multipart([identity, *self._answer(request)], copy=False)
 
     def _answer(self, request: bytes) -> list[bytes | memoryview]:
         try:
@@ -143,8 +158,8 @@ class TcpPublisher(WeightPublisher):
         start = index * self._bucket_bytes
         if index < 0 or start >= len(payload):
             return [msgpack.packb([version, index, "bad request"]), b""]
-        # A memoryview slice of immutable bytes: zmq sends it without a copy and
-        # holds a reference until the kernel has it.
+        # A memoryview slice of a payload nobody writes any more: zmq sends it without
+        # a copy and holds a reference until the kernel has it.
         return [msgpack.packb([version, index, "ok"]), memoryview(payload)[start : start + self._bucket_bytes]]
 
 
@@ -173,8 +188,9 @@ class TcpFetcher(WeightFetcher):
         super().close()
         self._ctx.destroy(linger=0)
 
-    def _transfer(self, manifest: Manifest, into: memoryview) -> None:
+    def _transfer(self, manifest: Manifest) -> memoryview:
         where = f"weights v{manifest.version} from {manifest.address}"
+        into = self._receive_buffer(manifest.total_bytes)
         if not manifest.address.startswith("tcp://"):
             raise WeightsError(f"{where}: not a tcp:// address")
         # A fresh socket per fetch: no reply to an abandoned earlier fetch can ever be
@@ -189,6 +205,7 @@ class TcpFetcher(WeightFetcher):
             sock.maxmsgsize = max(manifest.bucket_bytes, _MAX_HEADER_BYTES)
             sock.connect(manifest.address)
             self._pull(sock, manifest, into, where)
+            return into
         except zmq.Again:
             raise WeightsError(
                 f"{where}: no reply within {self._timeout_ms / 1000:g}s (publisher gone or overloaded)"
