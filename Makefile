@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 ARGS ?=
 METRICS_PORT ?= 9400
 
-.PHONY: help setup up-cluster down pretrain test clean gap-experiment hacking-experiment top dashboard report bench-verifier
+.PHONY: help setup up-cluster down pretrain test clean gap-experiment hacking-experiment top dashboard report bench-verifier chaos
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -29,6 +29,9 @@ dashboard: ## the live view and its charts as a web page on http://127.0.0.1:876
 
 report: ## PNG plots and report.md of a run: make report RUN=runs/<id>
 	$(BIN)/pipeline report $(RUN)
+
+chaos: setup ## the embedded default while workers and Redis are SIGKILLed; then every prompt is checked (lost/duplicated/unexpected = 0)
+	$(BIN)/pipeline chaos --redis.claim_idle_ms 5000 $(ARGS)
 
 down: ## stop a cluster left running
 	$(BIN)/pipeline down

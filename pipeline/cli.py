@@ -1,6 +1,7 @@
 """``pipeline``: one command per stage, plus the single-machine cluster driver.
 
     pipeline up        start Redis + feeder + generators + verifiers + trainer, train, report
+    pipeline chaos     the same, while workers and Redis are killed; then a total-queue check
     pipeline down      stop a cluster left running
     pipeline pretrain  build and warm up the tiny base model
     pipeline feed | generate | verify | train   run one stage (one OS process each)
@@ -48,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
         return sp
 
     add("up", "start a whole cluster on this machine, train, and write the run summary")
+    add("chaos", "pipeline up while killing workers and Redis (see [chaos]); then check every prompt was "
+                 "trained, dropped or dead-lettered exactly once")
     down = sub.add_parser("down", help="stop a cluster that `pipeline up` left running")
     down.add_argument("--runs-dir", default="runs")
     add("pretrain", "build the tiny base model and warm it up on the task (skipped if it exists)").add_argument(
@@ -170,10 +173,10 @@ def _dispatch(args: argparse.Namespace, cfg: RunConfig) -> int:
 
         print(documented_toml(cfg), end="")
         return 0
-    if cmd == "up":
+    if cmd in ("up", "chaos"):
         from pipeline.cluster import up
 
-        return up(cfg)
+        return up(cfg, chaos=cmd == "chaos")
     if cmd == "down":
         from pipeline.cluster import down
 

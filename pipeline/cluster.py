@@ -71,7 +71,8 @@ def _progress_line(r, keys, start: float, steps: int) -> str:
             f"  stale={int(st.get('dropped_stale_total', 0))} dead={q['dead']['length']}")
 
 
-def up(cfg: RunConfig) -> int:
+def up(cfg: RunConfig, *, chaos: bool = False) -> int:
+    """Run the whole pipeline; with ``chaos``, inject the faults of ``cfg.chaos`` and judge the result."""
     from pipeline.accounting import account
     from pipeline.keys import Keys
     from pipeline.server import provision
@@ -83,7 +84,19 @@ def up(cfg: RunConfig) -> int:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     start = time.time()
     base_info = ensure_base_model(cfg)
+    if chaos:
+        # A SIGKILLed server must lose nothing it acknowledged (see pipeline.chaos).
+        cfg.redis.appendfsync = "always"
     server = provision(run_dir / "redis", url=cfg.redis.url, appendfsync=cfg.redis.appendfsync, redis_cfg=cfg.redis)
+    monkey = None
+    if chaos:
+        from pipeline.chaos import Chaos
+
+        if server.process is None and (cfg.chaos.redis_restarts or "redis" in cfg.chaos.schedule):
+            server.stop()
+            raise SystemExit("pipeline chaos: restarting Redis needs a server this run starts; "
+                             "unset REDIS_URL/--redis.url or pass --chaos.redis_restarts 0")
+        monkey = Chaos(cfg.chaos, time.time(), cfg.trainer.steps)
     cfg.redis.url = server.url
     (run_dir / "config.toml").write_text(to_toml(cfg))
     r, keys = connect(server.url, name=f"{cfg.run_id}:driver", redis_cfg=cfg.redis), Keys(cfg.run_id)
@@ -121,14 +134,28 @@ def up(cfg: RunConfig) -> int:
             procs[name] = _spawn(cfg, stage, worker)
         record()
         last_print = 0.0
-        while procs["trainer"].poll() is None:
-            for name, p in procs.items():
-                if name != "trainer" and p.poll() is not None:
+        # The trainer exiting 0 ends the run (finished, or stopped); any other exit of any
+        # worker, the trainer included (it resumes from its checkpoint), is a restart.
+        while procs["trainer"].poll() != 0:
+            for name, p in list(procs.items()):
+                if p.poll() is None:
+                    continue
+                if monkey is not None and monkey.killed(name):
+                    if not monkey.may_restart(name):
+                        continue
+                    del monkey.hold_until[name]
+                    print(f"{name} restarting after the injected fault", flush=True)
+                else:
                     if restarts >= MAX_RESTARTS:
                         raise RuntimeError(f"{name} keeps exiting (code {p.returncode}); see {run_dir}/logs/{name}.out")
                     print(f"{name} exited with code {p.returncode}; restarting it", flush=True)
                     restarts += 1
-                    procs[name] = _spawn(cfg, *workers[name])
+                procs[name] = _spawn(cfg, *workers[name])
+                record()
+            if monkey is not None:
+                n = len(monkey.faults)
+                monkey.tick(procs, server, version=int(r.hget(keys.trainer, "version") or 0))
+                if len(monkey.faults) != n:
                     record()
             if time.time() - start > cfg.cluster.timeout_s:
                 raise RuntimeError(f"the trainer did not finish within cluster.timeout_s={cfg.cluster.timeout_s}")
@@ -145,8 +172,14 @@ def up(cfg: RunConfig) -> int:
         r.set(keys.stop, 1)
         _stop_all(procs)
     print(_progress_line(r, keys, start, cfg.trainer.steps), flush=True)
-    summary = write_summary(cfg, r, keys, account(r, keys), base_info, status=status,
-                            wall_seconds=time.time() - start, restarts=restarts)
+    accounting = account(r, keys)
+    extra = {}
+    if monkey is not None:
+        from pipeline.chaos import verdict
+
+        extra["chaos"] = {**monkey.summary(), "verdict": verdict(accounting, finished=status == "finished")}
+    summary = write_summary(cfg, r, keys, accounting, base_info, status=status,
+                            wall_seconds=time.time() - start, restarts=restarts, **extra)
     server.stop()
     cluster_file.unlink(missing_ok=True)
     print((run_dir / "summary.md").read_text(), flush=True)
@@ -154,6 +187,14 @@ def up(cfg: RunConfig) -> int:
 
     write_report(run_dir)
     print(f"report: {run_dir / 'report.md'}", flush=True)
+    if monkey is not None:
+        v = extra["chaos"]["verdict"]
+        print(f"chaos: {len(monkey.faults)} faults survived {monkey.summary()['by_kind']}; per prompt: "
+              f"issued {v['issued']}, trained {v['trained']}, no signal {v['nosignal']}, "
+              f"dropped stale {v['dropped_stale']}, dead-lettered {v['dead_lettered']}, in flight {v['in_flight']}, "
+              f"lost {v['lost']}, duplicated {v['duplicated']}, unexpected {v['unexpected']} -> "
+              f"{'PASS' if v['ok'] else 'FAIL'}", flush=True)
+        return 0 if v["ok"] else 1
     return 0 if status == "finished" and summary["accounting"]["ok"] else 1
 
 
@@ -183,8 +224,9 @@ def write_summary(cfg: RunConfig, r, keys, accounting: dict, base_info: dict, **
 
     rows = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()] \
         if (cfg.run_dir / "metrics.jsonl").exists() else []
-    steps = [x for x in rows if x["kind"] == "step"]
-    evals = [x for x in rows if x["kind"] == "eval"]
+    # A trainer resumed from a checkpoint redoes the steps after it: the last row per version counts.
+    steps = sorted({x["version"]: x for x in rows if x["kind"] == "step"}.values(), key=lambda x: x["version"])
+    evals = sorted({x["version"]: x for x in rows if x["kind"] == "eval"}.values(), key=lambda x: x["version"])
     stats = read_stats(r, keys)
     base = evals[0]["heldout_accuracy"] if evals else float("nan")
     last3 = [e["heldout_accuracy"] for e in evals[1:]][-3:]

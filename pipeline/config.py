@@ -332,6 +332,41 @@ class ClusterConfig:
 
 
 @dataclass(kw_only=True)
+class ChaosConfig:
+    """Fault injection by ``pipeline chaos`` / ``make chaos`` (``pipeline up`` leaves it off)."""
+
+    kill_every_s: float = 15.0
+    """Mean seconds between two random faults (exponential gaps, from the first training step)."""
+    schedule: list[str] = field(default_factory=list)
+    """Fixed fault sequence instead of random picks: worker names (``gen-0``, ``ver-1``,
+    ``trainer``, ``feeder``) and ``redis``. Fault k of n comes once the policy reaches
+    version k·steps/(n+2), so the faults land mid-run however fast the machine is."""
+    targets: list[str] = field(default_factory=lambda: ["generator", "verifier", "trainer"])
+    """Stage kinds random faults pick from (``generator``, ``verifier``, ``trainer``, ``feeder``)."""
+    redis_restarts: int = 2
+    """SIGKILL-and-restart the Redis server this many times, spread over the run."""
+    max_hold_s: float = 8.0
+    """A killed worker stays down for a random 0..max_hold_s seconds, so its pending
+    entries are sometimes reclaimed by a live peer before it comes back."""
+    seed: int = 0
+    """Seed of the fault schedule."""
+    max_faults: int = 0
+    """Stop injecting after this many faults (0: until the trainer finishes)."""
+
+    def validate(self, p: str) -> None:
+        _check(self.kill_every_s > 0, f"{p}.kill_every_s", "> 0", self.kill_every_s)
+        kinds = {"generator", "verifier", "trainer", "feeder"}
+        _check(set(self.targets) <= kinds and bool(self.targets), f"{p}.targets",
+               f"a non-empty subset of {sorted(kinds)}", self.targets)
+        _check(all(x == "redis" or x in ("trainer", "feeder") or x.startswith(("gen-", "ver-"))
+                   for x in self.schedule), f"{p}.schedule", "worker names (gen-N, ver-N, trainer, feeder) or redis",
+               self.schedule)
+        _check(self.redis_restarts >= 0, f"{p}.redis_restarts", ">= 0", self.redis_restarts)
+        _check(self.max_hold_s >= 0, f"{p}.max_hold_s", ">= 0", self.max_hold_s)
+        _check(self.max_faults >= 0, f"{p}.max_faults", ">= 0", self.max_faults)
+
+
+@dataclass(kw_only=True)
 class MetricsConfig:
     base_port: int = 0
     """Prometheus: ``pipeline up``'s workers serve ``/metrics`` on this port + a fixed offset
@@ -372,6 +407,8 @@ class RunConfig:
     """What ``pipeline up`` starts on this machine."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """Prometheus endpoints and queue sampling."""
+    chaos: ChaosConfig = field(default_factory=ChaosConfig)
+    """Fault injection, used only by ``pipeline chaos``."""
 
     def validate(self) -> "RunConfig":
         _check(all(c.isalnum() or c in "-_." for c in self.run_id), "run_id", "letters, digits, '-', '_' or '.'", self.run_id)

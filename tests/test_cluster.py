@@ -14,8 +14,8 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def _up(tmp_path, base, *extra: str) -> subprocess.Popen:
-    args = [sys.executable, "-m", "pipeline.cli", "up", "--runs_dir", str(tmp_path / "runs"),
+def _up(tmp_path, base, *extra: str, command: str = "up") -> subprocess.Popen:
+    args = [sys.executable, "-m", "pipeline.cli", command, "--runs_dir", str(tmp_path / "runs"),
             "--model.base_dir", str(base), "--task.heldout_size", "50", "--trainer.groups_per_step", "4",
             "--trainer.eval_every", "2", "--generator.group_size", "4", "--generator.prompts_per_batch", "2",
             "--feeder.backlog", "16", "--verifier.batch", "4", "--verifier.min_fit_rows", "16",

@@ -87,3 +87,40 @@ def test_mutated_valid_records_decode_or_fail_cleanly(data):
         ScoredGroup.decode(bytes(raw))
     except RecordError:
         pass
+
+
+_msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=20)
+    | st.binary(max_size=64),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_any_field_replaced_by_any_value_decodes_or_fails_cleanly(data):
+    """Structure-aware mutation: valid MessagePack, wrong contents, for every record type."""
+    import msgpack
+
+    from pipeline.accounting import _prompt_id
+
+    cls, record = data.draw(st.sampled_from([(PromptTask, make_prompt()), (RolloutGroup, make_rollout()),
+                                             (ScoredGroup, make_scored())]))
+    body = msgpack.unpackb(record.encode(), raw=False)
+    target = body
+    if cls is ScoredGroup and data.draw(st.booleans()):
+        target = body["rollout"]
+    field = data.draw(st.sampled_from(sorted(target)))
+    if data.draw(st.booleans()):
+        target[field] = data.draw(_msgpack_values)
+    else:
+        del target[field]
+    raw = msgpack.packb(body, use_bin_type=True)
+    try:
+        decoded = cls.decode(raw)
+    except RecordError as e:
+        assert str(e), "a defect always has a reason for the dead-letter stream"
+    else:
+        assert type(decoded) is cls
+    pid = _prompt_id(raw)
+    assert pid is None or isinstance(pid, str)

@@ -1,0 +1,30 @@
+"""`pipeline chaos`, short: one SIGKILL of each stage kind and of the Redis server, mid-run,
+then the total-queue check (lost = duplicated = unexpected = 0). `make chaos` is the long one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_cluster import _up
+
+pytestmark = pytest.mark.slow
+
+
+def test_one_kill_of_each_stage_and_a_redis_restart_lose_and_repeat_nothing(tmp_path, tiny_base_model):
+    p = _up(tmp_path, tiny_base_model, "--run-id", "chaos", "--trainer.steps", "24",
+            "--chaos.schedule", "gen-0,trainer,redis,ver-1",
+            "--chaos.max_hold_s", "2", "--redis.claim_idle_ms", "1500", "--trainer.eval_every", "8", command="chaos")
+    out = p.communicate(timeout=600)[0].decode()
+    assert p.returncode == 0, out[-4000:]
+    summary = json.loads((tmp_path / "runs" / "chaos" / "summary.json").read_text())
+    chaos = summary["chaos"]
+    assert [e["target"] for e in chaos["events"]] == ["gen-0", "trainer", "redis", "ver-1"], chaos
+    v = chaos["verdict"]
+    assert v["ok"] and v["finished"], v
+    assert v["lost"] == 0 and v["duplicated"] == 0 and v["unexpected"] == 0
+    assert v["trained"] + v["nosignal"] + v["dropped_stale"] == 24 * 4, "every step's groups were committed once"
+    assert "faults survived" in out and "PASS" in out
+    events = [json.loads(x)["event"] for x in (tmp_path / "runs" / "chaos" / "logs" / "trainer.jsonl")
+              .read_text().splitlines()]
+    assert events.count("trainer_started") == 2 and "trainer_resumed" in events, (events, out[-3000:])
