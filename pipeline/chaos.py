@@ -93,8 +93,15 @@ class Chaos:
                 self.cfg.redis_restarts - self._redis_left + 1) / (self.cfg.redis_restarts + 1):
             self._redis_left -= 1
             return "redis"
-        alive = [n for n, p in procs.items() if stage_of(n) in self.cfg.targets and p.poll() is None]
-        return self._rng.choice(sorted(alive)) if alive else None
+        # A stage kind first, then one of its live workers: the lone trainer is hit as
+        # often as the generator pool.
+        alive: dict[str, list[str]] = {}
+        for n, p in sorted(procs.items()):
+            if stage_of(n) in self.cfg.targets and p.poll() is None:
+                alive.setdefault(stage_of(n), []).append(n)
+        if not alive:
+            return None
+        return self._rng.choice(alive[self._rng.choice(sorted(alive))])
 
     def tick(self, procs: dict[str, subprocess.Popen], server, *, version: int, log=print) -> None:
         """Inject the next fault if it is due."""

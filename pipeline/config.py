@@ -335,14 +335,15 @@ class ClusterConfig:
 class ChaosConfig:
     """Fault injection by ``pipeline chaos`` / ``make chaos`` (``pipeline up`` leaves it off)."""
 
-    kill_every_s: float = 15.0
+    kill_every_s: float = 10.0
     """Mean seconds between two random faults (exponential gaps, from the first training step)."""
     schedule: list[str] = field(default_factory=list)
     """Fixed fault sequence instead of random picks: worker names (``gen-0``, ``ver-1``,
     ``trainer``, ``feeder``) and ``redis``. Fault k of n comes once the policy reaches
     version k·steps/(n+2), so the faults land mid-run however fast the machine is."""
     targets: list[str] = field(default_factory=lambda: ["generator", "verifier", "trainer"])
-    """Stage kinds random faults pick from (``generator``, ``verifier``, ``trainer``, ``feeder``)."""
+    """Stage kinds random faults pick from (``generator``, ``verifier``, ``trainer``,
+    ``feeder``): a kind uniformly, then one of its live workers."""
     redis_restarts: int = 2
     """SIGKILL-and-restart the Redis server this many times, spread over the run."""
     max_hold_s: float = 8.0

@@ -36,6 +36,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from pipeline.keys import Keys
+from pipeline.streams import group_lag
 
 DELIVERY_BUCKETS = (1, 2, 3, 5, 10)
 """Upper bounds of the pending entries' delivery-count histogram (then +Inf)."""
@@ -123,7 +124,7 @@ def _stream_row(r: redis.Redis, name: str, key: str, group: str | None, now_ms: 
             "group": gname,
             "consumers": int(g["consumers"]),
             "pending": int(g["pending"]),
-            "lag": int(g["lag"]) if g.get("lag") is not None else 0,
+            "lag": group_lag(r, key, g),
             "entries_read": int(g.get("entries-read") or 0),
             "last_delivered_id": _text(g["last-delivered-id"]),
             "oldest_pending_id": _text(oldest) if oldest else None,

@@ -316,13 +316,40 @@ def stop_requested(r: redis.Redis, keys: Keys) -> bool:
     return _local_stop.is_set() or bool(r.exists(keys.stop))
 
 
-def unacked(r: redis.Redis, stream: str, group: str) -> int:
+LAG_COUNT_CAP = 100_000
+"""Most entries ``group_lag`` counts one by one when the server has no lag figure."""
+
+
+def group_lag(r: redis.Redis, stream: str, group_info: dict, *, cap: int = LAG_COUNT_CAP) -> int:
+    """Entries of ``stream`` not yet delivered to the group described by ``group_info`` (XINFO GROUPS).
+
+    The server's own ``lag`` is used when it has one. After it replays its append-only
+    file (a restart) the server no longer knows how many entries a group has read and
+    reports no lag; the entries past the group's last-delivered id are then counted,
+    up to ``cap`` (a caller that only compares with a bound passes bound + 1).
+    """
+    lag = group_info.get("lag")
+    if lag is not None:
+        return int(lag)
+    last = group_info["last-delivered-id"]
+    last = last.decode() if isinstance(last, bytes) else last
+    n, start = 0, "(" + last
+    while n < cap:
+        want = min(1000, cap - n)
+        page = r.xrange(stream, min=start, max="+", count=want)
+        n += len(page)
+        if len(page) < want:
+            break
+        start = "(" + page[-1][0].decode()
+    return n
+
+
+def unacked(r: redis.Redis, stream: str, group: str, *, cap: int = LAG_COUNT_CAP) -> int:
     """Entries of ``stream`` its group has not acked yet: never delivered (lag) plus pending."""
     try:
         for g in r.xinfo_groups(stream):
             if g["name"].decode() == group:
-                lag = g.get("lag")
-                return int(g["pending"]) + (int(lag) if lag is not None else int(r.xlen(stream)))
+                return int(g["pending"]) + group_lag(r, stream, g, cap=cap)
     except redis.ResponseError:
         pass  # the stream does not exist yet
     return 0
@@ -336,7 +363,7 @@ def wait_for_room(r: redis.Redis, keys: Keys, stream: str, group: str, *, bound:
     (``backpressure_waits_total``, ``backpressure_seconds_total``). Returns seconds waited.
     """
     t0 = time.perf_counter()
-    depth = unacked(r, stream, group)
+    depth = unacked(r, stream, group, cap=bound + 1)
     if depth <= bound:
         return 0.0
     log.warning("backpressure", stream=stream, unacked=depth, bound=bound)
@@ -344,7 +371,7 @@ def wait_for_room(r: redis.Redis, keys: Keys, stream: str, group: str, *, bound:
     while depth > bound and not stop_requested(r, keys):
         heartbeat(r, keys, worker_id, stage, "backpressure", stream=stream, unacked=depth)
         time.sleep(poll_s)
-        depth = unacked(r, stream, group)
+        depth = unacked(r, stream, group, cap=bound + 1)
     waited = time.perf_counter() - t0
     r.hincrbyfloat(keys.stats, "backpressure_seconds_total", waited)
     log.info("backpressure_released", stream=stream, unacked=depth, seconds=round(waited, 3))
@@ -400,7 +427,7 @@ def read_stats(r: redis.Redis, keys: Keys) -> dict[str, float]:
     return {k.decode(): float(v) for k, v in r.hgetall(keys.stats).items()}
 
 
-def queue_depths(r: redis.Redis, keys: Keys) -> dict[str, dict[str, int]]:
+def queue_depths(r: redis.Redis, keys: Keys, *, lag_cap: int = LAG_COUNT_CAP) -> dict[str, dict[str, int]]:
     """Per stream: length, entries not yet delivered to its group (lag), delivered but unacked (pending)."""
     out: dict[str, dict[str, int]] = {}
     for name, (key, group) in keys.streams().items():
@@ -409,8 +436,7 @@ def queue_depths(r: redis.Redis, keys: Keys) -> dict[str, dict[str, int]]:
             for g in r.xinfo_groups(key):
                 if g["name"].decode() == group:
                     row["pending"] = int(g["pending"])
-                    lag = g.get("lag")
-                    row["lag"] = int(lag) if lag is not None else 0
+                    row["lag"] = group_lag(r, key, g, cap=lag_cap)
         except redis.ResponseError:
             pass  # stream not created yet
         out[name] = row

@@ -410,3 +410,26 @@ def test_sigterm_lets_a_generator_finish_its_batch_and_exit_cleanly(tmp_path, ti
     assert unacked(r, keys.prompts, GENERATORS_GROUP) == 40 - r.xlen(keys.rollouts), \
         "every prompt it took was finished and acked before it exited"
     assert not r.xpending_range(keys.prompts, GENERATORS_GROUP, "-", "+", 10)
+
+
+def test_lag_is_counted_when_a_restarted_server_no_longer_knows_it(tmp_path):
+    """After an AOF replay XINFO GROUPS reports no lag; feeder backlog and backpressure must still see it."""
+    from pipeline.streams import group_lag, queue_depths
+
+    server = start_local_server(tmp_path / "srv", appendfsync="always")
+    try:
+        r = connect(server.url)
+        keys = Keys("lag")
+        ensure_all_groups(r, keys)
+        ids = [r.xadd(keys.prompts, {"d": b"x"}) for _ in range(2500)]
+        GroupReader(r, keys.prompts, GENERATORS_GROUP, "g").read_new(400, 10)
+        r.xack(keys.prompts, GENERATORS_GROUP, *ids[:300])
+        assert queue_depths(r, keys)["prompts"] == {"length": 2500, "lag": 2100, "pending": 100}
+        server.restart(kill=True)
+        (info,) = r.xinfo_groups(keys.prompts)
+        assert info.get("lag") is None, "the server lost its lag figure (if it kept it, the fallback is moot)"
+        assert queue_depths(r, keys)["prompts"] == {"length": 2500, "lag": 2100, "pending": 100}
+        assert group_lag(r, keys.prompts, info, cap=257) == 257
+        assert unacked(r, keys.prompts, GENERATORS_GROUP, cap=50) == 150
+    finally:
+        server.stop()

@@ -44,7 +44,7 @@ def run_feeder(cfg: RunConfig, r, keys: Keys, log, *, tokenizer, max_rounds: int
         if cfg.feeder.max_prompts and seq >= cfg.feeder.max_prompts:
             log.info("feeder_exhausted", issued=seq)
             break
-        room = cfg.feeder.backlog - queue_depths(r, keys)["prompts"]["lag"]
+        room = cfg.feeder.backlog - queue_depths(r, keys, lag_cap=cfg.feeder.backlog + 1)["prompts"]["lag"]
         if cfg.feeder.max_prompts:
             room = min(room, cfg.feeder.max_prompts - seq)
         if room <= 0:
