@@ -115,6 +115,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=200, help="trainer steps per run (same for all three)")
     ap.add_argument("--lr", type=float, default=None, help="trainer lr for all three (default: the config's)")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="trainer, feeder and generator seed for all three (default: the config's)")
     ap.add_argument("--probe-prompts", type=int, default=512, help="base-model prompts for picking the best verifier")
     ap.add_argument("--runs-dir", default="runs", help="where the three runs go")
     ap.add_argument("--out", default=str(RESULTS), help="results directory")
@@ -147,13 +149,16 @@ def main() -> int:
     overrides: dict[str, object] = {"trainer.steps": args.steps}
     if args.lr is not None:
         overrides["trainer.lr"] = args.lr
+    if args.seed is not None:
+        overrides.update({"trainer.seed": args.seed, "feeder.seed": args.seed, "generator.seed": args.seed})
     modes = {best: best, "weaver": "weaver", "ground_truth": "ground_truth"}
     dirs = {}
     for label, reward in modes.items():
         tag = "gap-" + label.replace(":", "-").replace("_", "-")
         dirs[label] = run_up(tag, {**overrides, "verifier.reward": reward}, runs_dir=ROOT / args.runs_dir)
     budget = {"steps": args.steps, **{k: v for k, v in overrides.items() if k != "trainer.steps"},
-              "seed": cfg.trainer.seed, "feeder_seed": cfg.feeder.seed}
+              "seed": overrides.get("trainer.seed", cfg.trainer.seed),
+              "feeder_seed": overrides.get("feeder.seed", cfg.feeder.seed)}
     return report({"budget": budget, "probe": probe, "runs": {k: str(d.relative_to(ROOT)) for k, d in dirs.items()}},
                   extras, out)
 

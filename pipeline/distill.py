@@ -9,9 +9,13 @@ completions, votes, posterior, and the hidden truth, which is only used to *meas
     pipeline distill --run runs/<id>          # or just the run id
         -> runs/<id>/distilled/{model.safetensors, config.json, report.json}
 
-The model reads ``prompt + completion`` as characters with the project's tokenizer, runs
-a few bidirectional transformer layers and puts a scalar head on a mean-pooled
-representation. It is trained with binary cross-entropy against the soft posterior.
+The model reads ``prompt + completion + eos`` as characters with the project's tokenizer
+through a Qwen3 causal LM (by default the run's base policy, which already does the task at
+a modest accuracy) and scores it as its log-likelihood of the completion plus a scalar head
+on the last hidden state (``CrossEncoder``). It is trained with binary cross-entropy
+against the soft posterior. Measured on this task, the base-initialised scorer kept more
+than the ensemble's selection accuracy, while a small model from scratch learned nothing
+useful in the same budget (README, bench/results/distill.md).
 Measured on held-out groups (split by prompt): selection accuracy (pick the top-scored
 completion of each group; ties averaged) against the ensemble's, the retention ratio,
 and scoring throughput (rows/s) against running the ensemble + label model.
