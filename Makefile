@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 ARGS ?=
 METRICS_PORT ?= 9400
 
-.PHONY: help setup up-cluster down pretrain test clean gap-experiment hacking-experiment top dashboard report bench-verifier chaos
+.PHONY: help setup up-cluster down pretrain test clean gap-experiment hacking-experiment top dashboard report bench-verifier chaos bench-weights
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -50,6 +50,9 @@ hacking-experiment: pretrain ## weaver, majority, average at lr 3e-4: reward vs 
 
 bench-verifier: pretrain ## label model vs majority/single/average/EM/supervised on synthetic votes and base-model rollouts; bench/results/verifier.{json,md} (~3 min)
 	nice -n 10 $(BIN)/python bench/bench_verifier.py $(ARGS)
+
+bench-weights: setup ## shm/tcp/ucx bandwidth vs memcpy/raw-zmq/raw-ucxx ceilings, step->all-generators latency, swap vs batch; bench/results/weights.{json,md} (~10 min)
+	nice -n 10 $(BIN)/python bench/bench_weights.py $(ARGS)
 
 clean: ## remove runs/ and the base model (keeps .venv)
 	rm -rf runs artifacts

@@ -26,10 +26,11 @@ import threading
 from typing import Any
 
 import msgpack
+import numpy as np
 import redis
 import zmq
 
-from pipeline.weights import WeightFetcher, WeightPublisher
+from pipeline.weights import WeightFetcher, WeightPublisher, host_buffer
 from pipeline.weights.manifest import Manifest, WeightsError
 
 _MAX_REQUEST_BYTES = 1024  # a request is a few bytes; refuse anything bigger unread
@@ -63,8 +64,8 @@ class TcpPublisher(WeightPublisher):
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in 0..65535, got {port!r}")
         self._lock = threading.Lock()
-        self._payloads: dict[int, bytearray] = {}  # version -> payload; guarded by _lock
-        self._writing: bytearray | None = None  # between _allocate and _store
+        self._payloads: dict[int, np.ndarray] = {}  # version -> payload; guarded by _lock
+        self._writing: np.ndarray | None = None  # between _allocate and _store
         self._ctx = zmq.Context()
         self._bound = threading.Event()
         self._bind_error: BaseException | None = None
@@ -87,7 +88,7 @@ class TcpPublisher(WeightPublisher):
         return self._address
 
     def _allocate(self, version: int, nbytes: int) -> memoryview:
-        self._writing = bytearray(nbytes)
+        self._writing = host_buffer(nbytes)
         return memoryview(self._writing)
 
     def _store(self, version: int) -> str:
@@ -183,9 +184,12 @@ class TcpFetcher(WeightFetcher):
         self._timeout_ms = max(1, round(timeout_s * 1000))
         self._max_in_flight = max_in_flight
         self._ctx = zmq.Context()
+        self._sock: zmq.Socket | None = None
+        self._sock_key: tuple[str, int] | None = None
 
     def close(self) -> None:
         super().close()
+        self._drop_socket()
         self._ctx.destroy(linger=0)
 
     def _transfer(self, manifest: Manifest) -> memoryview:
@@ -193,27 +197,44 @@ class TcpFetcher(WeightFetcher):
         into = self._receive_buffer(manifest.total_bytes)
         if not manifest.address.startswith("tcp://"):
             raise WeightsError(f"{where}: not a tcp:// address")
-        # A fresh socket per fetch: no reply to an abandoned earlier fetch can ever be
-        # mistaken for one of ours, and a changed address (publisher restart) just works.
-        sock = self._ctx.socket(zmq.DEALER)
+        sock = self._socket(manifest)
         try:
-            sock.linger = 0
-            sock.rcvtimeo = self._timeout_ms
-            sock.sndtimeo = self._timeout_ms
-            # A peer sending frames larger than a bucket is not our publisher: zmq drops
-            # the connection unread, and we time out instead of allocating for it.
-            sock.maxmsgsize = max(manifest.bucket_bytes, _MAX_HEADER_BYTES)
-            sock.connect(manifest.address)
             self._pull(sock, manifest, into, where)
             return into
-        except zmq.Again:
-            raise WeightsError(
-                f"{where}: no reply within {self._timeout_ms / 1000:g}s (publisher gone or overloaded)"
-            ) from None
-        except zmq.ZMQError as e:
-            raise WeightsError(f"{where}: {e}") from e
-        finally:
-            sock.close(linger=0)
+        except BaseException as e:
+            # A failed fetch may leave replies in flight: drop the socket, so that none of
+            # them can ever be mistaken for a reply to the next fetch.
+            self._drop_socket()
+            if isinstance(e, zmq.Again):
+                raise WeightsError(
+                    f"{where}: no reply within {self._timeout_ms / 1000:g}s (publisher gone or overloaded)"
+                ) from None
+            if isinstance(e, zmq.ZMQError):
+                raise WeightsError(f"{where}: {e}") from e
+            raise
+
+    def _socket(self, manifest: Manifest) -> zmq.Socket:
+        """The DEALER socket for ``manifest``'s publisher, kept across successful fetches
+        (no reconnect, no TCP slow start per version); a new one when the address moves."""
+        limit = max(manifest.bucket_bytes, _MAX_HEADER_BYTES)
+        if self._sock is not None and self._sock_key == (manifest.address, limit):
+            return self._sock
+        self._drop_socket()
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.rcvtimeo = self._timeout_ms
+        sock.sndtimeo = self._timeout_ms
+        # A peer sending frames larger than a bucket is not our publisher: zmq drops
+        # the connection unread, and we time out instead of allocating for it.
+        sock.maxmsgsize = limit
+        sock.connect(manifest.address)
+        self._sock, self._sock_key = sock, (manifest.address, limit)
+        return sock
+
+    def _drop_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        self._sock, self._sock_key = None, None
 
     def _pull(self, sock: zmq.Socket, manifest: Manifest, into: memoryview, where: str) -> None:
         n = manifest.num_buckets
@@ -243,6 +264,7 @@ class TcpFetcher(WeightFetcher):
                 raise WeightsError(f"{where}: reply for bucket {index} has extra frames")
             received[index] = True
             done += 1
+            self._check_arrived(manifest, into, index)
 
 
 def _bracket(host: str) -> str:

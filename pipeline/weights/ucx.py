@@ -2,16 +2,17 @@
 
 Needs the optional extra (``pip install -e '.[ucx]'``: ``ucxx-cu12``, which imports
 and runs without a GPU). The control channel is the ``tcp`` transport's ROUTER
-socket; only the payload takes the UCX path::
+socket; only the payload takes the UCX path, one tagged message per bucket::
 
     fetcher                                          publisher (server thread)
-      tag_recv(whole buffer, tag)   (posted first)
+      tag_recv(bucket i slice, tag + i)  for every i  (posted first)
       DEALER [packb([v, "ucx", worker address, tag])]  ──►
                                                       endpoint from the worker address
                                                         (cached; error handling off)
-                                                      tag_send(payload of v, tag)
+                                                      tag_send(bucket i of v, tag + i)
                                  ◄──  [packb([v, -1, status]), b""]
-      progress until the recv completes or timeout_s passes
+      progress until every recv completes or timeout_s passes; each bucket's
+      CRC-32C runs on a helper thread as soon as it lands (overlapping the rest)
 
 Worker addresses, not listeners: the fetcher sends its UCX worker address in the
 request, and the publisher makes an endpoint from it with *error handling off*.
@@ -25,8 +26,9 @@ and a receive that has not completed by then is cancelled and reported as a
 never land in data that is in use.
 
 ``tls`` sets ``UCX_TLS`` for this transport's UCX context (None: UCX's default,
-``all``), e.g. ``"tcp"`` to force sockets or ``"cma,self"``. Tags are random 64-bit
-numbers per fetch, so a send meant for an abandoned fetch never matches a new one.
+``all``), e.g. ``"tcp"`` to force sockets or ``"cma,self"``. Tags are a random 40-bit
+number per fetch shifted left by 24 bits, plus the bucket index, so a send meant for
+an abandoned fetch never matches a new one.
 """
 
 from __future__ import annotations
@@ -49,12 +51,13 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 import ucxx._lib.libucxx as ucx_api  # noqa: E402  (after the environment it reads)
 from ucxx._lib.arr import Array  # noqa: E402
 
-from pipeline.weights import WeightFetcher  # noqa: E402
+from pipeline.weights import WeightFetcher, host_buffer  # noqa: E402
 from pipeline.weights.manifest import Manifest, WeightsError  # noqa: E402
 from pipeline.weights.tcp import TcpPublisher  # noqa: E402
 
 _MAX_ENDPOINTS = 64  # cached endpoints, one per fetcher worker; the oldest is closed first
 _MAX_HEADER_BYTES = 1024
+_BUCKET_TAGS = 1 << 24  # tags per fetch: bucket i of the fetch with base tag t is t + i
 
 
 def _worker(tls: str | None) -> tuple[Any, Any]:
@@ -115,7 +118,7 @@ class UcxPublisher(TcpPublisher):
         try:
             version, kind, address, tag = msgpack.unpackb(request)
             if not (type(version) is int and kind == "ucx" and type(address) is bytes and type(tag) is int
-                    and 0 <= tag < 2**64):
+                    and 0 <= tag and tag % _BUCKET_TAGS == 0 and tag < 2**64):
                 raise ValueError
         except Exception:  # msgpack raises several types on garbage; all mean the same
             return [msgpack.packb([-1, -1, "bad request"]), b""]
@@ -123,13 +126,17 @@ class UcxPublisher(TcpPublisher):
             payload = self._payloads.get(version)
         if payload is None:
             return [msgpack.packb([version, -1, "gone"]), b""]
+        if -(-len(payload) // self._bucket_bytes) > _BUCKET_TAGS:
+            return [msgpack.packb([version, -1, "too many buckets"]), b""]
         try:
             endpoint = self._endpoint(address)
-            request_ = endpoint.tag_send(Array(np.frombuffer(payload, dtype=np.uint8)), ucx_api.UCXXTag(tag))
+            data = np.frombuffer(payload, dtype=np.uint8)
+            for index, start in enumerate(range(0, len(payload), self._bucket_bytes)):
+                bucket = Array(data[start : start + self._bucket_bytes])
+                self._sends.append((endpoint.tag_send(bucket, ucx_api.UCXXTag(tag + index)), payload))
         except Exception as e:  # a malformed address or a UCX failure: the fetcher hears why
             self._endpoints.pop(address, None)
             return [msgpack.packb([version, -1, f"ucx error: {e}"]), b""]
-        self._sends.append((request_, payload))
         return [msgpack.packb([version, -1, "ok"]), b""]
 
     def _endpoint(self, address: bytes) -> Any:
@@ -168,9 +175,12 @@ class UcxFetcher(WeightFetcher):
         self._ucx_context, self._ucx_worker = _worker(tls)
         self._address = bytes(self._ucx_worker.address.tobytes())
         self._ctx = zmq.Context()
+        self._sock: zmq.Socket | None = None
+        self._sock_address: str | None = None
 
     def close(self) -> None:
         super().close()
+        self._drop_socket()
         self._ctx.destroy(linger=0)
 
     def _transfer(self, manifest: Manifest) -> memoryview:
@@ -178,34 +188,35 @@ class UcxFetcher(WeightFetcher):
         if not manifest.address.startswith("tcp://"):
             raise WeightsError(f"{where}: not a tcp:// control address")
         into = self._receive_buffer(manifest.total_bytes)
-        tag = secrets.randbits(64)
-        # Post the receive before asking, so the payload lands in place, never in
+        if manifest.num_buckets > _BUCKET_TAGS:
+            raise WeightsError(f"{where}: {manifest.num_buckets} buckets, more than one fetch can tag")
+        tag = secrets.randbits(40) * _BUCKET_TAGS
+        data = np.frombuffer(into, dtype=np.uint8)
+        # Post every receive before asking, so the payload lands in place, never in
         # UCX's unexpected-message queue.
-        receive = self._ucx_worker.tag_recv(Array(np.frombuffer(into, dtype=np.uint8)), ucx_api.UCXXTag(tag))
+        receives = []
+        for index in range(manifest.num_buckets):
+            start, end = manifest.bucket_span(index)
+            receives.append(self._ucx_worker.tag_recv(Array(data[start:end]), ucx_api.UCXXTag(tag + index)))
         try:
             self._request(manifest, tag, where)
-            self._wait(receive, where)
+            self._wait(manifest, into, receives, where)
         except BaseException:
-            self._abandon(receive)
+            self._abandon(receives)
             raise
         return into
 
     def _request(self, manifest: Manifest, tag: int, where: str) -> None:
-        sock = self._ctx.socket(zmq.DEALER)
-        timeout_ms = max(1, round(self._timeout_s * 1000))
         try:
-            sock.linger = 0
-            sock.rcvtimeo = sock.sndtimeo = timeout_ms
-            sock.maxmsgsize = _MAX_HEADER_BYTES
-            sock.connect(manifest.address)
+            sock = self._socket(manifest.address)
             sock.send(msgpack.packb([manifest.version, "ucx", self._address, tag]))
             frames = sock.recv_multipart()
         except zmq.Again:
+            self._drop_socket()
             raise WeightsError(f"{where}: no reply within {self._timeout_s:g}s (publisher gone or overloaded)") from None
         except zmq.ZMQError as e:
+            self._drop_socket()
             raise WeightsError(f"{where}: {e}") from e
-        finally:
-            sock.close(linger=0)
         try:
             _, _, status = msgpack.unpackb(frames[0])
         except Exception:
@@ -214,12 +225,38 @@ class UcxFetcher(WeightFetcher):
             hint = " (version dropped or publisher restarted)" if status == "gone" else ""
             raise WeightsError(f"{where}: publisher answered {status!r}{hint}")
 
-    def _wait(self, receive: Any, where: str) -> None:
+    def _socket(self, address: str) -> zmq.Socket:
+        """The control socket to ``address``, kept while requests get their replies."""
+        if self._sock is not None and self._sock_address == address:
+            return self._sock
+        self._drop_socket()
+        sock = self._ctx.socket(zmq.DEALER)
+        timeout_ms = max(1, round(self._timeout_s * 1000))
+        sock.linger = 0
+        sock.rcvtimeo = sock.sndtimeo = timeout_ms
+        sock.maxmsgsize = _MAX_HEADER_BYTES
+        sock.connect(address)
+        self._sock, self._sock_address = sock, address
+        return sock
+
+    def _drop_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        self._sock, self._sock_address = None, None
+
+    def _wait(self, manifest: Manifest, into: memoryview, receives: list[Any], where: str) -> None:
         worker = self._ucx_worker
         deadline = time.monotonic() + self._timeout_s
-        while True:
+        pending = dict(enumerate(receives))
+        while pending:
             worker.progress()
-            if receive.completed:
+            for index in [i for i, r in pending.items() if r.completed]:
+                try:
+                    pending.pop(index).check_error()
+                except Exception as e:  # ucxx raises UCX status errors (e.g. message truncated)
+                    raise WeightsError(f"{where}: UCX receive of bucket {index} failed: {e}") from e
+                self._check_arrived(manifest, into, index)
+            if not pending:
                 break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -227,14 +264,10 @@ class UcxFetcher(WeightFetcher):
                                    f"mid-transfer or is overloaded)")
             if worker.arm():  # nothing queued: sleep on the worker's event fd until data moves
                 worker.progress_worker_event(epoll_timeout=max(1, round(min(remaining, 0.5) * 1000)))
-        try:
-            receive.check_error()
-        except Exception as e:  # ucxx raises UCX status errors (e.g. message truncated)
-            raise WeightsError(f"{where}: UCX receive failed: {e}") from e
 
-    def _abandon(self, receive: Any) -> None:
-        """Cancel a receive that will not complete, and stop using its buffer."""
-        if not receive.completed:
+    def _abandon(self, receives: list[Any]) -> None:
+        """Cancel receives that will not complete, and stop using their buffer."""
+        if not all(r.completed for r in receives):
             self._ucx_worker.cancel_inflight_requests()
             self._ucx_worker.progress()
-        self._buffer = bytearray()  # a late send may still target the old one: never reuse it
+        self._buffer = host_buffer(0)  # a late send may still target the old one: never reuse it

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The ucx lane: the weight tests over the ucx transport, in a venv of their own with the
+# `ucx` extra (ucxx-cu12, ~320 MB; imports and runs without a GPU). The default lane
+# skips these tests because it does not install the extra.
+#
+#   bash ops/ci/ucx_lane.sh            # venv in .venv-ucx (reused when present)
+#   UCX_VENV=/tmp/v bash ops/ci/ucx_lane.sh
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+VENV="${UCX_VENV:-.venv-ucx}"
+PY="${PY:-python3}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "ucx lane: creating $VENV"
+  "$PY" -m venv "$VENV"
+  "$VENV/bin/pip" install --quiet --upgrade pip
+fi
+echo "ucx lane: installing the project with the test and ucx extras"
+"$VENV/bin/pip" install --quiet --progress-bar off -e '.[test,ucx]'
+"$VENV/bin/python" -c "import ucxx; print('ucx lane: ucxx', ucxx.__version__)"
+# -k ucx: the ucx cases of both weight test files (the shm/tcp ones run in the main lane).
+"$VENV/bin/python" -m pytest -q -k ucx tests/test_weights.py tests/test_weights_processes.py
