@@ -217,7 +217,8 @@ def run_trainer(cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = No
         state = checkpoint.load(resumed_from, model=model, opt=opt)
         sched.load_state_dict(state.sched)
         committed = int(r.hget(keys.trainer, "committed_version") or 0)
-        commit(r, keys, [s for s in state.uncommitted if s.version > committed])
+        reapply = [s for s in state.uncommitted if s.version > committed]
+        commit(r, keys, reapply)
         version, evals = state.version, state.evals
         labelmodel_versions.update(state.labelmodel_versions)
         announced = int(r.hget(keys.trainer, "version") or 0)
@@ -226,7 +227,7 @@ def run_trainer(cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = No
             # process. Versions only go up: the checkpoint's model becomes the next one.
             log.warning("versions_lost_in_crash", checkpoint=version, announced=announced, resume_as=announced + 1)
             version = announced + 1
-        log.info("trainer_resumed", checkpoint=str(resumed_from), version=version, reapplied=len(state.uncommitted),
+        log.info("trainer_resumed", checkpoint=str(resumed_from), version=version, reapplied_steps=len(reapply),
                  committed_before=committed)
 
     def durable() -> None:
@@ -287,11 +288,12 @@ def run_trainer(cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = No
             uncommitted.append(step_record(batch, kinds, version=version, row=row))
             held.update(g.rollout.prompt_id for _, g in batch)
             labelmodel_versions.update(g.labelmodel_version for g in fresh)
+            # The row first: a step redone after a crash rewrites its row (readers keep the last).
+            metrics.write("step", **row)
             if version % t.checkpoint_every == 0 or version >= t.steps:
                 durable()
             publish(version)
             report_progress(r, keys, version=version, row=row)
-            metrics.write("step", **row)
             log.info("step", **{k: (round(v, 5) if isinstance(v, float) else v) for k, v in row.items()})
             if version % t.eval_every == 0 or version == t.steps:
                 evals[version] = evaluate(version)
