@@ -324,18 +324,24 @@ def fit_label_model(
     version: int = 0,
     thresholds: Mapping[str, float] | Sequence[float] | None = None,
     dependence: str = "drop",
+    sound: Sequence[str] = (),
 ) -> LabelModel:
     """Fit the Weaver label model on pooled votes [N, m] (NaN = abstain) without labels.
 
     ``thresholds`` (normalised scale, per name or per column) override the
     binarisation rule for those verifiers; ``dependence`` (``drop`` or ``merge``) is
-    what happens to the weaker verifier of a dependent pair. See the module
+    what happens to the weaker verifier of a dependent pair; ``sound`` names verifiers
+    a correct answer always passes (known from how they are built), whose TPR is then
+    held at 1 in EM and in moment matching instead of estimated. See the module
     docstring for each step.
     """
     if dependence not in DEPENDENCE_POLICIES:
         raise ValueError(f"dependence must be one of {DEPENDENCE_POLICIES}, got {dependence!r}")
+    unknown = set(sound) - set(names)
+    if unknown:
+        raise ValueError(f"sound verifiers {sorted(unknown)} are not among {list(names)}")
     with _single_threaded_blas():
-        return _fit(votes, names, version=version, thresholds=thresholds, dependence=dependence)
+        return _fit(votes, names, version=version, thresholds=thresholds, dependence=dependence, sound=tuple(sound))
 
 
 def _fit(
@@ -345,6 +351,7 @@ def _fit(
     version: int,
     thresholds: Mapping[str, float] | Sequence[float] | None,
     dependence: str,
+    sound: tuple[str, ...] = (),
 ) -> LabelModel:
     raw = np.array(votes, dtype=np.float64)  # copy: non-finite → NaN below
     names = tuple(names)
@@ -378,7 +385,8 @@ def _fit(
             for k, (root, inv) in groups.items():
                 dropped[names[k]] = dropped[names[k]].replace("dependent on", "merged into", 1) + (
                     " (inverted)" if inv else "")
-        em_tpr, em_tnr, new_pi, em_ok, em_iters = _em(b[:, kept])
+        fixed = np.array([names[j] in sound for j in range(m)])[kept]
+        em_tpr, em_tnr, new_pi, em_ok, em_iters = _em(b[:, kept], fixed)
         settled = abs(new_pi - pi) < 1e-3
         pi = new_pi
         if settled:
@@ -387,7 +395,7 @@ def _fit(
             col = norm[~np.isnan(norm[:, j]), j]
             thr[j] = float(np.quantile(col, 1.0 - pi)) if col.size else 0.5
 
-    tpr_k, tnr_k, loss, mm_ok, mm_iters = _moment_match(b[:, kept], pi, em_tpr, em_tnr)
+    tpr_k, tnr_k, loss, mm_ok, mm_iters = _moment_match(b[:, kept], pi, em_tpr, em_tnr, fixed)
     tpr = np.full(m, np.nan)
     tnr = np.full(m, np.nan)
     tpr[kept], tnr[kept] = tpr_k, tnr_k
@@ -545,8 +553,10 @@ def _select(
     return kept, dropped, pairs
 
 
-def _em(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, float, bool, int]:
+def _em(b: np.ndarray, fixed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, float, bool, int]:
     """Dawid–Skene EM on binarised votes [N, k] (NaN = abstain): (TPR, TNR, π, converged, iterations).
+
+    ``fixed`` marks sound verifiers, whose TPR is held at 1 (clipped like every rate).
 
     Started from the soft majority vote (the "better than random on average" assumption);
     a solution that still ends worse than random on average is label-swapped. Rows are
@@ -574,6 +584,8 @@ def _em(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, float, bool, int]:
         wq, wq0 = w * q, w * (1.0 - q)
         new_pi = float(np.clip(wq.sum() / w.sum(), *_EM_CLIP))
         new_tpr = np.clip((wq @ v) / np.maximum(wq @ a, 1e-12), *_EM_CLIP)
+        if fixed is not None:
+            new_tpr[fixed] = _EM_CLIP[1]
         new_tnr = np.clip((wq0 @ (a - v)) / np.maximum(wq0 @ a, 1e-12), *_EM_CLIP)
         delta = max(abs(new_pi - pi), float(np.abs(new_tpr - tpr).max()), float(np.abs(new_tnr - tnr).max()))
         pi, tpr, tnr = new_pi, new_tpr, new_tnr
@@ -583,7 +595,7 @@ def _em(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, float, bool, int]:
         # E step: per-pattern log-likelihood ratio of Y = 1 vs Y = 0
         llr = v @ (np.log(tpr) - np.log(1.0 - tnr)) + (a - v) @ (np.log(1.0 - tpr) - np.log(tnr))
         q = 1.0 / (1.0 + np.exp(-(_logit(pi) + llr)))
-    if np.mean(tpr + tnr) < 1.0:  # label swap: Y' = 1 − Y
+    if np.mean(tpr + tnr) < 1.0 and (fixed is None or not fixed.any()):  # label swap: Y' = 1 − Y
         tpr, tnr, pi = 1.0 - tnr, 1.0 - tpr, 1.0 - pi
     return tpr, tnr, pi, converged, iters
 
@@ -598,10 +610,12 @@ def _mu_from(tpr: np.ndarray, tnr: np.ndarray) -> np.ndarray:
 
 
 def _moment_match(
-    b: np.ndarray, pi: float, tpr0: np.ndarray, tnr0: np.ndarray,
+    b: np.ndarray, pi: float, tpr0: np.ndarray, tnr0: np.ndarray, fixed: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, float, bool, int]:
     """§5 step 6: bounded L-BFGS-B fit of μ to the pairwise vote moments, from the EM solution.
 
+    A sound verifier's TPR (``fixed``) is bounded to [1 − 1e-3, 1] (the knowledge that a
+    correct answer always passes it also breaks the label-swap symmetry).
     Returns (TPR, TNR, objective, converged, iterations)."""
     n, k = b.shape
     if k == 0:
@@ -629,10 +643,11 @@ def _moment_match(
         return f, np.concatenate([g_tpr, g_tnr])
 
     x0 = np.concatenate([tpr0, tnr0])
-    res = minimize(objective, x0, jac=True, method="L-BFGS-B", bounds=[(0.0, 1.0)] * (2 * k),
+    bounds = [(_EM_CLIP[1], 1.0) if fixed is not None and fixed[j] else (0.0, 1.0) for j in range(k)] + [(0.0, 1.0)] * k
+    res = minimize(objective, x0, jac=True, method="L-BFGS-B", bounds=bounds,
                    options={"maxiter": 10_000, "maxfun": 20_000, "ftol": 1e-15, "gtol": 1e-11})
     tpr, tnr = res.x[:k], res.x[k:]
-    if np.mean(tpr + tnr) < 1.0:
+    if np.mean(tpr + tnr) < 1.0 and (fixed is None or not fixed.any()):
         # With π held fixed the swapped solution is not a symmetric optimum, so this means
         # the moments could not pin μ down (e.g. two verifiers): keep the EM estimate.
         return tpr0, tnr0, float(res.fun), False, int(res.nit)

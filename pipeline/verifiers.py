@@ -62,6 +62,12 @@ _CANONICAL = re.compile(r"0|[1-9][0-9]*")
 THREADED: set[str] = set()
 """Registered functions that run in a worker thread under their deadline instead of inline."""
 
+SOUND: set[str] = set()
+"""Registered checks that a correct answer always passes: necessary conditions of being
+right, by construction (a right sum has the right units digit, residue, length...). Known
+from how the check is built, never from labels; the label model can fix their TPR at 1
+(``verifier.sound_checks``) and estimate only how many wrong answers they let through."""
+
 DEFAULT_TIMEOUT_S = 10.0
 """Seconds a verifier may spend on one group before it abstains (``verifier.timeout_s``)."""
 
@@ -70,11 +76,12 @@ MAX_STUCK_THREADS = 2
 verifier abstains at once instead of starting another (a thread cannot be killed)."""
 
 
-def register(name: str, *, threaded: bool = False) -> Callable[[Verifier], Verifier]:
+def register(name: str, *, threaded: bool = False, sound: bool = False) -> Callable[[Verifier], Verifier]:
     """Decorator: add a verifier to ``VERIFIERS`` under ``name`` (names are unique).
 
     ``threaded``: run it in a worker thread under its deadline (for a check that may be
     slow); otherwise it runs inline, and one that overruns its deadline still abstains.
+    ``sound``: a correct answer always passes it (see ``SOUND``).
     """
     if ":" in name:
         raise ValueError(f"verifier name {name!r} must not contain ':' (it separates a kind from its argument)")
@@ -85,6 +92,8 @@ def register(name: str, *, threaded: bool = False) -> Callable[[Verifier], Verif
         VERIFIERS[name] = fn
         if threaded:
             THREADED.add(name)
+        if sound:
+            SOUND.add(name)
         return fn
 
     return deco
@@ -205,7 +214,7 @@ def _result_interval(a: int, op: str, b: int, keep: int) -> tuple[int, int]:
     return evaluate(a_lo, op, b_lo), evaluate(a_hi, op, b_hi)
 
 
-@register("format")
+@register("format", sound=True)
 def format_check(prompt: str, completions: Sequence[str]) -> np.ndarray:
     """1 if the completion is exactly a canonical non-negative integer, else 0.
 
@@ -218,7 +227,7 @@ def format_check(prompt: str, completions: Sequence[str]) -> np.ndarray:
     return np.array([1.0 if _CANONICAL.fullmatch(c.strip()) else 0.0 for c in completions], dtype=np.float32)
 
 
-@register("units_digit")
+@register("units_digit", sound=True)
 def units_digit(prompt: str, completions: Sequence[str]) -> np.ndarray:
     """1 if the answer's last digit equals that of (a op b), computed from the operands' units digits.
 
@@ -228,7 +237,7 @@ def units_digit(prompt: str, completions: Sequence[str]) -> np.ndarray:
     return _residue_check(prompt, completions, 10)
 
 
-@register("mod9")
+@register("mod9", sound=True)
 def mod9(prompt: str, completions: Sequence[str]) -> np.ndarray:
     """Casting out nines: 1 if answer ≡ (a mod 9) op (b mod 9) (mod 9).
 
@@ -238,7 +247,7 @@ def mod9(prompt: str, completions: Sequence[str]) -> np.ndarray:
     return _residue_check(prompt, completions, 9)
 
 
-@register("mod11")
+@register("mod11", sound=True)
 def mod11(prompt: str, completions: Sequence[str]) -> np.ndarray:
     """Casting out elevens: 1 if answer ≡ (a mod 11) op (b mod 11) (mod 11).
 
@@ -248,7 +257,7 @@ def mod11(prompt: str, completions: Sequence[str]) -> np.ndarray:
     return _residue_check(prompt, completions, 11)
 
 
-@register("mod7")
+@register("mod7", sound=True)
 def mod7(prompt: str, completions: Sequence[str]) -> np.ndarray:
     """1 if answer ≡ (a mod 7) op (b mod 7) (mod 7).
 
@@ -258,7 +267,7 @@ def mod7(prompt: str, completions: Sequence[str]) -> np.ndarray:
     return _residue_check(prompt, completions, 7)
 
 
-@register("magnitude")
+@register("magnitude", sound=True)
 def magnitude(prompt: str, completions: Sequence[str]) -> np.ndarray:
     """1 if the answer's digit count is possible given only the operands' leading digits.
 
@@ -273,7 +282,7 @@ def magnitude(prompt: str, completions: Sequence[str]) -> np.ndarray:
     return _per_answer(completions, lambda ans: n_lo <= len(str(ans)) <= n_hi)
 
 
-@register("leading_digit")
+@register("leading_digit", sound=True)
 def leading_digit(prompt: str, completions: Sequence[str]) -> np.ndarray:
     """1 if the answer's leading digit is consistent with an estimate from the operands' top two digits.
 

@@ -378,3 +378,43 @@ def test_the_report_warns_when_too_few_verifiers_are_kept_to_reveal_dependence()
     assert fit_label_model(votes, NAMES).report()["warnings"] == []
     few = fit_label_model(votes[:, :3], NAMES[:3]).report()["warnings"]
     assert any("only 3 verifiers kept" in w for w in few)
+
+
+def _correlated_wrong_answers(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two sound checks (a right answer always passes) and a majority-like vote whose errors
+    share a cause with check ``a``: plausible wrong answers fool both, as carry errors fool the
+    units digit and the group's majority on the arithmetic task."""
+    rng = np.random.default_rng(seed)
+    y = (rng.random(n) < 0.3).astype(np.float64)
+    plausible = rng.random(n) < 0.5
+    a = np.where(y == 1, 1.0, rng.random(n) < np.where(plausible, 0.85, 0.1))
+    b = np.where(y == 1, 1.0, rng.random(n) < 0.15)
+    maj = np.where(y == 1, rng.random(n) < 0.8, rng.random(n) < np.where(plausible, 0.75, 0.1))
+    return y, np.stack([a, b, maj], axis=1).astype(np.float64)
+
+
+def test_sound_checks_hold_their_tpr_at_one_and_fix_the_posterior_of_answers_that_fail_them():
+    from pipeline.selection import ece
+
+    y, votes = _correlated_wrong_answers(20_000, seed=3)
+    names = ["a", "b", "maj"]
+    free = fit_label_model(votes, names)
+    held = fit_label_model(votes, names, sound=["a", "b"])
+    assert held.verifier_stats()["a"]["tpr"] >= 0.999 and held.verifier_stats()["b"]["tpr"] >= 0.999
+    p_free, p_held = free.posterior(votes, names), held.posterior(votes, names)
+    fails_b = votes[:, 1] == 0
+    assert y[fails_b].sum() == 0, "a sound check never fails a right answer"
+    assert p_held[fails_b].max() < 0.05, "failing a sound check is decisive"
+    # The failure it fixes: left free, the shared errors of a and maj make b look like it
+    # rejects many right answers, and the posterior is badly calibrated.
+    assert free.verifier_stats()["b"]["tpr"] < 0.8
+    assert ece(p_held, y) < 0.1 < 0.2 < ece(p_free, y)
+    with pytest.raises(ValueError, match="not among"):
+        fit_label_model(votes, names, sound=["c"])
+
+
+def test_the_rule_checks_are_registered_sound_and_the_majority_vote_is_not():
+    from pipeline.verifiers import SOUND
+
+    assert {"format", "units_digit", "mod9", "magnitude", "leading_digit"} <= SOUND
+    assert "majority" not in SOUND

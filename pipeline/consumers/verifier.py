@@ -24,7 +24,7 @@ from pipeline.records import RecordError, RolloutGroup, ScoredGroup
 from pipeline.rewards import RewardMode, parse_reward_mode
 from pipeline.streams import (FIELD, dead_letter, decode_entries, ensure_all_groups, group_reader, heartbeat,
                               incr_stats, stop_requested, trim_acked, wait_for_room)
-from pipeline.verifiers import Scorer, check_spec, correctness
+from pipeline.verifiers import SOUND, Scorer, check_spec, correctness
 
 FIRST_MODEL_WAIT_S = 60.0
 TRIM_EVERY = 10
@@ -63,7 +63,9 @@ class SharedLabelModel:
             rows = [np.frombuffer(b, dtype="<f4").reshape(-1, m) for b in self.r.lrange(self.keys.votes, 0, -1)]
             votes = np.concatenate(rows)
             t0 = time.perf_counter()
-            lm = fit_label_model(votes, list(self.cfg.verifiers), version=version + 1, dependence=self.cfg.dependence)
+            sound = [n for n in self.cfg.verifiers if n in SOUND] if self.cfg.sound_checks else []
+            lm = fit_label_model(votes, list(self.cfg.verifiers), version=version + 1, dependence=self.cfg.dependence,
+                                 sound=sound)
             self.r.hset(self.keys.labelmodel, mapping={
                 "version": version + 1, "params": msgpack.packb(lm.to_dict()), "rows": len(votes), "new_groups": 0})
             self.log.info("labelmodel_fitted", seconds=round(time.perf_counter() - t0, 4), **lm.report())
