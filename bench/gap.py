@@ -69,7 +69,7 @@ def posterior_calibration(run_dir: Path, *, last_steps: int = 30) -> list[dict]:
     path = run_dir / "posteriors.jsonl"
     if not path.is_file():
         return []
-    post, truth, top = [], [], 0
+    post, truth = [], []
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     top = max(r["policy_version"] for r in rows)
     for r in rows:
