@@ -377,7 +377,7 @@ def _fit(
     for rounds in range(1, MAX_ROUNDS + 1):
         b = _binarise(norm, thr)
         rate = _pos_rates(b)
-        kept, dropped, pairs = _select(b, rate, pi, names)
+        kept, dropped, pairs = _select(b, rate, pi, names, sound)
         groups: dict[int, tuple[int, bool]] = {}
         if dependence == "merge" and pairs:
             groups = _merge_groups(pairs)
@@ -501,10 +501,14 @@ def _rate_ok(r: float, pi: float) -> bool:
 
 
 def _select(
-    b: np.ndarray, rate: np.ndarray, pi: float, names: tuple[str, ...],
+    b: np.ndarray, rate: np.ndarray, pi: float, names: tuple[str, ...], sound: tuple[str, ...] = (),
 ) -> tuple[np.ndarray, dict[str, str], list[tuple[int, int, float]]]:
     """Steps 4 and dependence: boolean kept mask over columns, reasons for the rest, and
-    the dependent pairs found, as (column taken out, column that stays, correlation)."""
+    the dependent pairs found, as (column taken out, column that stays, correlation).
+
+    A sound verifier passing almost every row is kept all the same (unless it is
+    constant): its TPR is known, so only the few wrong answers it rejects carry weight,
+    and each of those rejections is decisive rather than noise."""
     m = b.shape[1]
     obs = ~np.isnan(b)
     n_votes = obs.sum(axis=0)
@@ -513,7 +517,7 @@ def _select(
     for j in range(m):
         if n_votes[j] < MIN_VOTES:
             dropped[names[j]] = f"too few votes ({n_votes[j]} < {MIN_VOTES})"
-        elif not _rate_ok(float(rate[j]), pi):
+        elif not _rate_ok(float(rate[j]), pi) and not (names[j] in sound and 0.0 < rate[j] < 1.0):
             dropped[names[j]] = f"degenerate positive rate {rate[j]:.3f} at pi={pi:.3f}"
         else:
             kept[j] = True
