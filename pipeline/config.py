@@ -177,8 +177,9 @@ class VerifierConfig:
     reward: str = "weaver"
     """Reward mode: ``weaver`` (soft Weaver posterior), ``weaver-hard`` (1[posterior > 0.5]),
     ``single:<verifier>`` (one verifier, 1[s >= 0.5]), ``majority`` (the group's most frequent
-    answer), ``average`` (plain mean of the verifiers' scores, no label model), ``ground_truth``
-    (the hidden answers; an upper bound for experiments only)."""
+    answer), ``average`` (plain mean of the verifiers' scores, no label model),
+    ``distilled:<dir>`` (a cross-encoder trained on a run's posteriors by ``pipeline distill``),
+    ``ground_truth`` (the hidden answers; an upper bound for experiments only)."""
     verifiers: list[str] = field(
         default_factory=lambda: ["format", "units_digit", "mod9", "magnitude", "majority", "leading_digit"]
     )
