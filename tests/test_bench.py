@@ -1,0 +1,127 @@
+"""The benchmark harness pieces: the table writer, the stream and record measurements, the
+async harness on a real Redis with real processes, and the end-to-end figures."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import bench_async  # noqa: E402
+import bench_e2e  # noqa: E402
+import bench_records  # noqa: E402
+import bench_streams  # noqa: E402
+import run as bench_run  # noqa: E402
+from pipeline.keys import Keys  # noqa: E402
+from pipeline.records import RolloutGroup  # noqa: E402
+
+
+def test_rows_compute_ratios_from_the_measured_values():
+    rate = bench_run.Row("streams", "emit", 800.0, "raw", 1000.0, "rec/s", "python x.py", aim=0.8)
+    time_row = bench_run.Row("async", "step", 0.4, "ideal", 0.3, "s", "python y.py", better="lower", aim=0.9)
+    assert rate.ratio == pytest.approx(0.8) and rate.meets_aim
+    assert time_row.ratio == pytest.approx(0.75) and time_row.meets_aim is False
+    assert bench_run.Row("e2e", "idle", 0.0, "η = 0", 0.5, "%", "c").ratio is None
+    table = bench_run.render_table([rate, time_row])
+    assert "0.80×" in table and "0.75×" in table and "**missed**" in table and "`python y.py`" in table
+    with pytest.raises(ValueError, match="better"):
+        bench_run.Row("x", "y", 1.0, "b", 1.0, "s", "c", better="sideways")
+
+
+def test_streams_rows_and_findings_follow_the_measurements():
+    row = {"payload": "embedded", "bytes": 700, "produce_pipeline": 600.0, "produce_raw": 1000.0,
+           "produce_one_ack": 900.0, "consume_pipeline": 500.0, "consume_raw": 1000.0, "consume_one_ack": 550.0,
+           "consume_plumbing": 850.0, "redis_benchmark": {"rps": 4000.0, "clients": 1, "pipeline": 16}}
+    ratios = {"produce": 0.6, "produce_one_ack": 0.9, "consume": 0.5, "consume_one_ack": 0.55, "consume_plumbing": 0.85}
+    for fig, ratio in ratios.items():
+        row[f"{fig}_ratio"] = row[f"{fig}_cpu_ratio"] = ratio
+    res = {"command": "python bench/bench_streams.py", "aim": 0.8, "rows": [row]}
+    rows = bench_run.streams_rows(res)
+    emit = next(r for r in rows if r.figure.startswith("generator emit (MULTI"))
+    assert emit.ratio == pytest.approx(0.6) and emit.meets_aim is False
+    ceiling = next(r for r in rows if "C ceiling" in r.figure)
+    assert ceiling.ratio == pytest.approx(0.25)
+    findings = "\n".join(bench_run.streams_findings(res, None))
+    assert "60% of raw redis-py" in findings and "90%" in findings and "85%" in findings
+    row.update(produce_ratio=0.85, consume_ratio=0.9)
+    assert bench_run.streams_findings(res, None) == []
+
+
+def test_typical_rollout_group_has_the_stated_shape_and_round_trips():
+    g = bench_records.typical_group()
+    assert g.group_size == 8 and g.prompt_ids.size == 200 and g.completion_ids.size == 8 * 500
+    wire = g.encode()
+    assert 40_000 < len(wire) < 60_000
+    assert RolloutGroup.decode(wire).encode() == wire
+    res = bench_records.measure(seconds=0.05, repeats=1)
+    assert all(x["roundtrips_per_s"] > 0 and x["plain_msgpack_roundtrips_per_s"] > 0 for x in res["rows"])
+
+
+def test_stream_paths_move_every_record_and_ack_it(redis_client):
+    keys = Keys("benchtest")
+    payload = bench_records.embedded_group().encode()
+    emit = bench_streams.produce_pipeline(redis_client, keys, payload, 40, 16)
+    assert emit["rate"] > 0 and emit["cpu_rate"] > 0 and emit["server_cpu_us"] > 0
+    assert redis_client.xlen(keys.rollouts) == 40
+    assert bench_streams.produce_raw(redis_client, payload, 40, 16)["rate"] > 0
+    redis_client.delete(keys.rollouts)
+    assert bench_streams.consume_pipeline(redis_client, keys, payload, 40, 16)["rate"] > 0
+    assert redis_client.xpending(keys.rollouts, "verifiers")["pending"] == 0
+    redis_client.delete("bench:raw")
+    assert bench_streams.consume_raw(redis_client, payload, 40, 16)["rate"] > 0
+    assert redis_client.xinfo_groups("bench:raw")[0]["pending"] == 0
+
+
+@pytest.mark.skipif(shutil.which("redis-benchmark") is None, reason="redis-benchmark not installed (redis-tools)")
+def test_redis_benchmark_ceiling_writes_payloads_of_the_given_size(redis_url, redis_client):
+    res = bench_streams.redis_benchmark(redis_url, 1234, 200, clients=2, pipeline=4)
+    assert res["rps"] > 0
+    _, fields = redis_client.xrange("bench:rb", count=1)[0]
+    assert len(fields[b"d"]) == 1234
+
+
+def test_async_harness_overlaps_stages_when_staleness_is_allowed(redis_url):
+    kw = dict(steps=6, warmup=2, gen_s=0.1, verify_s=0.03, train_s=0.07, batch=4)
+    with ThreadPoolExecutor(2) as pool:
+        sync_f = pool.submit(bench_async.run_harness, redis_url, eta=0, **kw)
+        async_f = pool.submit(bench_async.run_harness, redis_url, eta=1, **kw)
+        sync, asyn = sync_f.result(), async_f.result()
+    assert sync["ideal_step_s"] == pytest.approx(0.2) and asyn["ideal_step_s"] == pytest.approx(0.1)
+    assert asyn["step_s"] < sync["step_s"]
+    assert sync["step_s"] >= 0.2 * 0.98  # a synchronous step cannot beat the sum of its stages
+    # η bounds what the trainer consumed: all on-policy for η = 0, at most one version old for η = 1.
+    assert sync["staleness_hist"][1:] == [0] and sum(sync["staleness_hist"]) == 6 * 4
+    assert asyn["staleness_hist"][2:] == [0] and sync["stale_dropped"] == asyn["stale_dropped"] == 0
+
+
+def test_async_harness_refuses_a_run_too_short_to_time(redis_url):
+    with pytest.raises(ValueError, match="warmup"):
+        bench_async.run_harness(redis_url, eta=0, steps=2, warmup=2)
+
+
+def test_e2e_figures_are_read_from_the_run_files(tmp_path):
+    (tmp_path / "logs").mkdir()
+    summary = {"run_id": "r", "status": "finished", "max_staleness": 1, "wall_seconds": 100.0,
+               "tokens_generated": 5000.0, "trainer_idle_fraction": 0.25, "goodput": 0.8,
+               "accounting": {"stale": 0, "lost": 0}}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    steps = [{"kind": "step", "version": v, "time": 1_000_000.0 + 2 * v} for v in range(1, 6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    events = [("1970-01-12T13:46:41Z", 100), ("1970-01-12T13:46:45Z", 300), ("1970-01-12T13:47:00Z", 999)]
+    (tmp_path / "logs" / "gen-0.jsonl").write_text("".join(
+        json.dumps({"event": "batch_generated", "timestamp": t, "tokens": n}) + "\n" for t, n in events))
+    from pipeline_runs import read_run
+
+    f = bench_e2e.figures(read_run(tmp_path), tmp_path)
+    assert f["step_s"] == pytest.approx(2.0) and f["tokens_per_s"] == pytest.approx(50.0)
+    # Steps span 1_000_002..1_000_010 (8 s); only the 13:46:45 event (1_000_005) falls inside it.
+    assert f["tokens_per_s_window"] == pytest.approx(300 / 8)
+    rows = bench_run.e2e_rows({"command": "c", "runs": [{**f, "max_staleness": 0, "step_s": 4.0,
+                                                         "tokens_per_s_window": 20.0}, f]})
+    assert next(r for r in rows if r.figure.startswith("wall time")).ratio == pytest.approx(2.0)
