@@ -301,6 +301,9 @@ def test_a_dry_run_places_every_stage_on_its_node_with_one_run_id_server_and_tcp
     assert [node[f"gen-{i}"] for i in range(4)] == ["n3", "n3", "n4", "n4"]
     assert [node[f"ver-{i}"] for i in range(2)] == ["n3", "n4"]
     assert all("--gres=gpu:1" in by_name[f"gen-{i}"] for i in range(4)) and "--gres" not in by_name["ver-0"]
+    # GPU steps get GPUs of their own; CPU-only steps share their node.
+    assert all("--exact" in by_name[f"gen-{i}"] and "--overlap" not in by_name[f"gen-{i}"] for i in range(4))
+    assert all("--overlap" in by_name[n] for n in ("redis", "trainer", "feeder", "exporter", "ver-0", "ver-1"))
 
     redis_argv = shlex.split(by_name["redis"])
     assert redis_argv[redis_argv.index("--bind") + 1] == "10.0.0.1"
