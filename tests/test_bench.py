@@ -87,7 +87,7 @@ def test_redis_benchmark_ceiling_writes_payloads_of_the_given_size(redis_url, re
 
 
 def test_async_harness_overlaps_stages_when_staleness_is_allowed(redis_url):
-    kw = dict(steps=6, warmup=2, gen_s=0.1, verify_s=0.03, train_s=0.07, batch=4)
+    kw = dict(steps=8, warmup=2, gen_s=0.1, verify_s=0.03, train_s=0.07, batch=4)
     with ThreadPoolExecutor(2) as pool:
         sync_f = pool.submit(bench_async.run_harness, redis_url, eta=0, **kw)
         async_f = pool.submit(bench_async.run_harness, redis_url, eta=1, **kw)
@@ -96,7 +96,7 @@ def test_async_harness_overlaps_stages_when_staleness_is_allowed(redis_url):
     assert asyn["step_s"] < sync["step_s"]
     assert sync["step_s"] >= 0.2 * 0.98  # a synchronous step cannot beat the sum of its stages
     # η bounds what the trainer consumed: all on-policy for η = 0, at most one version old for η = 1.
-    assert sync["staleness_hist"][1:] == [0] and sum(sync["staleness_hist"]) == 6 * 4
+    assert sync["staleness_hist"][1:] == [0] and sum(sync["staleness_hist"]) == 8 * 4
     assert asyn["staleness_hist"][2:] == [0] and sync["stale_dropped"] == asyn["stale_dropped"] == 0
 
 
