@@ -75,7 +75,8 @@ def hosts():
     try:
         _ip("netns", "add", router)
         made.append(router)
-        subprocess.run(["ip", "netns", "exec", router, "sysctl", "-qw", "net.ipv4.ip_forward=1"], check=True)
+        # The router forwards between the hosts' subnets (a per-namespace setting; the host's is untouched).
+        subprocess.run(["ip", "netns", "exec", router, "sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward"], check=True)
         for host, k in HOSTS.items():
             ns, inner, outer = f"{tag}-{host}", f"{tag}h{k}", f"{tag}r{k}"
             _ip("netns", "add", ns)
