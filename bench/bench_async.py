@@ -3,7 +3,8 @@
 A generator, a verifier and a trainer run as separate OS processes on a real Redis server
 and pass real records (``PromptTask`` → ``RolloutGroup`` → ``ScoredGroup``) through the real
 streams with the stages' own functions: ``Admission`` and ``VersionWatch`` (DESIGN §3),
-``GroupReader`` and ``decode_entries``, MULTI pipelines of output + ack, and the trainer's
+``GroupReader`` and ``decode_entries``, backpressure (``wait_for_room``) and heartbeats,
+MULTI pipelines of output + ack, and the trainer's
 ``collect_batch``, ``classify`` (the staleness rule), ``step_record`` and ``commit``. Only
 the compute is replaced: each stage sleeps for the time its GPU work would take (by default
 generate 3 s, verify 1 s, train 2 s per step of B groups, scaled ×0.1 so a run takes
@@ -36,8 +37,9 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline.keys import GENERATORS_GROUP, TRAINER_GROUP, VERIFIERS_GROUP, Keys  # noqa: E402
 from pipeline.records import PromptTask, RolloutGroup, ScoredGroup  # noqa: E402
+from pipeline.config import RunConfig  # noqa: E402
 from pipeline.streams import (FIELD, Admission, GroupReader, VersionWatch, connect, decode_entries,  # noqa: E402
-                              ensure_all_groups, heartbeat, incr_stats, stop_requested)
+                              ensure_all_groups, heartbeat, incr_stats, stop_requested, wait_for_room)
 
 RESULTS = ROOT / "bench" / "results"
 AIM = 0.90
@@ -45,6 +47,13 @@ AIM = 0.90
 VOCAB = 17
 BLOCK_MS = 500
 STEPS_KEY = "bench:steps"
+MAX_STREAM_LAG = RunConfig().redis.max_stream_lag
+
+
+def _log(stage: str, worker: str):
+    import structlog
+
+    return structlog.get_logger().bind(stage=stage, worker=worker)
 
 
 def say(msg: str) -> None:
@@ -77,10 +86,12 @@ def generator(r, keys: Keys, *, eta: int, batch: int, group_size: int, gen_s: fl
     admission = Admission(r, keys, max_staleness=eta, groups_per_step=batch)
     watch = VersionWatch(r, keys)
     reader = GroupReader(r, keys.prompts, GENERATORS_GROUP, "gen-0", claim_idle_ms=0)
-    version = 0
+    version, log = 0, _log("generator", "gen-0")
     heartbeat(r, keys, "gen-0", "generator", "ready")
     while not stop_requested(r, keys):
         version = max(version, int(r.hget(keys.trainer, "version") or 0))  # the swap between batches
+        wait_for_room(r, keys, keys.rollouts, VERIFIERS_GROUP, bound=MAX_STREAM_LAG, worker_id="gen-0",
+                      stage="generator", log=log)
         entries = reader.read_owned(batch)
         if not entries:
             granted = admission.admit(batch, version)
@@ -94,6 +105,7 @@ def generator(r, keys: Keys, *, eta: int, batch: int, group_size: int, gen_s: fl
             raise RuntimeError(f"prompt refused: {bad[0][1]}")
         if not good:
             continue
+        heartbeat(r, keys, "gen-0", "generator", "generating", version=version)
         time.sleep(gen_s * len(good) / batch)  # generation on its own GPU
         pipe = r.pipeline(transaction=True)
         for e, task in good:
@@ -107,8 +119,11 @@ def generator(r, keys: Keys, *, eta: int, batch: int, group_size: int, gen_s: fl
 def verifier(r, keys: Keys, *, batch: int, verify_s: float) -> None:
     """The verifier's loop (pipeline/consumers/verifier.py) with scoring replaced by a sleep."""
     reader = GroupReader(r, keys.rollouts, VERIFIERS_GROUP, "ver-0", claim_idle_ms=0)
+    log = _log("verifier", "ver-0")
     heartbeat(r, keys, "ver-0", "verifier", "ready")
     while not stop_requested(r, keys):
+        wait_for_room(r, keys, keys.scored, TRAINER_GROUP, bound=MAX_STREAM_LAG, worker_id="ver-0",
+                      stage="verifier", log=log)
         entries = reader.read(batch, BLOCK_MS)
         if not entries:
             continue
@@ -125,6 +140,7 @@ def verifier(r, keys: Keys, *, batch: int, verify_s: float) -> None:
                 labelmodel_version=0, verifier_id="ver-0", scored_at=time.time()).encode()})
             pipe.xack(keys.rollouts, VERIFIERS_GROUP, e.id)
         pipe.execute()
+        heartbeat(r, keys, "ver-0", "verifier", "scored")
 
 
 def trainer(r, keys: Keys, *, eta: int, batch: int, steps: int, train_s: float) -> None:
@@ -133,11 +149,9 @@ def trainer(r, keys: Keys, *, eta: int, batch: int, steps: int, train_s: float) 
     Appends one JSON line per step to ``bench:steps``: when it finished, how long the
     trainer waited for its batch, and the staleness of what it consumed.
     """
-    import structlog
-
     from pipeline.consumers.trainer import classify, collect_batch, commit, step_metrics, step_record
 
-    log = structlog.get_logger().bind(stage="trainer", worker="trainer")
+    log = _log("trainer", "trainer")
     reader = GroupReader(r, keys.scored, TRAINER_GROUP, "trainer", claim_idle_ms=0)
     version = 0
     heartbeat(r, keys, "trainer", "trainer", "ready")
