@@ -237,15 +237,32 @@ def test_the_keda_schema_rejects_what_keda_would(change, why):
 # ----------------------------------------------------------------------------- Slurm
 
 
+_SRUN_STUB = r"""#!/bin/sh
+# Logs its arguments and the REDIS_URL/RUN_ID a step would inherit. With STUB_STEPS set, a
+# stage step stays up until SIGTERM (logged), and the trainer step ends once STUB_STEPS
+# steps have been logged, so the template's stop path runs against live steps.
+name=$(for a in "$@"; do case $a in --job-name=*) echo "${a#--job-name=}";; esac; done)
+trap 'kill $pid 2>/dev/null; echo "TERM $name" >> "$STUB_LOG"; exit 0' TERM
+printf "REDIS_URL=%s RUN_ID=%s srun %s\n" "$REDIS_URL" "$RUN_ID" "$*" >> "$STUB_LOG"
+[ -n "$STUB_STEPS" ] && [ "$name" != pretrain ] || exit 0
+if [ "$name" = trainer ]; then
+  i=0
+  while [ "$(grep -c ' srun ' "$STUB_LOG")" -lt "$STUB_STEPS" ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done
+  exit 0
+fi
+sleep 60 & pid=$!
+wait $pid
+"""
+
+
 def _stubs(tmp_path: Path) -> Path:
-    """``scontrol`` and ``srun`` stand-ins on PATH: they log their arguments (srun also the
-    REDIS_URL and RUN_ID it would export to the step) and exit 0."""
+    """``scontrol`` and ``srun`` stand-ins on PATH that log their arguments and exit 0
+    (``scontrol show hostnames`` answers with $FAKE_HOSTNAMES)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text('#!/bin/sh\necho "scontrol $*" >> "$STUB_LOG"\n'
                                       'for n in $FAKE_HOSTNAMES; do echo "$n"; done\n')
-    (bin_dir / "srun").write_text('#!/bin/sh\nprintf "REDIS_URL=%s RUN_ID=%s srun %s\\n" "$REDIS_URL" "$RUN_ID" "$*" '
-                                  '>> "$STUB_LOG"\n')
+    (bin_dir / "srun").write_text(_SRUN_STUB)
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     return bin_dir
@@ -350,7 +367,8 @@ def test_a_real_run_launches_the_steps_exports_the_run_and_stops_after_the_train
     config = tmp_path / "run.toml"
     config.write_text("")
     p = _sbatch(tmp_path, CONFIG=str(config), REDIS_URL="redis://redis.example:6379/0", TRAINER_ADDR="10.0.0.2",
-                RUN_ID="exp1", FAKE_HOSTNAMES="n1 n2", SLURM_JOB_NODELIST="n[1-2]", METRICS_PORT="0")
+                RUN_ID="exp1", FAKE_HOSTNAMES="n1 n2", SLURM_JOB_NODELIST="n[1-2]", METRICS_PORT="0",
+                STUB_STEPS="8")
     assert p.returncode == 0, p.stderr
     log = (tmp_path / "stub.log").read_text().splitlines()
     assert log[0] == "scontrol show hostnames n[1-2]"
@@ -363,6 +381,9 @@ def test_a_real_run_launches_the_steps_exports_the_run_and_stops_after_the_train
     node = {_srun_options(x)["job-name"]: _srun_options(x)["nodelist"] for x in steps}
     assert node["trainer"] == node["feeder"] == "n1" and node["gen-0"] == node["ver-1"] == "n2"
     assert "trainer exited with 0" in p.stderr
+    # Once the trainer step ended, every other step got SIGTERM (a stage's graceful stop).
+    termed = {x.split()[1] for x in log if x.startswith("TERM ")}
+    assert termed == {"feeder", "exporter", "gen-0", "gen-1", "ver-0", "ver-1"}
 
 
 @pytest.mark.parametrize("env, message", [
