@@ -20,6 +20,10 @@ Ceiling: ``redis-benchmark -x XADD`` with a payload of the same size (ASCII byte
 ``-x`` argument is a C string), pipelined by the generator's batch, the better of 1 and 16
 connections.
 
+Each figure is the best of ``--rounds`` interleaved rounds (wall clock, one client
+connection); records per CPU-second of client + server are reported beside it, as they
+move less with other load on the machine.
+
 Payloads: a typical LLM rollout group (G = 8, 200-token prompt, 8 × 500-token completions
 with log-probs, ~50 KB) and an embedded-default group (3-digit addition, ~0.7 KB).
 

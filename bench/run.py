@@ -377,11 +377,15 @@ def main(argv: list[str] | None = None) -> int:
         to_rows = verifier_rows if name == "verifier" else weights_rows
         path = ROOT / "bench" / script
         res, command = None, ""
-        if path.exists() and not (q and name == "verifier"):
+        if q and name == "verifier":
+            status[name] = "not run with --quick (its quick mode writes verifier.json)"
+        elif not path.exists():
+            status[name] = f"bench/{script} not found"
+        else:
             extra = ["--out", str(tmp / name)] if name == "weights" else []
             # bench_verifier.py always writes bench/results/verifier.{json,md}, which `make bench-verifier`
             # owns: keep what is there, and carry this run's figures in bench.json instead.
-            kept = {f: f.read_bytes() for f in (results_file, results_file.with_suffix(".md")) if f.exists()}
+            kept = {f: (f.read_bytes(), f.stat()) for f in (results_file, results_file.with_suffix(".md")) if f.exists()}
             try:
                 ok, dt, command = run_part(name, [f"bench/{script}", *args, *extra], timeout_s=600,
                                            shown=" ".join(["python", f"bench/{script}", *args]))
@@ -393,14 +397,16 @@ def main(argv: list[str] | None = None) -> int:
                     status[name] = f"failed in {dt:.0f} s"
             finally:
                 if name == "verifier":
-                    for f, data in kept.items():
+                    for f, (data, st) in kept.items():
                         f.write_bytes(data)
+                        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))  # its date stays the measurement's
         if res is None and results_file.exists():
             res = json.loads(results_file.read_text())
-            command = f"{res.get('command', 'python bench/' + script)} (results file of {file_date(results_file)}, not this run)"
-            status[name] = status.get(name, "script missing") + f"; figures from {results_file.name} of {file_date(results_file)}"
+            date = res.get("date") or file_date(results_file)
+            command = f"{res.get('command', 'python bench/' + script)} (results file of {date}, not this run)"
+            status[name] += f"; figures from {results_file.name} of {date}"
         elif res is None:
-            status[name] = status.get(name, "script missing") + "; no results file either"
+            status[name] += "; no results file either"
         if res is not None:
             raw[name] = res
             rows += to_rows(res, command)
@@ -413,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(a.json).write_text(json.dumps(result, indent=2, default=float) + "\n")
     Path(a.markdown).write_text(render_markdown(result, rows))
     say(f"wrote {a.markdown} and {a.json} in {seconds:.0f} s; parts: " + ", ".join(f"{k} {v}" for k, v in status.items()))
-    return 0 if all(v.startswith("ok") for v in status.values()) else 1
+    return 1 if any("failed" in v or "no results file" in v for v in status.values()) else 0
 
 
 def render_markdown(result: dict, rows: list[Row]) -> str:
