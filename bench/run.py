@@ -446,7 +446,9 @@ def render_markdown(result: dict, rows: list[Row]) -> str:
         "sleep of its scaled GPU time; the ideal is the sum of the stages for η = 0 and the slowest stage "
         "(or the loop spread over η + 1 steps, if longer) for η ≥ 1. The end-to-end rows are the embedded "
         "default (`pipeline up`, held-out evaluation every 10 steps included) with only `trainer.steps` and "
-        "`trainer.max_staleness` changed. The weights part runs a shortened `bench_weights.py` (fewer sizes "
+        "`trainer.max_staleness` changed; there every stage shares the same CPU cores, so overlapping the "
+        "stages can only fill the time one of them leaves idle, while the async rows model stages on devices "
+        "of their own. The weights part runs a shortened `bench_weights.py` (fewer sizes "
         "and repeats, no latency part) to fit the suite's 15 minutes; `make bench-weights` runs the full one. "
         "The verifier part runs `bench_verifier.py` in full; its figures here are this run's (also in "
         "bench.json), while bench/results/verifier.{json,md} keep what `make bench-verifier` last wrote.\n")
