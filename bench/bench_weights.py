@@ -14,7 +14,7 @@
      error handling off). Skipped with a note where ucxx is not installed.
 
    Each figure is the best of ``--repeats`` rounds (ceiling, publish and fetch back to back,
-   so all three see the same machine load), after one untimed warm-up round: a fetcher
+   so all three see the same machine load), after two untimed warm-up rounds: a fetcher
    reuses its buffer, as a generator does from its second fetch on.
 2. Latency from "trainer finished step v" (the snapshot is ready to publish) to "every
    generator runs v", with 4 generator-side processes (``pipeline.weights.worker fetch``:
@@ -74,7 +74,7 @@ def child(argv: list[str]) -> None:
     p.add_argument("role")
     p.add_argument("--redis-url", default="")
     p.add_argument("--transport", default="")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--bytes", type=int, default=0)
     p.add_argument("--endpoint", default="")
     a = p.parse_args(argv)
@@ -275,9 +275,10 @@ def bandwidth(redis_url: str, sizes: list[int], repeats: int, transports: list[s
             best = {"ceiling": float("inf"), "publish": float("inf"), "fetch": float("inf")}
             try:
                 with make_publisher(transport, r, KEY, ns=f"bench-{uuid.uuid4().hex[:8]}", keep_versions=1) as pub:
-                    pub.publish(0, tensors)  # warm-up, untimed: the fetcher's buffer, connections
-                    fetcher.once(0)
-                    for v in range(1, repeats + 1):
+                    for v in (-2, -1):  # warm-up, untimed: buffers, connections, UCX's caches
+                        pub.publish(v + 2, tensors)
+                        fetcher.once(v + 2)
+                    for v in range(2, repeats + 2):
                         best["ceiling"] = min(best["ceiling"], raw.once() if raw else memcpy_into_shm(flat))
                         t0 = time.perf_counter()
                         pub.publish(v, tensors)
@@ -411,7 +412,10 @@ def md_table(header: list[str], rows: list[list[object]]) -> str:
 
 
 def report(result: dict) -> str:
-    out = ["# Weight sync benchmark\n", f"`{result['command']}` on {result['machine']}, {result['date']}.\n"]
+    out = ["# Weight sync benchmark\n", f"`{result['command']}` on {result['machine']}, {result['date']}; "
+           f"1-minute load average {result['load_before']:.1f} before and {result['load_after']:.1f} after "
+           "(the machine is shared: ratios are measured round by round against a ceiling taken under "
+           "the same load).\n"]
     if result.get("ucx_note"):
         out.append(f"ucx: {result['ucx_note']}\n")
     out.append("## Bandwidth against each transport's own ceiling (best of "
@@ -445,7 +449,7 @@ def main() -> None:
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes-mib", default="64,256,1024", help="payload sizes for the bandwidth part")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--latency-mib", type=int, default=64)
     p.add_argument("--latency-versions", type=int, default=6)
     p.add_argument("--generators", type=int, default=4)
@@ -470,7 +474,7 @@ def main() -> None:
                 "command": " ".join(["python bench/bench_weights.py", *sys.argv[1:]]),
                 "machine": f"{os.cpu_count()} CPUs, torch {torch.__version__}",
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                "repeats": a.repeats, "ucx_note": ucx_note,
+                "repeats": a.repeats, "ucx_note": ucx_note, "load_before": os.getloadavg()[0],
                 "bandwidth": [] if "bandwidth" in skip else bandwidth(
                     server.url, [int(s) * MiB for s in a.sizes_mib.split(",")], a.repeats, transports),
                 "latency": [] if "latency" in skip else latency(
@@ -478,6 +482,7 @@ def main() -> None:
                 "swap": [] if "swap" in skip else swap_vs_batch(server.url, transports, max(a.repeats, 5)),
             }
             result["seconds"] = time.time() - started
+            result["load_after"] = os.getloadavg()[0]
         finally:
             server.stop()
     out = Path(a.out)

@@ -147,6 +147,42 @@ def test_a_published_version_fetches_back_bit_identical(transport, publisher_fac
     assert specs["step"].shape == () and specs["empty"].shape == (0, 4)
 
 
+def test_publish_takes_a_snapshot_so_later_in_place_updates_never_reach_fetchers(
+    transport, publisher_factory, fetcher_factory
+):
+    live = make_tensors(seed=1)
+    want = {name: t.clone() for name, t in live.items()}
+    publisher_factory(transport).publish(1, live)
+    for t in live.values():  # what an optimizer step does to live parameters
+        if t.numel() and t.dtype != torch.bool:
+            t.add_(1)
+
+    assert_same_tensors(fetcher_factory(transport).fetch(1)[1], want)
+
+
+def test_views_from_a_fetch_without_copy_hold_the_version(transport, publisher_factory, fetcher_factory):
+    tensors = make_tensors(seed=3)
+    publisher_factory(transport).publish(1, tensors)
+    version, views = fetcher_factory(transport).fetch(copy=False)
+    assert version == 1
+    assert_same_tensors(views, tensors)
+
+
+def test_a_published_shm_file_is_a_safetensors_file(publisher_factory):
+    tensors = make_tensors(seed=2)
+    manifest = publisher_factory("shm").publish(1, tensors)
+    assert_same_tensors(safetensors.torch.load_file(manifest.address), tensors)
+
+
+def test_tensors_that_cannot_be_published_are_refused_with_their_name(transport, publisher_factory):
+    publisher = publisher_factory(transport)
+    with pytest.raises(ValueError, match="tensor 'model.rotary': dtype torch.complex64 cannot be published"):
+        publisher.publish(1, {"model.rotary": torch.zeros(3, dtype=torch.complex64)})
+    with pytest.raises(ValueError, match="empty set of tensors"):
+        publisher.publish(1, {})
+    publisher.publish(1, make_tensors(seed=1))  # a refused publish leaves the publisher usable
+
+
 def test_latest_version_is_minus_one_before_any_publish_and_then_follows_publishes(
     transport, publisher_factory, fetcher_factory
 ):

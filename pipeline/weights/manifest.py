@@ -354,13 +354,20 @@ def lay_out(tensors: dict[str, torch.Tensor]) -> Layout:
     starts aligned to its element size and views of the payload need no realignment.
     ``ValueError`` names the offending tensor if one cannot be published.
     """
+    import torch
+
     if not tensors:
         raise ValueError("cannot publish an empty set of tensors")
     entries = []
     for name, t in tensors.items():
         if not isinstance(name, str) or not name or name == "__metadata__":
             raise ValueError(f"tensor name must be a non-empty string other than '__metadata__', got {name!r}")
-        entries.append((name, t, _dtype_code(t.dtype)))
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"tensor {name!r}: expected a torch.Tensor, got {type(t).__name__}")
+        try:
+            entries.append((name, t, _dtype_code(t.dtype)))
+        except ValueError as e:
+            raise ValueError(f"tensor {name!r}: {e}") from None
     entries.sort(key=lambda e: (-e[1].element_size(), e[0]))
     header: dict[str, Any] = {}
     offset, placed = 0, []

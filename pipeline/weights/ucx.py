@@ -78,8 +78,8 @@ class UcxPublisher(TcpPublisher):
 
     Options: ``tls`` (``UCX_TLS`` for this publisher; default UCX's own), and the
     ``tcp`` publisher's ``host``, ``port``, ``advertise_host`` (the control channel),
-    plus the base options ``bucket_bytes`` (checksum granularity; the payload moves
-    as one UCX message) and ``keep_versions``.
+    plus the base options ``bucket_bytes`` (one UCX message and one checksum per
+    bucket) and ``keep_versions``.
     """
 
     transport = "ucx"
