@@ -249,16 +249,18 @@ def measure(url: str, *, rounds: int = 5, max_bytes: int = 24 << 20, payloads: l
         names = ("produce_raw", "produce_pipeline", "produce_one_ack", "consume_raw", "consume_pipeline",
                  "consume_one_ack", "consume_plumbing")
         runs: dict[str, list[dict]] = {k: [] for k in names}
+        paths = [
+            ("produce_raw", lambda: produce_raw(r, payload, n, gen_batch)),
+            ("produce_pipeline", lambda: produce_pipeline(r, keys, payload, n, gen_batch)),
+            ("produce_one_ack", lambda: produce_pipeline(r, keys, payload, n, gen_batch, one_ack=True)),
+            ("consume_raw", lambda: consume_raw(r, payload, n, ver_batch)),
+            ("consume_pipeline", lambda: consume_pipeline(r, keys, payload, n, ver_batch)),
+            ("consume_one_ack", lambda: consume_pipeline(r, keys, payload, n, ver_batch, one_ack=True)),
+            ("consume_plumbing", lambda: consume_pipeline(r, keys, payload, n, ver_batch, decode=lambda b: b)),
+        ]
         for i in range(rounds):
-            for name, fn in (
-                ("produce_raw", lambda: produce_raw(r, payload, n, gen_batch)),
-                ("produce_pipeline", lambda: produce_pipeline(r, keys, payload, n, gen_batch)),
-                ("produce_one_ack", lambda: produce_pipeline(r, keys, payload, n, gen_batch, one_ack=True)),
-                ("consume_raw", lambda: consume_raw(r, payload, n, ver_batch)),
-                ("consume_pipeline", lambda: consume_pipeline(r, keys, payload, n, ver_batch)),
-                ("consume_one_ack", lambda: consume_pipeline(r, keys, payload, n, ver_batch, one_ack=True)),
-                ("consume_plumbing", lambda: consume_pipeline(r, keys, payload, n, ver_batch, decode=lambda b: b)),
-            ):
+            # Each round starts one path later, so no path always runs first (after the big deletes).
+            for name, fn in paths[i % len(paths):] + paths[: i % len(paths)]:
                 _fresh(r, keys)
                 runs[name].append(fn())
             say(f"  round {i + 1}/{rounds}: " + ", ".join(f"{k} {v[-1]['rate']:,.0f}/s" for k, v in runs.items()))
