@@ -200,6 +200,9 @@ def verifier_rows(res: dict, command: str) -> list[Row]:
             sel = d["selection"]
             out.append(Row("verifier", f"selection accuracy of Weaver, {name}", sel["weaver"], "majority vote",
                            sel["majority"], "", command, note=f"best single {sel['best_single']:.3f}"))
+            if sel.get("weaver_sound") is not None:
+                out.append(Row("verifier", f"selection accuracy of Weaver with sound checks (the default), {name}",
+                               sel["weaver_sound"], "majority vote", sel["majority"], "", command))
     return out
 
 
@@ -409,7 +412,10 @@ def main(argv: list[str] | None = None) -> int:
             status[name] += "; no results file either"
         if res is not None:
             raw[name] = res
-            rows += to_rows(res, command)
+            try:
+                rows += to_rows(res, command)
+            except (KeyError, TypeError, ValueError) as e:  # its results format moved on
+                status[name] += f"; its results could not be read into the table ({type(e).__name__}: {e})"
 
     seconds = time.time() - started
     shutil.rmtree(tmp, ignore_errors=True)
