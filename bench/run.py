@@ -360,10 +360,18 @@ def main(argv: list[str] | None = None) -> int:
         findings += streams_findings(raw["streams"], records)
     if "async" in parts and (res := own("async", "bench_async.py", ["--steps", "6", "--etas", "0,1"] if q else [], 600)):
         rows += async_rows(res)
+        st = res["stage_seconds_unscaled"]
+        loop, slowest = st["generate"] + st["verify"] + st["train"], max(st.values())
         for x in res["runs"]:
             if x["share_of_ideal"] < res["aim"]:
+                why = ""
+                if x["eta"] > 0 and abs(loop / (x["eta"] + 1) - slowest) < 1e-9:
+                    why = (f" With these stage times η = {x['eta']} is exactly critical (generate + verify + train = "
+                           f"{x['eta'] + 1} × the slowest stage): the generator may start batch k + {x['eta'] + 1} only once "
+                           f"step k is published, so each hop's latency lands on the step time; a larger η leaves slack.")
                 findings.append(f"- Async harness, η = {x['eta']}: {x['share_of_ideal']:.0%} of the ideal step time, "
-                                f"below the {res['aim']:.0%} aim (load average at start {info['load_average_at_start']}).")
+                                f"below the {res['aim']:.0%} aim (load average at start "
+                                f"{info['load_average_at_start']}).{why}")
     if "e2e" in parts and (res := own("e2e", "bench_e2e.py",
                                       ["--steps", str(4 if q else a.e2e_steps)], 900)):
         rows += e2e_rows(res)
