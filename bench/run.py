@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
                 why = ""
                 if x["eta"] > 0 and abs(loop / (x["eta"] + 1) - slowest) < 1e-9:
                     why = (f" With these stage times η = {x['eta']} is exactly critical (generate + verify + train = "
-                           f"{x['eta'] + 1} × the slowest stage): the generator may start batch k + {x['eta'] + 1} only once "
+                           f"{x['eta'] + 1} × the slowest stage): the generator may start batch k + {x['eta']} only once "
                            f"step k is published, so each hop's latency lands on the step time; a larger η leaves slack.")
                 findings.append(f"- Async harness, η = {x['eta']}: {x['share_of_ideal']:.0%} of the ideal step time, "
                                 f"below the {res['aim']:.0%} aim (load average at start "
