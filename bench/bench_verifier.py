@@ -20,7 +20,9 @@ Methods (each gives one score per response; selection picks the top score per gr
   oracle_rates − weaver;
 - on real rollouts also ``weaver_no_majority``: Weaver without the majority
   pseudo-verifier, whose votes are not conditionally independent of the others
-  (it is computed from the whole group).
+  (it is computed from the whole group); and ``weaver_sound``: Weaver with the rule
+  checks' TPR held at 1 (they are sound by construction; ``verifier.sound_checks``,
+  the pipeline's default), where ``weaver`` estimates every rate.
 
 Metrics: selection accuracy (ties in expectation), ECE (10 bins) and Brier score of the
 probabilistic methods, and the mean absolute error of each label model's TPR/TNR against
@@ -52,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline.labelmodel import MU_CLIP, _em, fit_label_model  # noqa: E402
 from pipeline.selection import brier, ece, pass_at_g, selection_accuracy  # noqa: E402
+from pipeline.verifiers import SOUND  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 T0 = time.perf_counter()
@@ -214,6 +217,17 @@ def compare(train: dict, test: dict) -> dict:
         post = fit_label_model(flat[:, cols], others).posterior(flat[:, cols])
         scores["weaver_no_majority"], probs["weaver_no_majority"] = post.reshape(n, g), post
 
+    sound = [nm for nm in names if nm in SOUND]
+    if sound:
+        # The pipeline's default: the rule checks' TPR held at 1 (verifier.sound_checks).
+        lm = fit_label_model(flat, names, sound=sound)
+        post = lm.posterior(flat)
+        scores["weaver_sound"], probs["weaver_sound"] = post.reshape(n, g), post
+        kept = np.array(lm.kept)
+        fits["weaver_sound"] = {**rate_errors(lm.binarize(flat)[:, kept], yf, np.array(lm.tpr)[kept],
+                                              np.array(lm.tnr)[kept]),
+                                "pi": lm.pi, "true_pi": float(yf.mean()), "dropped": lm.dropped}
+
     lm_train = fit_label_model(train["votes"].reshape(-1, m), names)
     w = fit_logistic(features(lm_train.binarize(train["votes"].reshape(-1, m))), train["truth"].reshape(-1))
     post = 1 / (1 + np.exp(-(features(b_all) @ w)))
@@ -303,8 +317,9 @@ def speed(rows: int, m: int, repeat: int) -> dict:
 
 # ===================================================================== report
 METHODS = ["first_sample", "majority", "best_single", "average", "dawid_skene", "weaver", "weaver_merge",
-           "weaver_no_majority", "oracle_rates", "logistic"]
-PROB = ["average", "dawid_skene", "weaver", "weaver_merge", "weaver_no_majority", "oracle_rates", "logistic"]
+           "weaver_no_majority", "weaver_sound", "oracle_rates", "logistic"]
+PROB = ["average", "dawid_skene", "weaver", "weaver_merge", "weaver_no_majority", "weaver_sound", "oracle_rates",
+        "logistic"]
 
 
 def markdown(res: dict) -> str:

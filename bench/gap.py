@@ -42,6 +42,7 @@ from pipeline.config import load_config  # noqa: E402
 from pipeline.distill import base_rollouts, selection_accuracy  # noqa: E402
 from pipeline.labelmodel import fit_label_model  # noqa: E402
 from pipeline.rewards import compute_rewards  # noqa: E402
+from pipeline.verifiers import SOUND  # noqa: E402
 
 
 def probe_verifiers(cfg, *, prompts: int, seed: int) -> dict:
@@ -51,7 +52,9 @@ def probe_verifiers(cfg, *, prompts: int, seed: int) -> dict:
     names = list(cfg.verifier.verifiers)
     votes, truth = data["votes"], data["truth"]          # [n, G, m], [n, G]
     n, g, m = votes.shape
-    lm = fit_label_model(votes.reshape(n * g, m), names)
+    # The label model exactly as the verifier stage fits it under this config.
+    sound = [x for x in names if x in SOUND] if cfg.verifier.sound_checks else []
+    lm = fit_label_model(votes.reshape(n * g, m), names, dependence=cfg.verifier.dependence, sound=sound)
     scores = {f"single:{name}": votes[:, :, j] for j, name in enumerate(names)}
     scores["majority"] = np.stack([compute_rewards("majority", votes=votes[i], names=names,
                                                    completions=data["completions"][i]) for i in range(n)])
