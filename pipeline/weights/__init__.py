@@ -258,7 +258,7 @@ class WeightFetcher(ABC):
 
         Raises ``WeightsError`` on any defect. ``copy=True``: fresh CPU tensors that
         share nothing with the fetcher, so the caller may keep them. ``copy=False``:
-        read-only views of the receive buffer, no copy at all; they are valid until the
+        views of the receive buffer (never write to them), no copy at all; valid until the
         next ``fetch`` or ``close``, which is all a caller that copies them into a model
         straight away (``load_state_dict``, vLLM's reload) needs.
         """
