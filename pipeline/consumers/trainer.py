@@ -28,7 +28,7 @@ from pipeline.config import RunConfig
 from pipeline.keys import TRAINER_GROUP, Keys
 from pipeline.logs import MetricsFile
 from pipeline.losses import ADVANTAGES, LOSSES, NO_SIGNAL_STD, LossSettings, kl_k3
-from pipeline.model import completion_logprobs, greedy_accuracy, load_checkpoint, save_checkpoint, state_tensors
+from pipeline.model import completion_logprobs, greedy_accuracy, load_checkpoint, save_checkpoint
 from pipeline.records import ScoredGroup
 from pipeline.records import RecordError
 from pipeline.streams import dead_letter, decode_entries, ensure_all_groups, group_reader, incr_stats, stop_requested
@@ -252,7 +252,9 @@ def run_trainer(cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = No
                                keep_versions=cfg.weights.keep_versions, **transport_opts)
 
     def publish(version: int) -> None:
-        publisher.publish(version, state_tensors(model))
+        # publish() copies into the transport's buffer, and that copy is the snapshot:
+        # the live parameters can go in as they are.
+        publisher.publish(version, {name: t.detach() for name, t in model.state_dict().items()})
         r.xadd(keys.versions, {"version": version}, maxlen=10_000, approximate=True)
         r.hset(keys.trainer, "version", version)
 
