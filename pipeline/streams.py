@@ -24,6 +24,18 @@ FIELD = b"d"
 CONNECT_RETRIES = 10
 
 
+class _TransientRetry(Retry):
+    """Retries what a server restart causes, never refused credentials: those fail at once."""
+
+    def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
+        def transient(error: Exception) -> bool:
+            if isinstance(error, redis.AuthenticationError) or "NOAUTH" in str(error) or "WRONGPASS" in str(error):
+                return False
+            return is_retryable(error) if is_retryable else True
+
+        return super().call_with_retry(do, fail, transient, with_failure_count)
+
+
 def connect(url: str, *, name: str = "pipeline", socket_timeout: float = 30.0, redis_cfg=None) -> redis.Redis:
     """A client that retries with exponential backoff (up to ~10 s) when the server restarts.
 
@@ -56,7 +68,7 @@ def connect(url: str, *, name: str = "pipeline", socket_timeout: float = 30.0, r
         socket_timeout=socket_timeout,
         socket_connect_timeout=5,
         health_check_interval=30,
-        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), CONNECT_RETRIES),
+        retry=_TransientRetry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), CONNECT_RETRIES),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         **extra,
     )

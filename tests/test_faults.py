@@ -322,8 +322,10 @@ def test_acl_user_and_password_from_the_environment(tmp_path, monkeypatch):
         "--user", "default", "off", "--user", "trainer", "on", ">s3cret", "~*", "&*", "+@all"])
     try:
         cfg = RedisConfig()
+        t0 = time.time()
         with pytest.raises(redis.ConnectionError, match="needs credentials|refused the credentials"):
             connect(server.url, redis_cfg=cfg)
+        assert time.time() - t0 < 5, "refused credentials are not retried like a restarting server"
         monkeypatch.setenv("REDIS_USERNAME", "trainer")
         monkeypatch.setenv("REDIS_PASSWORD", "wrong")
         with pytest.raises(redis.ConnectionError, match="refused the credentials"):
