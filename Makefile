@@ -8,7 +8,7 @@ METRICS_PORT ?= 9400
 .PHONY: help setup up-cluster down pretrain test clean gap-experiment hacking-experiment top dashboard report bench-verifier chaos bench-weights bench
 
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-19s %s\n", $$1, $$2}'
 
 setup: $(VENV)/.installed ## create .venv and install the pinned dependencies
 
