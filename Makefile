@@ -54,7 +54,7 @@ bench-verifier: pretrain ## label model vs majority/single/average/EM/supervised
 bench-weights: setup ## shm/tcp/ucx bandwidth vs memcpy/raw-zmq/raw-ucxx ceilings, step->all-generators latency, swap vs batch; bench/results/weights.{json,md} (~10 min)
 	nice -n 10 $(BIN)/python bench/bench_weights.py $(ARGS)
 
-bench: pretrain ## every benchmark vs its baseline in one run (streams, records, async vs sync, pipeline up, verifier, weights); writes BENCHMARKS.md (~10 min)
+bench: pretrain ## every benchmark vs its baseline in one run (streams, records, async vs sync, pipeline up, verifier, weights); writes BENCHMARKS.md (~5 min)
 	nice -n 10 $(BIN)/python bench/run.py $(ARGS)
 
 clean: ## remove runs/ and the base model (keeps .venv)
