@@ -21,6 +21,7 @@ acknowledged writes, which no client can detect; a chaos run therefore uses
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import subprocess
@@ -121,8 +122,6 @@ class Chaos:
             if p is None or p.poll() is not None:
                 return
             try:
-                import os
-
                 os.killpg(p.pid, signal.SIGKILL)
             except ProcessLookupError:
                 return

@@ -30,6 +30,16 @@ class RecordError(ValueError):
     """Bytes that are not a valid record; the message is the dead-letter reason."""
 
 
+def check_token_ids(name: str, ids: np.ndarray, vocab_size: int) -> None:
+    """Refuse token ids a model of ``vocab_size`` tokens cannot embed.
+
+    Records do not know the vocabulary; each stage that feeds ids to a model calls this
+    on what it decoded, so the defect is dead-lettered instead of crashing the model.
+    """
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise RecordError(f"{name} token id outside the vocabulary [0, {vocab_size})")
+
+
 def _i4(a: np.ndarray) -> bytes:
     return np.ascontiguousarray(a, dtype="<i4").tobytes()
 

@@ -23,8 +23,8 @@ from builders import make_prompt, make_rollout, make_scored
 from test_pipeline_e2e import _config, _spawn
 
 from pipeline.keys import GENERATORS_GROUP, TRAINER_GROUP, VERIFIERS_GROUP, Keys
-from pipeline.records import MAX_RECORD_BYTES, PromptTask, RecordError, ScoredGroup
-from pipeline.server import ServerError, start_local_server
+from pipeline.records import MAX_RECORD_BYTES, PromptTask, ScoredGroup
+from pipeline.server import start_local_server
 from pipeline.streams import (GroupReader, connect, decode_entries, ensure_all_groups, ensure_group, trim_acked,
                               unacked, wait_for_room)
 

@@ -129,7 +129,7 @@ def _events(run_dir: Path, worker: str) -> list[dict]:
 
 
 def test_the_pipeline_runs_across_network_namespaces_with_tcp_weights(tmp_path, tiny_base_model, hosts):
-    (redis_ns, redis_addr), (trainer_ns, trainer_addr), (workers_ns, workers_addr) = (
+    (redis_ns, redis_addr), (trainer_ns, trainer_addr), (workers_ns, _) = (
         hosts["redis"], hosts["trainer"], hosts["workers"])
     url = f"redis://{redis_addr}:{REDIS_PORT}/0"
     cfg = load_config(overrides={

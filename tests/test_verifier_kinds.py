@@ -245,8 +245,6 @@ def test_the_code_exec_verifier_takes_its_tests_from_the_prompt_and_abstains_wit
 # ------------------------------------------------- the verifier stage survives
 def test_the_verifier_stage_keeps_scoring_when_a_verifier_hangs_or_raises(tmp_path, tiny_base_model, redis_client,
                                                                           redis_url, monkeypatch):
-    import msgpack  # noqa: F401 - records are msgpack; imported to fail fast if missing
-
     from builders import make_rollout
     from pipeline.config import load_config
     from pipeline.consumers.verifier import run_verifier

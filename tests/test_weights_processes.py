@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 import torch
 
 from pipeline.logs import setup_logging

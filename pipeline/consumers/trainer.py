@@ -29,18 +29,15 @@ from pipeline.keys import TRAINER_GROUP, Keys
 from pipeline.logs import MetricsFile
 from pipeline.losses import ADVANTAGES, LOSSES, NO_SIGNAL_STD, LossSettings, kl_k3
 from pipeline.model import completion_logprobs, greedy_accuracy, load_checkpoint, save_checkpoint
-from pipeline.records import ScoredGroup
-from pipeline.records import RecordError
+from pipeline.records import ScoredGroup, check_token_ids
 from pipeline.streams import dead_letter, decode_entries, ensure_all_groups, group_reader, incr_stats, stop_requested
 from pipeline.weights import make_publisher, publisher_options
 
 
 def check_scored(g: ScoredGroup, *, vocab_size: int) -> None:
     """Defects only the trainer can see: token ids its model cannot embed."""
-    ro = g.rollout
-    for name, ids in (("prompt", ro.prompt_ids), ("completion", ro.completion_ids)):
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-            raise RecordError(f"{name} token id outside the vocabulary [0, {vocab_size})")
+    check_token_ids("prompt", g.rollout.prompt_ids, vocab_size)
+    check_token_ids("completion", g.rollout.completion_ids, vocab_size)
 
 
 def collect_batch(reader, r, keys: Keys, *, size: int, block_ms: int, log, vocab_size: int,

@@ -20,7 +20,7 @@ from pipeline.config import ConfigError, RunConfig, VerifierConfig
 from pipeline.keys import TRAINER_GROUP, VERIFIERS_GROUP, Keys
 from pipeline.labelmodel import LabelModel, fit_label_model
 from pipeline.model import CharTokenizer
-from pipeline.records import RecordError, RolloutGroup, ScoredGroup
+from pipeline.records import RolloutGroup, ScoredGroup, check_token_ids
 from pipeline.rewards import RewardMode, parse_reward_mode
 from pipeline.streams import (FIELD, dead_letter, decode_entries, ensure_all_groups, group_reader, heartbeat,
                               incr_stats, stop_requested, trim_acked, wait_for_room)
@@ -91,8 +91,7 @@ class SharedLabelModel:
 
 
 def check_tokens(g: RolloutGroup, *, vocab_size: int) -> None:
-    if g.completion_ids.min() < 0 or g.completion_ids.max() >= vocab_size:
-        raise RecordError(f"completion token id outside the vocabulary [0, {vocab_size})")
+    check_token_ids("completion", g.completion_ids, vocab_size)
 
 
 def reward_mode(v: VerifierConfig) -> RewardMode:

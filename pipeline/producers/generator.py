@@ -18,7 +18,7 @@ import torch
 from pipeline.config import RunConfig
 from pipeline.keys import GENERATORS_GROUP, VERIFIERS_GROUP, Keys
 from pipeline.model import load_checkpoint, load_state_tensors, sample
-from pipeline.records import PromptTask, RecordError, RolloutGroup
+from pipeline.records import PromptTask, RecordError, RolloutGroup, check_token_ids
 from pipeline.streams import (FIELD, Admission, VersionWatch, dead_letter, decode_entries, ensure_all_groups,
                               group_reader, heartbeat, incr_stats, stop_requested, trim_acked, wait_for_room)
 from pipeline.task import prompt_length
@@ -50,8 +50,7 @@ def check_prompt(t: PromptTask, *, prompt_len: int, vocab_size: int) -> None:
     """Defects only the generator can see: a prompt of the wrong length or with unknown tokens."""
     if t.prompt_ids.size != prompt_len:
         raise RecordError(f"prompt has {t.prompt_ids.size} tokens, this task's prompts have {prompt_len}")
-    if t.prompt_ids.min() < 0 or t.prompt_ids.max() >= vocab_size:
-        raise RecordError(f"prompt token id outside the vocabulary [0, {vocab_size})")
+    check_token_ids("prompt", t.prompt_ids, vocab_size)
 
 
 def to_groups(tasks: list[PromptTask], tokens, logprobs, lengths, *, tok, group_size: int, worker_id: str,
