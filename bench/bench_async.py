@@ -34,6 +34,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from common import progress, save_result  # noqa: E402
 
 from pipeline.keys import GENERATORS_GROUP, TRAINER_GROUP, VERIFIERS_GROUP, Keys  # noqa: E402
 from pipeline.records import PromptTask, RolloutGroup, ScoredGroup  # noqa: E402
@@ -56,8 +59,7 @@ def _log(stage: str, worker: str):
     return structlog.get_logger().bind(stage=stage, worker=worker)
 
 
-def say(msg: str) -> None:
-    print(f"[bench-async {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+say = progress("bench-async")
 
 
 def ideal_step(gen_s: float, verify_s: float, train_s: float, eta: int) -> float:
@@ -329,9 +331,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                           verify_s=a.verify_s, train_s=a.train_s, batch=a.batch)
         finally:
             server.stop()
-    res["command"] = " ".join(["python bench/bench_async.py", *(argv if argv is not None else sys.argv[1:])])
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
+    save_result(a.out, res, script="bench/bench_async.py", argv=argv)
     say(f"wrote {a.out}")
     return res
 

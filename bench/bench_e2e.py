@@ -28,13 +28,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
+from common import progress, save_result  # noqa: E402
+
 from pipeline_runs import read_run, run_up  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 
 
-def say(msg: str) -> None:
-    print(f"[bench-e2e {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+say = progress("bench-e2e")
 
 
 def generated_in(run_dir: Path, start: float, end: float) -> int:
@@ -92,10 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
         say(f"eta={eta}: {row['step_s']:.2f} s per step; generated {row['tokens_per_s_window']:,.0f} tokens/s from "
             f"first to last step, {row['tokens_per_s']:,.0f}/s over the whole run; trainer idle "
             f"{row['trainer_idle_fraction']:.0%}, goodput {row['goodput']:.3f}; {time.time() - t0:.0f} s")
-    res = {"command": " ".join(["python bench/bench_e2e.py", *(argv if argv is not None else sys.argv[1:])]),
-           "runs": rows}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
+    res = save_result(a.out, {"runs": rows}, script="bench/bench_e2e.py", argv=argv)
     say(f"wrote {a.out}")
     return res
 

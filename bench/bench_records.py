@@ -13,7 +13,6 @@ the ratio is what the records' typing, copies and validation cost.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from common import progress, save_result  # noqa: E402
 
 from pipeline.records import RolloutGroup, ScoredGroup  # noqa: E402
 
@@ -31,8 +33,7 @@ VOCAB = 151_936
 """Token ids are drawn from a Qwen-sized vocabulary so no id fits in a short encoding by chance."""
 
 
-def say(msg: str) -> None:
-    print(f"[bench-records {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+say = progress("bench-records")
 
 
 def typical_group(*, group_size: int = 8, prompt_tokens: int = 200, completion_tokens: int = 500,
@@ -134,10 +135,8 @@ def main(argv: list[str] | None = None) -> dict:
     a = p.parse_args(argv)
     if a.seconds <= 0 or a.repeats < 1:
         p.error("--seconds must be > 0 and --repeats >= 1")
-    res = {"command": " ".join(["python bench/bench_records.py", *(argv if argv is not None else sys.argv[1:])]),
-           **measure(seconds=a.seconds, repeats=a.repeats)}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
+    res = save_result(a.out, measure(seconds=a.seconds, repeats=a.repeats), script="bench/bench_records.py",
+                      argv=argv)
     say(f"wrote {a.out}")
     return res
 

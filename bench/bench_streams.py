@@ -33,7 +33,6 @@ with log-probs, ~50 KB) and an embedded-default group (3-digit addition, ~0.7 KB
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import subprocess
 import sys
@@ -47,6 +46,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from common import progress, save_result  # noqa: E402
+
 from bench_records import embedded_group, typical_group  # noqa: E402
 from pipeline.config import RunConfig  # noqa: E402
 from pipeline.keys import GENERATORS_GROUP, VERIFIERS_GROUP, Keys  # noqa: E402
@@ -59,8 +60,7 @@ AIM = 0.80
 """The pipeline's producer and consumer paths should reach this share of raw redis-py."""
 
 
-def say(msg: str) -> None:
-    print(f"[bench-streams {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+say = progress("bench-streams")
 
 
 class Meter:
@@ -307,9 +307,7 @@ def main(argv: list[str] | None = None) -> dict:
             res = measure(server.url, rounds=a.rounds, max_bytes=a.max_mib << 20, payloads=payloads)
         finally:
             server.stop()
-    res["command"] = " ".join(["python bench/bench_streams.py", *(argv if argv is not None else sys.argv[1:])])
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
+    save_result(a.out, res, script="bench/bench_streams.py", argv=argv)
     say(f"wrote {a.out}")
     return res
 

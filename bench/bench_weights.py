@@ -45,6 +45,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from common import progress  # noqa: E402
 
 from pipeline.weights import DEFAULT_BUCKET_BYTES, make_fetcher, make_publisher  # noqa: E402
 from pipeline.weights.worker import synthetic_tensors  # noqa: E402
@@ -53,8 +56,7 @@ MiB = 1 << 20
 KEY = "bench:weights"
 
 
-def say(msg: str) -> None:
-    print(f"[bench-weights {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+say = progress("bench-weights")
 
 
 def ucx_available() -> str | None:
