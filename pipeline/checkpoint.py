@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,8 @@ class TrainerState:
     uncommitted: list[StepRecord]
     labelmodel_versions: list[int] = field(default_factory=list)
     saved_at: float = 0.0
+    engine: dict[str, Any] = field(default_factory=dict)
+    """What the training engine's ``save_state`` returned (JSON): its schedule and optimizer settings."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -93,28 +96,57 @@ def _restore_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tens
     opt.load_state_dict({"state": state, "param_groups": groups})
 
 
-def save(directory: Path, *, model: torch.nn.Module, opt: torch.optim.Optimizer, state: TrainerState,
-         keep: int = 2) -> Path:
-    """Write one checkpoint atomically and point ``latest`` at it; keeps the newest ``keep``."""
+def write_torch_state(directory: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, *,
+                      version: int | None = None) -> list[dict[str, Any]]:
+    """``model.safetensors`` and ``optimizer.safetensors`` (with the torch RNG) of one process;
+    returns the optimizer's param groups (JSON)."""
+    model_tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
+    save_file(model_tensors, str(directory / "model.safetensors"),
+              metadata=None if version is None else {"version": str(version)})
+    opt_tensors, groups = _optimizer_tensors(opt)
+    opt_tensors["rng.torch"] = torch.get_rng_state()
+    save_file(opt_tensors, str(directory / "optimizer.safetensors"))
+    return groups
+
+
+def read_torch_state(directory: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                     param_groups: list[dict[str, Any]]) -> None:
+    """Inverse of :func:`write_torch_state`: model, optimizer and the torch RNG."""
+    from pipeline.model import load_state_tensors
+
+    load_state_tensors(model, load_file(str(directory / "model.safetensors")))
+    opt_tensors = load_file(str(directory / "optimizer.safetensors"))
+    _restore_optimizer(opt, opt_tensors, param_groups)
+    torch.set_rng_state(opt_tensors["rng.torch"])
+
+
+def save(directory: Path, *, state: TrainerState, keep: int = 2, model: torch.nn.Module | None = None,
+         opt: torch.optim.Optimizer | None = None, write: Callable[[Path], dict[str, Any]] | None = None) -> Path:
+    """Write one checkpoint atomically and point ``latest`` at it; keeps the newest ``keep``.
+
+    The tensors come from ``write(tmp_dir)`` (a training engine's ``save_state``, whose
+    JSON extras land in ``state.engine``) or, for one process, from ``model`` and ``opt``.
+    """
+    if (write is None) == (model is None or opt is None):
+        raise ValueError("checkpoint.save needs either write= or both model= and opt=")
     directory.mkdir(parents=True, exist_ok=True)
     name = f"step-{state.version:06d}"
     final = directory / name
     tmp = directory / f".{name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    model_tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
-    save_file(model_tensors, str(tmp / "model.safetensors"), metadata={"version": str(state.version)})
-    opt_tensors, groups = _optimizer_tensors(opt)
-    opt_tensors["rng.torch"] = torch.get_rng_state()
-    save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
-    state.param_groups = groups
+    if write is not None:
+        state.engine = write(tmp)
+    else:
+        state.param_groups = write_torch_state(tmp, model, opt, version=state.version)
     state.saved_at = time.time()
     meta = {**state.__dict__, "uncommitted": [s.__dict__ for s in state.uncommitted],
             "evals": {str(k): v for k, v in state.evals.items()}}
     (tmp / "state.json").write_text(json.dumps(meta))
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
@@ -138,17 +170,15 @@ def latest(directory: Path) -> Path | None:
     return path if (path / "state.json").is_file() else None
 
 
-def load(path: Path, *, model: torch.nn.Module, opt: torch.optim.Optimizer) -> TrainerState:
-    """Restore ``model``, ``opt`` and the torch RNG from a checkpoint; returns its trainer state."""
-    from pipeline.model import load_state_tensors
-
+def load(path: Path, *, model: torch.nn.Module | None = None, opt: torch.optim.Optimizer | None = None) -> TrainerState:
+    """A checkpoint's trainer state; with ``model`` and ``opt`` also restores them and the torch RNG
+    (a training engine restores itself from ``path`` and ``state.engine`` instead)."""
     meta = json.loads((path / "state.json").read_text())
-    load_state_tensors(model, load_file(str(path / "model.safetensors")))
-    opt_tensors = load_file(str(path / "optimizer.safetensors"))
-    _restore_optimizer(opt, opt_tensors, meta["param_groups"])
-    torch.set_rng_state(opt_tensors["rng.torch"])
+    if model is not None and opt is not None:
+        read_torch_state(path, model, opt, meta["param_groups"])
     return TrainerState(
         version=int(meta["version"]), sched=meta["sched"],
         param_groups=meta["param_groups"], evals={int(k): float(v) for k, v in meta["evals"].items()},
         uncommitted=[StepRecord(**s) for s in meta["uncommitted"]],
-        labelmodel_versions=list(meta.get("labelmodel_versions", [])), saved_at=float(meta.get("saved_at", 0.0)))
+        labelmodel_versions=list(meta.get("labelmodel_versions", [])), saved_at=float(meta.get("saved_at", 0.0)),
+        engine=dict(meta.get("engine", {})))

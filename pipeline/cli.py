@@ -82,6 +82,17 @@ def _parser() -> argparse.ArgumentParser:
     dist.add_argument("--epochs", type=float, default=3.0, help="passes over the training rows (default 3)")
     dist.add_argument("--init", choices=["base", "scratch"], default="base",
                       help="start from the run's base policy (default) or a fresh tiny model")
+    init = sub.add_parser("init-model", help="write a randomly initialised Qwen3 checkpoint with a BPE tokenizer "
+                                             "trained on local text (no hub needed)")
+    init.add_argument("--out", required=True, help="checkpoint directory to write")
+    init.add_argument("--preset", default="tiny", help="tiny (~0.2M parameters) or qwen3-0.6b")
+    init.add_argument("--data", required=True, help=".jsonl/.parquet prompt file whose text trains the tokenizer")
+    init.add_argument("--tokenizer-vocab", type=int, default=512, help="BPE vocabulary to train (default 512)")
+    init.add_argument("--seed", type=int, default=0)
+    mk = sub.add_parser("make-math-data", help="write synthetic math problems with LaTeX answers (.jsonl or .parquet)")
+    mk.add_argument("--out", required=True, help="file to write, .jsonl or .parquet")
+    mk.add_argument("--n", type=int, default=2000, help="problems (default 2000)")
+    mk.add_argument("--seed", type=int, default=0)
     return p
 
 
@@ -186,6 +197,20 @@ def _dispatch(args: argparse.Namespace, cfg: RunConfig) -> int:
 
         ensure_base_model(cfg, force=args.force)
         return 0
+    if cmd == "make-math-data":
+        from pipeline.init_model import synthetic_math_rows, write_rows
+
+        print(write_rows(synthetic_math_rows(args.n, seed=args.seed), args.out))
+        return 0
+    if cmd == "init-model":
+        from pipeline.init_model import corpus, init_model
+        from pipeline.tasks import read_rows
+
+        rows = read_rows(args.data)
+        texts = corpus(rows) if rows and "problem" in rows[0] else [json.dumps(r) for r in rows]
+        print(json.dumps(init_model(args.out, preset=args.preset, texts=texts, tokenizer_vocab=args.tokenizer_vocab,
+                                    seed=args.seed), indent=2))
+        return 0
     if cmd == "report":
         from pipeline.report import write_report
 
@@ -244,11 +269,11 @@ def _dispatch(args: argparse.Namespace, cfg: RunConfig) -> int:
         run_exporter(cfg, r, keys, log, run_dir=cfg.run_dir)
         return 0
     if cmd == "feed":
-        from pipeline.model import CharTokenizer
         from pipeline.producers.feeder import run_feeder
+        from pipeline.tokenizer import load_tokenizer
 
         r, keys, log = _worker_context(cfg, "feeder", "feeder")
-        run_feeder(cfg, r, keys, log, tokenizer=CharTokenizer.load(cfg.model.base_dir))
+        run_feeder(cfg, r, keys, log, tokenizer=load_tokenizer(cfg.model.base_dir))
     elif cmd == "generate":
         from pipeline.producers.generator import run_generator
 
@@ -262,6 +287,12 @@ def _dispatch(args: argparse.Namespace, cfg: RunConfig) -> int:
     elif cmd == "train":
         from pipeline.consumers.trainer import run_trainer
 
+        if cfg.trainer.backend == "torchtitan" and int(os.environ.get("RANK", "0")) != 0:
+            # torchrun's other ranks: no Redis, no logs of their own; they run what rank 0 asks.
+            from pipeline.backends.titan import follow
+
+            follow(cfg)
+            return 0
         r, keys, log = _worker_context(cfg, "trainer", "trainer")
         run_trainer(cfg, r, keys, log, run_dir=cfg.run_dir)
     return 0

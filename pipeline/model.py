@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from transformers.utils import logging as hf_logging
 
 from pipeline import task
@@ -233,9 +233,17 @@ def _no_hf_progress_bars() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def save_checkpoint(model: Qwen3ForCausalLM, tokenizer: CharTokenizer, directory: str | os.PathLike[str]) -> Path:
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja")
+"""Files of a checkpoint directory that belong to its tokenizer and generation defaults."""
+
+
+def save_checkpoint(model: torch.nn.Module, tokenizer, directory: str | os.PathLike[str], *,
+                    tokenizer_dir: str | os.PathLike[str] | None = None) -> Path:
     """Write an HF checkpoint (safetensors) plus tokenizer files to ``directory``.
 
+    The tokenizer files come from ``tokenizer.save`` (the character tokenizer) or are
+    copied from ``tokenizer_dir`` (any other checkpoint's tokenizer).
     The files are written to a sibling temp directory that is then renamed into
     place, so a reader never sees a half-written checkpoint. An existing checkpoint
     at ``directory`` is replaced (moved aside, then deleted after the rename).
@@ -248,7 +256,14 @@ def save_checkpoint(model: Qwen3ForCausalLM, tokenizer: CharTokenizer, directory
         # transformers 5 always writes safetensors (safe_serialization was removed).
         with _no_hf_progress_bars():
             model.save_pretrained(tmp)
-        tokenizer.save(tmp)
+        if isinstance(tokenizer, CharTokenizer):
+            tokenizer.save(tmp)
+        else:
+            if tokenizer_dir is None:
+                raise ValueError("save_checkpoint: tokenizer_dir is needed to copy a non-character tokenizer")
+            for name in TOKENIZER_FILES:
+                if (Path(tokenizer_dir) / name).is_file():
+                    shutil.copy2(Path(tokenizer_dir) / name, tmp / name)
         if not (tmp / "model.safetensors").exists():
             raise RuntimeError(f"save_pretrained wrote no model.safetensors in {tmp}")
         old: Path | None = None
@@ -264,13 +279,19 @@ def save_checkpoint(model: Qwen3ForCausalLM, tokenizer: CharTokenizer, directory
     return final
 
 
-def load_checkpoint(directory: str | os.PathLike[str]) -> tuple[Qwen3ForCausalLM, CharTokenizer]:
-    """Load a checkpoint written by :func:`save_checkpoint` (safetensors only, never pickle)."""
+def load_checkpoint(directory: str | os.PathLike[str]):
+    """Load a local HF causal-LM checkpoint directory and its tokenizer (safetensors only, never pickle).
+
+    Any architecture ``transformers`` knows loads (Qwen3 first among them), in float32;
+    sharded checkpoints (``model.safetensors.index.json``) too.
+    """
+    from pipeline.tokenizer import load_tokenizer
+
     d = Path(directory)
-    if not (d / "model.safetensors").is_file():
+    if not ((d / "model.safetensors").is_file() or (d / "model.safetensors.index.json").is_file()):
         raise FileNotFoundError(f"no model.safetensors in {d}")
     with _no_hf_progress_bars():
-        model = Qwen3ForCausalLM.from_pretrained(
+        model = AutoModelForCausalLM.from_pretrained(
             d,
             use_safetensors=True,
             local_files_only=True,
@@ -278,7 +299,7 @@ def load_checkpoint(directory: str | os.PathLike[str]) -> tuple[Qwen3ForCausalLM
             attn_implementation=ATTN_IMPLEMENTATION,
         )
     model.eval()
-    return model, CharTokenizer.load(d)
+    return model, load_tokenizer(d)
 
 
 def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -421,6 +442,47 @@ def completion_logprobs(
     inputs = torch.cat([prompt_ids, completion_ids[:, :-1]], dim=1)
     # logits_to_keep=T: only the positions that predict completion tokens reach lm_head.
     logits = model(input_ids=inputs, use_cache=False, logits_to_keep=t).logits.float()
+    logp = F.log_softmax(logits, dim=-1)
+    chosen = logp.gather(2, completion_ids.unsqueeze(2)).squeeze(2)
+    if not with_entropy:
+        return chosen
+    with torch.no_grad():
+        entropy = -(logp.exp() * logp).sum(dim=-1)
+    return chosen, entropy
+
+
+def ragged_completion_logprobs(
+    model: torch.nn.Module,
+    prompts: Sequence[torch.Tensor],
+    completion_ids: torch.Tensor,
+    *,
+    pad_id: int,
+    with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`completion_logprobs` for prompts of different lengths (1-D id tensors).
+
+    Equal lengths take the batched path unchanged. Otherwise each row is its prompt and
+    completion concatenated and right-padded: causal attention never lets a real token
+    see the padding after it, and positions start at 0 in every row, so no attention
+    mask is needed and each row's scores equal those of the row alone.
+    """
+    lens = [int(p.numel()) for p in prompts]
+    if len(set(lens)) == 1:
+        return completion_logprobs(model, torch.stack(list(prompts)), completion_ids, with_entropy=with_entropy)
+    n, t = completion_ids.shape
+    if t == 0:
+        raise ValueError("completion_ids has no tokens")
+    width = max(lens) + t - 1
+    inputs = torch.full((n, width), pad_id, dtype=torch.long)
+    for i, (p, length) in enumerate(zip(prompts, lens)):
+        inputs[i, :length] = p
+        inputs[i, length: length + t - 1] = completion_ids[i, : t - 1]
+    # Only positions from the shortest prompt's last token on predict completion tokens.
+    keep = width - (min(lens) - 1)
+    logits = model(input_ids=inputs, use_cache=False, logits_to_keep=keep).logits.float()
+    offset = width - keep
+    index = torch.tensor(lens).unsqueeze(1) - 1 - offset + torch.arange(t).unsqueeze(0)
+    logits = logits[torch.arange(n).unsqueeze(1), index]
     logp = F.log_softmax(logits, dim=-1)
     chosen = logp.gather(2, completion_ids.unsqueeze(2)).squeeze(2)
     if not with_entropy:

@@ -52,10 +52,10 @@ def _weaver_hard(*, votes: np.ndarray, names: Sequence[str], label_model: LabelM
     return (label_model.posterior(votes, names) > 0.5).astype(np.float64)
 
 
-def _majority(*, completions: Sequence[str] | None, **_: object) -> np.ndarray:
+def _majority(*, completions: Sequence[str] | None, answer=extract_answer, **_: object) -> np.ndarray:
     if completions is None:
         raise ValueError("reward mode 'majority' needs the completions")
-    answers = [extract_answer(c) for c in completions]
+    answers = [answer(c) for c in completions]
     counts = Counter(a for a in answers if a is not None)
     if not counts:
         return np.zeros(len(answers))
@@ -148,6 +148,7 @@ class RewardMode:
         label_model: LabelModel | None = None,
         truth: np.ndarray | None = None,
         prompt: str | None = None,
+        answer=extract_answer,
     ) -> np.ndarray:
         v = np.asarray(votes, dtype=np.float64)
         names = list(names)
@@ -169,7 +170,8 @@ class RewardMode:
             out = _ground_truth(truth=truth)
         else:
             # The hidden truth is deliberately not passed on: weak modes cannot read it.
-            out = REWARD_MODES[self.kind](votes=v, names=names, completions=completions, label_model=label_model)
+            out = REWARD_MODES[self.kind](votes=v, names=names, completions=completions, label_model=label_model,
+                                          answer=answer)
         out = np.asarray(out, dtype=np.float32)
         if out.shape != (g,):
             raise ValueError(f"reward mode {self.spec!r} produced shape {out.shape}, expected ({g},)")

@@ -1,4 +1,4 @@
-"""Weak verifiers for the arithmetic task (DESIGN §5, §7).
+"""Weak verifiers: the arithmetic task's (DESIGN §5, §7) and the math task's (end of the module).
 
 A weak verifier looks at the prompt (``" 42+317="``) and the G completions of one
 rollout group and scores each completion in [0, 1], or abstains with NaN when its
@@ -482,3 +482,62 @@ def correctness(reference: str, completions: Sequence[str]) -> np.ndarray:
     """
     ref = extract_answer(reference)
     return np.array([1.0 if ref is not None and extract_answer(c) == ref else 0.0 for c in completions], dtype=np.float32)
+
+
+# --------------------------------------------------------------------------- math task (task.kind = "math")
+
+_NUMERIC = re.compile(r"-?\d+(\.\d+)?|-?\\[dt]?frac\{\d+\}\{\d+\}|-?\d+/\d+")
+
+
+@register("boxed", sound=True)
+def boxed(prompt: str, completions: Sequence[str]) -> np.ndarray:
+    r"""1 where the completion states a final answer in ``\boxed{...}`` (the math task's format), else 0.
+
+    Sound for that task: a right answer is, by the task's definition, a boxed one.
+    """
+    from pipeline.tasks import boxed_answer
+
+    del prompt
+    return np.array([0.0 if boxed_answer(c) is None else 1.0 for c in completions], dtype=np.float32)
+
+
+@register("boxed_numeric")
+def boxed_numeric(prompt: str, completions: Sequence[str]) -> np.ndarray:
+    r"""1 where the boxed answer is a plain number or fraction (``-3``, ``0.25``, ``\frac{5}{6}``, ``5/6``),
+    0 where it is anything else; abstains without a boxed answer.
+
+    Weak and not sound in general (a right answer may be an expression); for datasets
+    whose answers are numbers it rejects rambling, unfinished boxes.
+    """
+    from pipeline.tasks import boxed_answer
+
+    del prompt
+    out = np.full(len(completions), np.nan, dtype=np.float32)
+    for i, c in enumerate(completions):
+        a = boxed_answer(c)
+        if a is not None:
+            out[i] = 1.0 if _NUMERIC.fullmatch(a.replace(" ", "")) else 0.0
+    return out
+
+
+@register("boxed_majority")
+def boxed_majority(prompt: str, completions: Sequence[str]) -> np.ndarray:
+    r"""``majority`` over the boxed answers (whitespace-normalised strings): min-max rescaled frequency.
+
+    ``math_equiv`` is the equivalence-aware form (``\frac{1}{2}`` = ``0.5``); this one is
+    exact-match and cheap.
+    """
+    from pipeline.tasks import boxed_answer
+
+    del prompt
+    answers = [boxed_answer(c) for c in completions]
+    answers = [None if a is None else " ".join(a.split()) for a in answers]
+    counts = Counter(a for a in answers if a is not None)
+    if not counts:
+        return np.full(len(completions), np.nan, dtype=np.float32)
+    c_min, c_max = min(counts.values()), max(counts.values())
+    out = np.zeros(len(completions), dtype=np.float32)
+    for i, ans in enumerate(answers):
+        if ans is not None:
+            out[i] = 1.0 if c_max == c_min else (counts[ans] - c_min) / (c_max - c_min)
+    return out

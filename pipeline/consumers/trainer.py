@@ -20,15 +20,15 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from pipeline import checkpoint, task
+from pipeline import checkpoint
+from pipeline.backends import TrainEngine, make_train_engine
+from pipeline.backends.torch_backend import pad_batch, train_step  # noqa: F401 - re-exported: the torch step
 from pipeline.checkpoint import StepRecord
 from pipeline.config import RunConfig
 from pipeline.keys import TRAINER_GROUP, Keys
 from pipeline.logs import MetricsFile
-from pipeline.losses import ADVANTAGES, LOSSES, NO_SIGNAL_STD, LossSettings, kl_k3
-from pipeline.model import completion_logprobs, greedy_accuracy, load_checkpoint, save_checkpoint
+from pipeline.losses import NO_SIGNAL_STD
 from pipeline.records import ScoredGroup, check_token_ids
 from pipeline.streams import dead_letter, decode_entries, ensure_all_groups, group_reader, incr_stats, stop_requested
 from pipeline.weights import make_publisher, publisher_options
@@ -141,62 +141,22 @@ def report_progress(r, keys: Keys, *, version: int, row: dict) -> None:
                                   "sample_accuracy": row["sample_accuracy"], "updated_at": time.time()})
 
 
-def pad_batch(groups: list[ScoredGroup], pad_id: int):
-    """Stack completions of all groups: prompt ids [N,P], completion ids [N,T], behaviour log-probs [N,T], mask [N,T]."""
-    prompts, comps, behav = [], [], []
-    for g in groups:
-        ro = g.rollout
-        for ids, lp in zip(ro.split(ro.completion_ids), ro.split(ro.behaviour_logprobs)):
-            prompts.append(ro.prompt_ids)
-            comps.append(ids)
-            behav.append(lp)
-    n, t = len(comps), max(len(c) for c in comps)
-    ids = torch.full((n, t), pad_id, dtype=torch.long)
-    lp = torch.zeros((n, t))
-    mask = torch.zeros((n, t))
-    for i, (c, b) in enumerate(zip(comps, behav)):
-        ids[i, : len(c)] = torch.from_numpy(c.astype(np.int64))
-        lp[i, : len(b)] = torch.from_numpy(b.copy())
-        mask[i, : len(c)] = 1
-    return torch.from_numpy(np.stack(prompts).astype(np.int64)), ids, lp, mask
+def run_trainer(cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = None,
+                engine: TrainEngine | None = None) -> dict:
+    """Train until the policy reaches version ``trainer.steps`` (or a stop); returns a summary.
 
+    ``engine`` does the tensor work (``trainer.backend``; on torchtitan this process is the
+    driver rank and the engine runs each operation on every rank); it is closed on return.
+    """
+    from pipeline.tasks import make_task
 
-def train_step(model, opt, groups: list[ScoredGroup], cfg: RunConfig, *, pad_id: int, ref_model=None) -> dict:
     t = cfg.trainer
-    prompt_ids, comp_ids, behav, mask = pad_batch(groups, pad_id)
-    adv = torch.cat([ADVANTAGES[t.advantage](torch.from_numpy(g.rewards.copy())) for g in groups])
-    model.train()
-    logp, entropy = completion_logprobs(model, prompt_ids, comp_ids, with_entropy=True)
-    settings = LossSettings(clip_eps=t.clip_eps, clip_eps_high=t.clip_eps_high, is_cap=t.is_cap)
-    # One optimizer step per batch: the proximal policy is the current one, detached.
-    loss, stats = LOSSES[t.loss](logp, logp.detach(), behav, adv, mask, settings)
-    if ref_model is not None:
-        with torch.no_grad():
-            ref_logp = completion_logprobs(ref_model, prompt_ids, comp_ids)
-        kl = (kl_k3(logp, ref_logp) * mask).sum() / mask.sum()
-        loss = loss + t.kl_coef * kl
-        stats["kl_ref"] = float(kl)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-    opt.step()
-    model.eval()
-    return {"loss": float(loss.detach()), "grad_norm": float(grad_norm),
-            "entropy": float((entropy.detach() * mask).sum() / mask.sum()), "tokens": int(mask.sum()), **stats}
-
-
-def run_trainer(cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = None) -> dict:
-    """Train until the policy reaches version ``trainer.steps`` (or a stop); returns a summary."""
-    t = cfg.trainer
-    torch.manual_seed(t.seed)
-    torch.set_num_threads(t.threads)
-    model, tok = load_checkpoint(cfg.model.base_dir)
-    model.eval()
-    ref_model = load_checkpoint(cfg.model.base_dir)[0].eval() if t.kl_coef > 0 else None
-    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / (t.warmup_steps + 1)))
-    heldout = task.heldout_problems(n=cfg.task.heldout_size, seed=cfg.task.heldout_seed,
-                                    digits=cfg.task.digits, ops=tuple(cfg.task.ops))
+    if engine is None:
+        engine = make_train_engine(cfg)
+    tok = engine.tokenizer
+    the_task = make_task(cfg.task)
+    heldout = the_task.heldout()
+    heldout_ids = [np.asarray(tok.encode(item.prompt), dtype=np.int32) for item in heldout]
     transport_opts = publisher_options(cfg.weights)
     metrics = MetricsFile(run_dir / "metrics.jsonl" if run_dir else None)
     ckpt_dir = run_dir / "checkpoints" if run_dir else None
@@ -211,8 +171,8 @@ def run_trainer(cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = No
     version, evals = 0, {}
     resumed_from = checkpoint.latest(ckpt_dir) if ckpt_dir is not None and t.resume else None
     if resumed_from is not None:
-        state = checkpoint.load(resumed_from, model=model, opt=opt)
-        sched.load_state_dict(state.sched)
+        state = checkpoint.load(resumed_from)
+        engine.load_state(resumed_from, state.engine)
         committed = int(r.hget(keys.trainer, "committed_version") or 0)
         reapply = [s for s in state.uncommitted if s.version > committed]
         commit(r, keys, reapply)
@@ -230,8 +190,8 @@ def run_trainer(cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = No
     def durable() -> None:
         """Checkpoint, then make the checkpointed steps final (the order that loses nothing)."""
         if ckpt_dir is not None:
-            checkpoint.save(ckpt_dir, model=model, opt=opt, keep=t.keep_checkpoints, state=checkpoint.TrainerState(
-                version=version, sched=sched.state_dict(), param_groups=[], evals=evals,
+            checkpoint.save(ckpt_dir, write=engine.save_state, keep=t.keep_checkpoints, state=checkpoint.TrainerState(
+                version=version, sched={}, param_groups=[], evals=evals,
                 uncommitted=list(uncommitted), labelmodel_versions=sorted(labelmodel_versions)))
         commit(r, keys, uncommitted)
         uncommitted.clear()
@@ -239,7 +199,8 @@ def run_trainer(cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = No
 
     def evaluate(version: int) -> float:
         t0 = time.perf_counter()
-        acc = greedy_accuracy(model, tok, heldout)
+        answers = engine.greedy(heldout_ids, max_new_tokens=the_task.eval_max_new_tokens)
+        acc = float(np.mean([the_task.correctness(item.reference, [a])[0] for item, a in zip(heldout, answers)]))
         metrics.write("eval", version=version, heldout_accuracy=acc, n=len(heldout))
         log.info("evaluated", version=version, heldout_accuracy=acc, seconds=round(time.perf_counter() - t0, 3))
         r.hset(keys.trainer, mapping={"eval_accuracy": acc, "eval_version": version})
@@ -251,7 +212,7 @@ def run_trainer(cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = No
     def publish(version: int) -> None:
         # publish() copies into the transport's buffer, and that copy is the snapshot:
         # the live parameters can go in as they are.
-        publisher.publish(version, {name: t.detach() for name, t in model.state_dict().items()})
+        publisher.publish(version, engine.weights())
         r.xadd(keys.versions, {"version": version}, maxlen=10_000, approximate=True)
         r.hset(keys.trainer, "version", version)
 
@@ -269,7 +230,7 @@ def run_trainer(cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = No
         while version < t.steps:
             t_wait = time.perf_counter()
             batch = collect_batch(reader, r, keys, size=t.groups_per_step, block_ms=cfg.redis.block_ms, log=log,
-                                  vocab_size=tok.vocab_size, held=held)
+                                  vocab_size=engine.vocab_size, held=held)
             if batch is None:
                 log.info("stop_requested", version=version)
                 break
@@ -279,8 +240,8 @@ def run_trainer(cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = No
             signal = [g for (_, g), k in zip(batch, kinds) if k == "trained"]
             if any(version - g.rollout.min_version > t.max_staleness for g in signal):
                 raise RuntimeError(f"staleness invariant violated at version {version}")
-            stats = train_step(model, opt, signal, cfg, pad_id=tok.pad_id, ref_model=ref_model) if signal else {}
-            sched.step()
+            stats = engine.train_step(signal) if signal else {}
+            engine.lr_step()
             version += 1
             row = step_metrics(batch, fresh, signal, version=version, stats=stats, wait_s=t_step - t_wait,
                                step_s=time.perf_counter() - t_step)
@@ -299,9 +260,10 @@ def run_trainer(cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = No
         if uncommitted:
             durable()
         if run_dir is not None:
-            save_checkpoint(model, tok, run_dir / "checkpoints" / "final")
+            engine.export_hf(run_dir / "checkpoints" / "final")
         r.hset(keys.trainer, "state", "finished" if version >= t.steps else "stopped")
     finally:
         publisher.close()
+        engine.close()
     log.info("trainer_finished", version=version, evals=evals)
     return {"version": version, "evals": evals}

@@ -19,12 +19,13 @@ import numpy as np
 from pipeline.config import ConfigError, RunConfig, VerifierConfig
 from pipeline.keys import TRAINER_GROUP, VERIFIERS_GROUP, Keys
 from pipeline.labelmodel import LabelModel, fit_label_model
-from pipeline.model import CharTokenizer
 from pipeline.records import RolloutGroup, ScoredGroup, check_token_ids
 from pipeline.rewards import RewardMode, parse_reward_mode
 from pipeline.streams import (FIELD, dead_letter, decode_entries, ensure_all_groups, group_reader, heartbeat,
                               incr_stats, stop_requested, trim_acked, wait_for_room)
-from pipeline.verifiers import SOUND, Scorer, check_spec, correctness
+from pipeline.tasks import make_task
+from pipeline.tokenizer import model_vocab_size
+from pipeline.verifiers import SOUND, Scorer, check_spec
 
 FIRST_MODEL_WAIT_S = 60.0
 TRIM_EVERY = 10
@@ -158,7 +159,8 @@ def run_verifier(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batc
     v = cfg.verifier
     mode = reward_mode(v)
     ensure_all_groups(r, keys)
-    vocab_size = CharTokenizer.load(cfg.model.base_dir).vocab_size
+    vocab_size = model_vocab_size(cfg.model.base_dir)
+    the_task = make_task(cfg.task)
     shared = SharedLabelModel(r, keys, v, worker_id, log) if mode.needs_label_model else None
     reader = group_reader(r, keys.rollouts, VERIFIERS_GROUP, worker_id, cfg.redis)
     posteriors_path = cfg.run_dir / POSTERIORS_FILE
@@ -185,9 +187,9 @@ def run_verifier(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batc
         pipe = r.pipeline(transaction=True)
         rows = []
         for (e, g), vt in zip(good, votes):
-            truth = correctness(g.reference, g.completions)
+            truth = the_task.correctness(g.reference, g.completions)
             rewards = mode(votes=vt, names=v.verifiers, completions=g.completions, label_model=lm, truth=truth,
-                           prompt=g.prompt)
+                           prompt=g.prompt, answer=the_task.answer)
             rows.append(posterior_row(g, vt, truth, lm, v.verifiers))
             rec = ScoredGroup(rollout=g, verifier_names=tuple(v.verifiers), votes=vt.astype(np.float32),
                               rewards=rewards.astype(np.float32), truth=truth.astype(np.float32),

@@ -1,6 +1,6 @@
 """Feeder: streams training prompts into ``{ns}:prompts`` with a bounded backlog.
 
-consumes:     the task's endless problem stream (never a held-out problem)
+consumes:     the task's endless training stream (pipeline.tasks; never a held-out problem)
 produces:     PromptTask records on {ns}:prompts, ids p00000000, p00000001, ...
 waits for:    the generators' group lag to fall below ``feeder.backlog``
 unblocked by: generators reading prompts
@@ -13,7 +13,6 @@ import time
 
 import numpy as np
 
-from pipeline import task
 from pipeline.config import RunConfig
 from pipeline.keys import Keys
 from pipeline.records import PromptTask
@@ -29,10 +28,10 @@ def prompt_id(seq: int) -> str:
 
 def run_feeder(cfg: RunConfig, r, keys: Keys, log, *, tokenizer, max_rounds: int | None = None) -> int:
     """Issue prompts until stopped (or ``feeder.max_prompts``); returns prompts issued by this call."""
+    from pipeline.tasks import make_task
+
     ensure_all_groups(r, keys)
-    t = cfg.task
-    heldout = set(task.heldout_problems(n=t.heldout_size, seed=t.heldout_seed, digits=t.digits, ops=tuple(t.ops)))
-    problems = task.training_problems(seed=cfg.feeder.seed, digits=t.digits, ops=tuple(t.ops), exclude=heldout)
+    problems = make_task(cfg.task).training(cfg.feeder.seed)
     # A restarted feeder resumes the same deterministic problem stream where it stopped.
     seq = int(r.hget(keys.stats, "prompts_issued") or 0)
     problems = itertools.islice(problems, seq, None)
@@ -55,7 +54,7 @@ def run_feeder(cfg: RunConfig, r, keys: Keys, log, *, tokenizer, max_rounds: int
         for p in itertools.islice(problems, room):
             rec = PromptTask(prompt_id=prompt_id(seq), prompt=p.prompt,
                              prompt_ids=np.asarray(tokenizer.encode(p.prompt), dtype=np.int32),
-                             reference=p.answer, issued_at=time.time())
+                             reference=p.reference, issued_at=time.time())
             pipe.xadd(keys.prompts, {FIELD: rec.encode()})
             seq += 1
             issued += 1
