@@ -1,0 +1,158 @@
+"""The torchtitan trainer engine (pipeline.backends.titan) under real ``torchrun`` launches on gloo.
+
+Parity: two FSDP2 ranks take the same GRPO steps as the single-process torch engine.
+Checkpoints: torch DCP written by two ranks resumes on one rank with the same next step.
+Whole pipeline: ``pipeline up`` with a two-rank torchtitan trainer finishes its steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchtitan")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from tests.titan_ranks import make_groups, make_prompts  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+# Learning rate high enough that one Adam step moves every weight by ~1e-3: far above the
+# tolerance, so a wrong gradient (even a wrong sign) fails the comparison.
+SETTINGS = {"trainer.lr": "0.001", "trainer.warmup_steps": "1", "trainer.kl_coef": "0.05"}
+
+
+def torchrun(nproc: int, base: Path, out: Path, *actions: str, settings: dict | None = None) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "tests.titan_ranks", "--base", str(base), "--out", str(out),
+           *[f"--set={k}={v}" for k, v in (settings or SETTINGS).items()], *actions]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    return p.stdout
+
+
+def torch_engine(base: Path):
+    from pipeline.backends.torch_backend import TorchEngine
+    from pipeline.config import load_config
+
+    return TorchEngine(load_config(None, {"model.base_dir": str(base), **SETTINGS}))
+
+
+def assert_weights_close(got: dict, want: dict, *, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    assert sorted(got) == sorted(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_two_ranks_take_the_same_steps_as_the_torch_engine(tmp_path, tiny_base_model):
+    out = torchrun(2, tiny_base_model, tmp_path, "train:1", "lr", "train:2",
+                   f"weights:{tmp_path / 'titan.safetensors'}")
+    assert "rank 0: train:2 done" in out
+    titan = load_file(str(tmp_path / "titan.safetensors"))
+    titan_stats = [json.loads(line) for line in (tmp_path / "stats.jsonl").read_text().splitlines()]
+
+    base = load_file(str(tiny_base_model / "model.safetensors"))
+    # weights() hands out exactly the base checkpoint's HF names and shapes.
+    assert {k: tuple(v.shape) for k, v in titan.items()} == {k: tuple(v.shape) for k, v in base.items()}
+
+    engine = torch_engine(tiny_base_model)
+    torch_stats = []
+    for step, seed in enumerate((1, 2)):
+        torch_stats.append(engine.train_step(make_groups(seed, vocab=engine.vocab_size)))
+        if step == 0:
+            engine.lr_step()
+    ref = {k: v.detach().clone() for k, v in engine.weights().items()}
+
+    moved = min(float((ref[k] - base[k]).abs().max()) for k in base)
+    assert moved > 1e-4, "the reference steps must move every tensor for the comparison to mean anything"
+    assert_weights_close(titan, ref)
+    for got, want in zip(titan_stats, torch_stats):
+        assert got["tokens"] == want["tokens"]
+        for key in ("loss", "grad_norm", "entropy", "clip_frac", "ratio_mean", "mismatch_kl", "is_weight_mean"):
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    # The reference-policy KL is 0 on the first step and positive once the policy moved.
+    assert titan_stats[0]["kl_ref"] == pytest.approx(0.0, abs=1e-7)
+    assert titan_stats[1]["kl_ref"] == pytest.approx(torch_stats[1]["kl_ref"], rel=1e-3) and titan_stats[1]["kl_ref"] > 0
+
+
+def test_more_ranks_than_completions_still_steps_correctly(tmp_path, tiny_base_model):
+    """3 ranks, 1 group of 2 completions: the third rank has nothing and must still join every collective."""
+    settings = {**SETTINGS, "trainer.kl_coef": "0"}
+    torchrun(3, tiny_base_model, tmp_path / "three", "train:7:1:2", f"weights:{tmp_path / 'three.safetensors'}",
+             settings=settings)
+    torchrun(1, tiny_base_model, tmp_path / "one", "train:7:1:2", f"weights:{tmp_path / 'one.safetensors'}",
+             settings=settings)
+    assert_weights_close(load_file(str(tmp_path / "three.safetensors")), load_file(str(tmp_path / "one.safetensors")))
+
+
+def test_dcp_checkpoint_from_two_ranks_resumes_on_one_rank(tmp_path, tiny_base_model):
+    ckpt = tmp_path / "ckpt"
+    torchrun(2, tiny_base_model, tmp_path / "a", "train:1", "lr", f"save:{ckpt}", "train:2",
+             f"weights:{tmp_path / 'continued.safetensors'}")
+    files = {p.name for p in (ckpt / "dcp").iterdir()}
+    assert files == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    extras = json.loads((ckpt / "extras.json").read_text())
+    assert extras["format"] == "torch-dcp" and extras["world_size"] == 2 and extras["sched"]["last_epoch"] == 1
+
+    export = tmp_path / "export"
+    torchrun(1, tiny_base_model, tmp_path / "b", f"load:{ckpt}", "train:2",
+             f"weights:{tmp_path / 'resumed.safetensors'}", f"greedy:{tmp_path / 'greedy.json'}", f"export:{export}")
+    continued = load_file(str(tmp_path / "continued.safetensors"))
+    resumed = load_file(str(tmp_path / "resumed.safetensors"))
+    # Model, Adam moments and schedule all came back: the step after the checkpoint is the same step.
+    assert_weights_close(resumed, continued)
+    # A fresh optimizer at the checkpoint's weights would step differently (no Adam moments).
+    fresh = tmp_path / "fresh"
+    torchrun(1, tiny_base_model, tmp_path / "c", f"load:{ckpt}", f"export:{fresh}")
+    engine = torch_engine(fresh)
+    engine.train_step(make_groups(2, vocab=engine.vocab_size))
+    differs = max(float((engine.weights()[k] - continued[k]).abs().max()) for k in continued)
+    assert differs > 1e-4
+
+    # export_hf writes a loadable HF checkpoint of the current weights; greedy decodes with them.
+    from pipeline.backends.torch_backend import sample_prompts
+    from pipeline.model import load_checkpoint
+
+    model, tok = load_checkpoint(export)
+    assert_weights_close({k: v for k, v in model.state_dict().items()}, resumed, rtol=0, atol=0)
+    want = [tok.decode(s.tokens[0].tolist()) for s in sample_prompts(
+        model, make_prompts(), n=1, max_new_tokens=4, temperature=0.0, eos_id=tok.eos_id, pad_id=tok.pad_id)]
+    assert json.loads((tmp_path / "greedy.json").read_text()) == want
+
+
+def test_pipeline_up_with_a_two_rank_torchtitan_trainer(tmp_path, tiny_base_model):
+    args = [sys.executable, "-m", "pipeline.cli", "up", "--runs_dir", str(tmp_path / "runs"), "--run-id", "titan",
+            "--model.base_dir", str(tiny_base_model), "--task.heldout_size", "50", "--trainer.groups_per_step", "4",
+            "--trainer.eval_every", "2", "--generator.group_size", "4", "--generator.prompts_per_batch", "2",
+            "--feeder.backlog", "16", "--verifier.batch", "4", "--verifier.min_fit_rows", "16",
+            "--cluster.progress_every_s", "0.5", "--trainer.backend", "torchtitan", "--trainer.nproc", "2",
+            "--trainer.device", "cpu", "--trainer.steps", "3"]
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    p = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    run = tmp_path / "runs" / "titan"
+    trainer_out = (run / "logs" / "trainer.out").read_text() if (run / "logs" / "trainer.out").exists() else ""
+    assert p.returncode == 0, p.stdout[-3000:] + trainer_out[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps"] == 3, summary
+    assert summary["accounting"]["ok"] and summary["accounting"]["lost"] == 0
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [s["version"] for s in steps if s.get("kind", "step") == "step" and "groups_trained" in s] == [1, 2, 3]
+    ckpt = run / "checkpoints"
+    latest = ckpt / (ckpt / "latest").read_text().strip()
+    assert {p.name for p in (latest / "dcp").iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    state = json.loads((latest / "state.json").read_text())
+    assert state["version"] == 3 and state["engine"]["format"] == "torch-dcp"
+    final = load_file(str(ckpt / "final" / "model.safetensors"))
+    base = load_file(str(tiny_base_model / "model.safetensors"))
+    assert sorted(final) == sorted(base) and any(not torch.equal(final[k], base[k]) for k in base)
+    assert np.isfinite([s["loss"] for s in steps if "loss" in s]).all()
