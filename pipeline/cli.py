@@ -89,6 +89,9 @@ def _parser() -> argparse.ArgumentParser:
     init.add_argument("--data", required=True, help=".jsonl/.parquet prompt file whose text trains the tokenizer")
     init.add_argument("--tokenizer-vocab", type=int, default=512, help="BPE vocabulary to train (default 512)")
     init.add_argument("--seed", type=int, default=0)
+    init.add_argument("--warmup-steps", type=int, default=0,
+                      help="then a supervised warm-up on the data's answers, this many steps (default 0: none)")
+    init.add_argument("--template", default="{problem}", help="prompt template of the warm-up (as task.template)")
     mk = sub.add_parser("make-math-data", help="write synthetic math problems with LaTeX answers (.jsonl or .parquet)")
     mk.add_argument("--out", required=True, help="file to write, .jsonl or .parquet")
     mk.add_argument("--n", type=int, default=2000, help="problems (default 2000)")
@@ -208,8 +211,19 @@ def _dispatch(args: argparse.Namespace, cfg: RunConfig) -> int:
 
         rows = read_rows(args.data)
         texts = corpus(rows) if rows and "problem" in rows[0] else [json.dumps(r) for r in rows]
-        print(json.dumps(init_model(args.out, preset=args.preset, texts=texts, tokenizer_vocab=args.tokenizer_vocab,
-                                    seed=args.seed), indent=2))
+        summary = init_model(args.out, preset=args.preset, texts=texts, tokenizer_vocab=args.tokenizer_vocab,
+                             seed=args.seed)
+        if args.warmup_steps:
+            from pipeline.init_model import warm_up
+
+            def progress(step: int, steps: int, loss: float) -> None:
+                if step == 1 or step % 25 == 0 or step == steps:
+                    print(f"warm-up step {step}/{steps} loss {loss:.4f}", flush=True)
+
+            summary.update(warm_up(args.out, rows, template=args.template, steps=args.warmup_steps, seed=args.seed,
+                                   progress=progress))
+            Path(args.out, "init.json").write_text(json.dumps(summary, indent=2) + "\n")
+        print(json.dumps(summary, indent=2))
         return 0
     if cmd == "report":
         from pipeline.report import write_report

@@ -131,3 +131,46 @@ def corpus(rows: list[dict]) -> list[str]:
     """Text a tokenizer for these rows should cover: problems, boxed answers, and the digits."""
     return [r["problem"] for r in rows] + [f"The answer is \\boxed{{{r['answer']}}}." for r in rows] + \
         ["0123456789 +-*/=()$\\{}^_.,?"]
+
+
+def warm_up(directory: str | Path, rows: list[dict], *, template: str, steps: int, batch_size: int = 32,
+            lr: float = 3e-3, seed: int = 0, prompt_field: str = "problem", answer_field: str = "answer",
+            progress=None) -> dict:
+    r"""Supervised warm-up in place: teacher-force ``template(problem)`` -> ``The answer is \boxed{answer}.<eos>``.
+
+    Gives a fresh checkpoint the answer format (and some answers) so RL on the math task
+    has reward variance to work with; the loss is the completion tokens' mean negative
+    log-likelihood, through the same ragged scoring the trainer uses.
+    """
+    import torch
+
+    from pipeline.model import load_checkpoint, ragged_completion_logprobs, save_checkpoint
+
+    model, tok = load_checkpoint(directory)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    losses: list[float] = []
+    for step in range(steps):
+        batch = [rows[rng.randrange(len(rows))] for _ in range(batch_size)]
+        prompts = [torch.tensor(tok.encode(template.replace("{problem}", str(r[prompt_field]))), dtype=torch.long)
+                   for r in batch]
+        comps = [tok.encode(f" The answer is \\boxed{{{r[answer_field]}}}.") + [tok.eos_id] for r in batch]
+        width = max(len(c) for c in comps)
+        ids = torch.full((len(comps), width), tok.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(comps), width))
+        for i, c in enumerate(comps):
+            ids[i, : len(c)] = torch.tensor(c)
+            mask[i, : len(c)] = 1
+        logp = ragged_completion_logprobs(model, prompts, ids, pad_id=tok.pad_id)
+        loss = -(logp * mask).sum() / mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+        if progress is not None:
+            progress(step + 1, steps, float(loss))
+    model.eval()
+    save_checkpoint(model, tok, directory, tokenizer_dir=directory)
+    return {"warmup_steps": steps, "warmup_final_loss": sum(losses[-10:]) / max(1, len(losses[-10:]))}
