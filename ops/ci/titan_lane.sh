@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The torchtitan lane: tests/test_titan_backend.py (the `torchtitan` trainer backend: FSDP2 ranks
+# under torchrun on gloo), in a venv of its own with requirements/titan-cpu.txt. The default lane
+# skips those tests because it does not install torchtitan.
+#
+#   bash ops/ci/titan_lane.sh            # venv in $TMPDIR/rlpipe-venv-titan, reused when present
+#   TITAN_VENV=/some/dir bash ops/ci/titan_lane.sh
+#   TORCH_INDEX=https://download.pytorch.org/whl/cpu bash ops/ci/titan_lane.sh   # where no +cpu wheel is configured
+#
+# Measured on the 2-core dev machine: see docs/backends-titan.md ("The CI lane").
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+# Outside the work tree, so the venv can never be committed.
+VENV="${TITAN_VENV:-${TMPDIR:-/tmp}/rlpipe-venv-titan}"
+PY="${PY:-python3}"
+PIP=("$VENV/bin/pip" install --quiet --progress-bar off)
+t0=$SECONDS
+step() { echo "titan lane [$((SECONDS - t0))s]: $*"; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+  step "creating $VENV"
+  "$PY" -m venv "$VENV"
+  "${PIP[@]}" --upgrade pip
+fi
+step "installing torch 2.13.0 (CPU)"
+if [ -n "${TORCH_INDEX:-}" ]; then
+  "${PIP[@]}" torch==2.13.0 --index-url "$TORCH_INDEX"
+else
+  "${PIP[@]}" torch==2.13.0
+fi
+step "installing requirements/titan-cpu.txt (torchtitan 0.3.0, triton 3.7.1; ~250 MB with their dependencies)"
+"${PIP[@]}" -r requirements/titan-cpu.txt
+step "installing the project with the test and math extras"
+"${PIP[@]}" -e '.[test,math]'
+"$VENV/bin/python" - <<'PY'
+import torch, torchtitan, transformers
+assert torch.__version__.startswith("2.13.0") and "+cpu" in torch.__version__, \
+    f"torch {torch.__version__}: the lane needs 2.13.0+cpu (set TORCH_INDEX to a CPU wheel index)"
+from importlib.metadata import version
+print(f"titan lane: torchtitan {version('torchtitan')}, torch {torch.__version__}, transformers {transformers.__version__}")
+PY
+step "running tests/test_titan_backend.py (each test launches torchrun; ~5 min on 2 cores)"
+"$VENV/bin/python" -m pytest -v tests/test_titan_backend.py
+step "done"
