@@ -12,10 +12,10 @@ help: ## list the targets
 
 setup: $(VENV)/.installed ## create .venv and install the pinned dependencies
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml requirements/cpu.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --progress-bar on -e '.[test,math]'
+	$(BIN)/pip install --progress-bar on -r requirements/cpu.txt
 	touch $@
 
 up-cluster: setup ## Redis + feeder + 2 generators + 2 verifiers + trainer on the embedded default; writes runs/<id>/

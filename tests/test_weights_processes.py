@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from pipeline.logs import setup_logging
+from pipeline.model import load_state_tensors
 from pipeline.producers.generator import swap_weights
 from pipeline.weights import TRANSPORTS, WeightsError, make_fetcher, make_publisher
 from pipeline.weights.shm import default_root
@@ -234,23 +235,29 @@ def test_a_flipped_byte_is_rejected_and_the_generator_keeps_its_weights(transpor
     log = setup_logging(tmp_path, stage="generator", worker="g0")
     model = torch.nn.Linear(64, 32)
     state = {name: t.detach().clone() for name, t in model.state_dict().items()}
+
+    class ModuleEngine:  # the torch generator's swap, on a bare module
+        def load_weights(self, tensors):
+            load_state_tensors(model, tensors)
+
+    engine = ModuleEngine()
     publisher = make_publisher(transport, redis_client, KEY, ns=ns, bucket_bytes=1024)
     fetcher = make_fetcher(transport, redis_client, KEY)
     try:
         publisher.publish(1, state)
-        assert swap_weights(fetcher, model, 0, log) == 1
+        assert swap_weights(fetcher, engine, 0, log) == 1
         before = {name: t.clone() for name, t in model.state_dict().items()}
         manifest = publisher.publish(2, {name: t + 1 for name, t in state.items()})
         _flip_a_data_byte(publisher, manifest)
 
-        assert swap_weights(fetcher, model, 1, log) == 1  # rejected: still on version 1
+        assert swap_weights(fetcher, engine, 1, log) == 1  # rejected: still on version 1
         failures = [json.loads(line) for line in (tmp_path / "g0.jsonl").read_text().splitlines()]
         assert [f["event"] for f in failures if f["event"] == "weights_fetch_failed"] == ["weights_fetch_failed"]
         assert "checksum" in failures[-1]["error"] and failures[-1]["keeping"] == 1
         for name, t in model.state_dict().items():
             assert torch.equal(t, before[name]), name
         publisher.publish(3, {name: t + 3 for name, t in state.items()})
-        assert swap_weights(fetcher, model, 1, log) == 3  # the retry at the next batch succeeds
+        assert swap_weights(fetcher, engine, 1, log) == 3  # the retry at the next batch succeeds
         assert torch.equal(model.state_dict()["bias"], state["bias"] + 3)
     finally:
         fetcher.close()
