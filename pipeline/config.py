@@ -361,7 +361,16 @@ class WeightsConfig:
     keep_versions: int = 3
     """Versions kept fetchable by the publisher."""
     tcp_host: str = "127.0.0.1"
-    """Address the tcp/ucx publisher binds its request socket and the PUB announcer to."""
+    """Address the tcp/ucx publisher binds its request socket and the PUB announcer to
+    (``0.0.0.0`` to serve other hosts; then set advertise_host)."""
+    tcp_port: int = 0
+    """Port of the tcp/ucx publisher's request socket (0: a free port, fine on one machine;
+    fix it for Kubernetes Services and firewalls)."""
+    announce_port: int = 0
+    """Port of the PUB socket that announces new versions (0: a free port)."""
+    advertise_host: str = ""
+    """Host name or address written into the manifest and announcement for fetchers to
+    connect to (empty: tcp_host). The trainer's Service name or node address on a cluster."""
     fetch_timeout_s: float = 10.0
     """tcp/ucx: most seconds a generator waits for one reply or payload before it keeps its
     weights and retries at the next batch."""
@@ -373,6 +382,12 @@ class WeightsConfig:
         _check(self.transport in ("shm", "tcp", "ucx"), f"{p}.transport", "shm|tcp|ucx", self.transport)
         _check(self.keep_versions >= 1, f"{p}.keep_versions", ">= 1", self.keep_versions)
         _check(self.fetch_timeout_s > 0, f"{p}.fetch_timeout_s", "> 0", self.fetch_timeout_s)
+        for name in ("tcp_port", "announce_port"):
+            v = getattr(self, name)
+            _check(v == 0 or 1024 <= v <= 65535, f"{p}.{name}", "0 (a free port) or in [1024, 65535]", v)
+        _check(not (self.tcp_port and self.tcp_port == self.announce_port), f"{p}.announce_port",
+               "different from tcp_port", self.announce_port)
+        _check(" " not in self.advertise_host, f"{p}.advertise_host", "a host name or address", self.advertise_host)
         _check(" " not in self.ucx_tls, f"{p}.ucx_tls", "a comma-separated list without spaces", self.ucx_tls)
 
 

@@ -25,8 +25,9 @@ PAD_TOKEN = "<|endoftext|>"
 EOS_TOKEN = "<|im_end|>"
 
 PRESETS: dict[str, dict] = {
-    "tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, max_position_embeddings=512),
+    # head_dim 32: the smallest vLLM-CPU's attention kernels take.
+    "tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=32, max_position_embeddings=512),
     "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, max_position_embeddings=4096, vocab_size=151936),
 }
@@ -46,8 +47,11 @@ def train_bpe(texts: list[str], *, vocab_size: int):
 
 
 def init_model(out: str | Path, *, preset: str = "tiny", texts: list[str], tokenizer_vocab: int = 512,
-               seed: int = 0) -> dict:
-    """Write a fresh checkpoint directory; returns its summary (parameters, vocabulary sizes)."""
+               seed: int = 0, dtype: str = "float32") -> dict:
+    """Write a fresh checkpoint directory; returns its summary (parameters, vocabulary sizes).
+
+    ``dtype`` is what the safetensors hold (``bfloat16`` halves a large model on disk, as hub
+    checkpoints ship); every engine of the project loads it in its own compute dtype."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -68,6 +72,8 @@ def init_model(out: str | Path, *, preset: str = "tiny", texts: list[str], token
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(config).float()
+    if dtype != "float32":
+        model = model.to(getattr(torch, dtype))
     with _no_hf_progress_bars():
         model.save_pretrained(out)
     tok.save(str(out / "tokenizer.json"))

@@ -500,3 +500,45 @@ def _json_with(**changes: object) -> str:
 def test_a_malformed_manifest_json_is_rejected_with_value_error(text):
     with pytest.raises(ValueError):
         Manifest.from_json(text)
+
+
+@pytest.mark.parametrize("transport", ["tcp"])
+def test_fixed_ports_and_an_advertised_host_reach_the_fetcher(transport, redis_client):
+    """Multi-host settings (weights.tcp_port, announce_port, advertise_host): the publisher binds
+    the configured ports and tells fetchers the advertised name, which they connect through."""
+    from types import SimpleNamespace
+
+    from pipeline.server import free_port
+    from pipeline.weights import WeightWatch, fetcher_options, publisher_options
+
+    cfg = SimpleNamespace(transport=transport, tcp_host="127.0.0.1", tcp_port=free_port(),
+                          announce_port=free_port(), advertise_host="localhost", ucx_tls="", fetch_timeout_s=5.0)
+    pub = make_publisher(transport, redis_client, KEY, ns=f"ports-{uuid.uuid4().hex[:6]}", **publisher_options(cfg))
+    fetcher = make_fetcher(transport, redis_client, KEY, **fetcher_options(cfg))
+    try:
+        manifest = pub.publish(1, {"w": torch.arange(6, dtype=torch.float32)})
+        assert manifest.address == f"tcp://localhost:{cfg.tcp_port}"
+        assert redis_client.hget(KEY, "announce").decode() == f"tcp://localhost:{cfg.announce_port}"
+        version, tensors = fetcher.fetch(1)
+        assert version == 1 and torch.equal(tensors["w"], torch.arange(6, dtype=torch.float32))
+        watch = WeightWatch(redis_client, KEY)
+        try:
+            got = []
+            t = threading.Thread(target=lambda: got.append(watch.wait(1, timeout_s=10.0)))
+            t.start()
+            time.sleep(0.5)
+            pub.publish(2, {"w": torch.zeros(6)})
+            t.join(15)
+            assert got == [2]
+        finally:
+            watch.close()
+    finally:
+        fetcher.close()
+        pub.close()
+    # A port in use is refused with the port named.
+    with zmq.Context() as ctx, ctx.socket(zmq.PUB) as busy:
+        port = free_port()
+        busy.bind(f"tcp://127.0.0.1:{port}")
+        cfg.announce_port, cfg.tcp_port = port, 0
+        with pytest.raises(ValueError, match=str(port)):
+            make_publisher(transport, redis_client, KEY, ns="ports-busy", **publisher_options(cfg))

@@ -104,6 +104,8 @@ class WeightPublisher(ABC):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         keep_versions: int = 3,
         announce_host: str | None = "127.0.0.1",
+        announce_port: int = 0,
+        announce_advertise_host: str | None = None,
     ) -> None:
         if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be an int > 0, got {bucket_bytes!r}")
@@ -118,7 +120,8 @@ class WeightPublisher(ABC):
         self._retained: list[int] = []  # oldest first
         self._closed = False
         # None: no PUB socket; generators then learn of versions from the hash alone.
-        self._announcer = Announcer(key, host=announce_host) if announce_host else None
+        self._announcer = (Announcer(key, host=announce_host, port=announce_port,
+                                     advertise_host=announce_advertise_host) if announce_host else None)
 
     @property
     def retained_versions(self) -> tuple[int, ...]:
@@ -385,9 +388,11 @@ def make_fetcher(transport: str, redis_client: redis.Redis, key: str, **opts: An
 def publisher_options(weights_cfg: Any) -> dict[str, Any]:
     """``make_publisher`` options from a ``WeightsConfig``, the transport's own (the caller
     passes ``keep_versions``)."""
-    opts: dict[str, Any] = {"announce_host": weights_cfg.tcp_host}
+    advertise = weights_cfg.advertise_host or None
+    opts: dict[str, Any] = {"announce_host": weights_cfg.tcp_host, "announce_port": weights_cfg.announce_port,
+                            "announce_advertise_host": advertise}
     if weights_cfg.transport in ("tcp", "ucx"):
-        opts["host"] = weights_cfg.tcp_host
+        opts.update(host=weights_cfg.tcp_host, port=weights_cfg.tcp_port, advertise_host=advertise)
     if weights_cfg.transport == "ucx" and weights_cfg.ucx_tls:
         opts["tls"] = weights_cfg.ucx_tls
     return opts

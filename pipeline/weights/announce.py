@@ -29,9 +29,15 @@ _ANNOUNCE_FIELD = "announce"
 
 
 class Announcer:
-    """The publisher's PUB socket: bound to a free port on ``host``; one note per version."""
+    """The publisher's PUB socket on ``host``: ``port`` (0: a free one); one note per version.
 
-    def __init__(self, key: str, *, host: str = "127.0.0.1") -> None:
+    ``address`` is what subscribers connect to: ``advertise_host`` (default ``host``) and the
+    port, so a publisher bound to ``0.0.0.0`` in a pod or on a node advertises a reachable name.
+    """
+
+    def __init__(self, key: str, *, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None) -> None:
+        if not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"announce port must be an int in 0..65535, got {port!r}")
         self._topic = key.encode()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PUB)
@@ -41,12 +47,16 @@ class Announcer:
             self._sock.ipv6 = True
         endpoint = f"tcp://[{host}]" if ":" in host else f"tcp://{host}"
         try:
-            port = self._sock.bind_to_random_port(endpoint)
+            if port:
+                self._sock.bind(f"{endpoint}:{port}")
+            else:
+                port = self._sock.bind_to_random_port(endpoint)
         except zmq.ZMQError as e:
             self._sock.close(linger=0)
             self._ctx.term()
-            raise ValueError(f"announce_host {host!r}: cannot bind a PUB socket: {e}") from e
-        self.address = f"{endpoint}:{port}"
+            raise ValueError(f"announce_host {host!r} port {port}: cannot bind a PUB socket: {e}") from e
+        shown = advertise_host or host
+        self.address = f"tcp://[{shown}]:{port}" if ":" in shown else f"tcp://{shown}:{port}"
 
     def announce(self, version: int) -> None:
         # NOBLOCK: PUB never blocks anyway (it drops for slow peers); be explicit.
