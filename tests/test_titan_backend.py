@@ -156,3 +156,36 @@ def test_pipeline_up_with_a_two_rank_torchtitan_trainer(tmp_path, tiny_base_mode
     base = load_file(str(tiny_base_model / "model.safetensors"))
     assert sorted(final) == sorted(base) and any(not torch.equal(final[k], base[k]) for k in base)
     assert np.isfinite([s["loss"] for s in steps if "loss" in s]).all()
+
+
+def test_tied_embeddings_in_one_process_without_torchrun(tmp_path, tiny_base_model):
+    """Outside torchrun the engine is a one-rank group; a tied checkpoint publishes the head as the torch engine does."""
+    import shutil
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from pipeline.backends.titan import TitanEngine
+    from pipeline.config import load_config
+
+    tied = tmp_path / "tied"
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True, pad_token_id=0,
+        eos_token_id=1, bos_token_id=None)).float().save_pretrained(tied)
+    for f in tiny_base_model.glob("tokenizer*.json"):
+        shutil.copy(f, tied / f.name)
+    assert "lm_head.weight" not in load_file(str(tied / "model.safetensors"))
+
+    titan = TitanEngine(load_config(None, {"model.base_dir": str(tied), "trainer.backend": "torchtitan",
+                                           "trainer.device": "cpu", **SETTINGS}))
+    try:
+        ref = torch_engine(tied)
+        for engine in (titan, ref):
+            engine.train_step(make_groups(3, vocab=16))
+        got, want = titan.weights(), ref.weights()
+        assert_weights_close(got, want)
+        assert got["lm_head.weight"] is got["model.embed_tokens.weight"]
+        assert titan.greedy(make_prompts(), max_new_tokens=4) == ref.greedy(make_prompts(), max_new_tokens=4)
+    finally:
+        titan.close()

@@ -406,7 +406,14 @@ class TitanEngine:
             value = value.full_tensor() if isinstance(value, DTensor) else value
             if self.rank == 0:
                 full[name] = value.detach().to("cpu", copy=True).contiguous()
-        return self.adapter.to_hf(full) if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        hf = self.adapter.to_hf(full)
+        if self.model_config.enable_weight_tying:
+            # to_hf drops the tied head (as HF files do); a transformers model's state_dict
+            # (what generators load, and the torch backend publishes) names it too.
+            hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
+        return hf
 
     def _save(self, directory: Path) -> None:
         import torch.distributed.checkpoint as dcp
