@@ -136,7 +136,11 @@ def test_every_container_runs_a_real_pipeline_command_with_real_config_fields(tm
             parsed, cfg = _parse_stage(expanded, config)
             assert parsed.command == args[0]
             if args[0] == "train":
-                assert cfg.weights.tcp_host == "10.1.2.3", "the publisher binds the pod's own IP"
+                # Fixed ports behind the trainer's Service, advertised by its DNS name.
+                w = cfg.weights
+                assert (w.tcp_host, w.advertise_host) == ("0.0.0.0", "rlpipe-trainer"), "bind all, advertise the Service"
+                svc = next(d for d in _of_kind("Service") if d["metadata"]["name"] == "rlpipe-trainer")
+                assert {w.tcp_port, w.announce_port} <= {p["port"] for p in svc["spec"]["ports"]}
             if args[0] in ("generate", "verify"):
                 assert parsed.worker_id == "rlpipe-generator-abc12", "the pod name is the consumer name"
             seen.add(args[0])
