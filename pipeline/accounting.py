@@ -12,6 +12,9 @@ appends to unconditionally for every group a committed step consumed: a prompt t
 appears there twice was trained (or dropped) twice, whatever the ledger says. The
 issued set is the feeder's deterministic id sequence (``prompts_issued`` ids, p00000000
 onwards), so it survives the trimming of acked prompts.
+
+With sharded streams every per-shard key (ledger, training log, dead letters, the three
+streams, counters) is read in each shard and merged.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import msgpack
 
 from pipeline.keys import Keys
 from pipeline.records import PromptTask, RecordError
+from pipeline.streams import read_stats
 
 PAGE = 1000
 
@@ -72,36 +76,41 @@ def issued_ids(r, keys: Keys) -> set[str]:
     """Every prompt id the feeder issued: its id sequence, plus any still-decodable prompt entry."""
     from pipeline.producers.feeder import prompt_id
 
-    n = int(r.hget(keys.stats, "prompts_issued") or 0)
+    n = int(read_stats(r, keys).get("prompts_issued", 0))
     issued = {prompt_id(i) for i in range(n)}
-    for _, fields in _xrange_all(r, keys.prompts):
-        try:
-            issued.add(PromptTask.decode(fields.get(b"d")).prompt_id)
-        except RecordError:
-            pass  # a malformed entry was never a prompt the feeder issued
+    for key in keys.stream_keys("prompts"):
+        for _, fields in _xrange_all(r, key):
+            try:
+                issued.add(PromptTask.decode(fields.get(b"d")).prompt_id)
+            except RecordError:
+                pass  # a malformed entry was never a prompt the feeder issued
     return issued
 
 
 def trainlog_counts(r, keys: Keys) -> Counter:
     """How many committed steps consumed each prompt id, from the append-only training log."""
-    return Counter(f[b"prompt_id"].decode() for _, f in _xrange_all(r, keys.trainlog))
+    return Counter(f[b"prompt_id"].decode() for key in keys.stream_keys("trainlog") for _, f in _xrange_all(r, key))
 
 
 def account(r, keys: Keys) -> dict:
     issued = issued_ids(r, keys)
-    ledger = {k.decode(): v.decode() for k, v in r.hgetall(keys.ledger).items()}
+    ledger = {k.decode(): v.decode() for key in keys.stream_keys("ledger") for k, v in r.hgetall(key).items()}
     outcomes = Counter(v.split(":", 1)[0] for pid, v in ledger.items() if pid in issued)
-    dead_ids = {_prompt_id(f.get(b"payload")) or f.get(b"prompt_id", b"").decode() for _, f in _xrange_all(r, keys.dead)}
+    dead_ids = {_prompt_id(f.get(b"payload")) or f.get(b"prompt_id", b"").decode()
+                for key in keys.stream_keys("dead") for _, f in _xrange_all(r, key)}
     dead = (dead_ids & issued) - set(ledger)
     # Each remaining prompt is placed at the furthest stage that still holds it unacked.
     remaining = issued - set(ledger) - dead
     in_flight: dict[str, int] = {}
     for name in ("scored", "rollouts", "prompts"):
-        key, group = keys.streams()[name]
-        held = _unacked_prompt_ids(r, key, group) & remaining
+        held = set()
+        for shard in keys.all_shards():
+            key, group = shard.streams()[name]
+            held |= _unacked_prompt_ids(r, key, group)
+        held &= remaining
         in_flight[name] = len(held)
         remaining -= held
-    stats = {k.decode(): float(v) for k, v in r.hgetall(keys.stats).items()}
+    stats = read_stats(r, keys)
     consumed = trainlog_counts(r, keys)
     duplicated = sorted(pid for pid, n in consumed.items() if n > 1)
     result = {
@@ -116,7 +125,7 @@ def account(r, keys: Keys) -> dict:
         "duplicated": len(duplicated),
         "duplicated_ids": duplicated[:20],
         "unexpected": len((set(ledger) | set(consumed)) - issued),
-        "dead_letters_total": int(r.xlen(keys.dead)),
+        "dead_letters_total": sum(int(r.xlen(key)) for key in keys.stream_keys("dead")),
         "duplicates_skipped": int(stats.get("duplicates_skipped_total", 0)),
         # The trainer counts the groups it trained per committed step; a group trained
         # twice would make this exceed the ledger's count of trained prompts.

@@ -2,7 +2,8 @@
 
 The driver of ``pipeline up`` runs as usual; a ``Chaos`` object is consulted on each of
 its ticks and SIGKILLs worker processes (whole process groups, mid-batch, no warning) and
-the Redis server (then starts it again on the same port and append-only file). A killed
+the Redis server (then starts it again on the same port and append-only file; in a
+Redis Cluster, one master at a time, which comes back with its ``nodes.conf`` and slots). A killed
 worker stays down for a random hold time, so a live peer sometimes reclaims its pending
 entries (XAUTOCLAIM) before it comes back and drains its own. A killed trainer resumes
 from its checkpoint.
@@ -115,8 +116,8 @@ class Chaos:
         at = now - self.run_start
         if target == "redis":
             t0 = time.perf_counter()
-            server.restart(kill=True)
-            detail = f"SIGKILL, back in {time.perf_counter() - t0:.2f} s"
+            node = server.restart(kill=True)  # in a Redis Cluster: one master, in turn
+            detail = f"SIGKILL{f' of master {node}' if node else ''}, back in {time.perf_counter() - t0:.2f} s"
         else:
             p = procs.get(target)
             if p is None or p.poll() is not None:

@@ -137,7 +137,7 @@ def _worker_context(cfg: RunConfig, stage: str, worker: str):
         from pipeline.metrics import start_worker_metrics
 
         log = start_worker_metrics(cfg, stage, worker, log)  # /metrics on its port, fed by its log lines
-    return connect(url, name=f"{cfg.run_id}:{worker}", redis_cfg=cfg.redis), Keys(cfg.run_id), log
+    return connect(url, name=f"{cfg.run_id}:{worker}", redis_cfg=cfg.redis), Keys.of(cfg.run_id, cfg.redis), log
 
 
 def _interrupt(signum, frame) -> None:
@@ -243,7 +243,7 @@ def _dispatch(args: argparse.Namespace, cfg: RunConfig) -> int:
         url = cfg.redis.url or os.environ.get("REDIS_URL", "") or running.get("url", "")
         if not url:
             raise ConfigError("redis.url: empty and $REDIS_URL is unset; pass --redis-url")
-        r, keys = connect(url, name=f"{cfg.run_id}:{cmd}", redis_cfg=cfg.redis), Keys(cfg.run_id)
+        r, keys = connect(url, name=f"{cfg.run_id}:{cmd}", redis_cfg=cfg.redis), Keys.of(cfg.run_id, cfg.redis)
         if cmd == "top":
             from pipeline.top import run_top
 

@@ -5,6 +5,8 @@ starts the feeder, N generators, M verifiers and the trainer through their own C
 prints live progress, restarts a crashed worker, and when the trainer finishes stops
 everything, accounts for every prompt, and writes ``<run_dir>/summary.{json,md}``.
 ``pipeline down`` stops a cluster left running (it reads ``<runs_dir>/cluster.json``).
+With ``--redis.cluster true`` and no URL the run gets a local three-master Redis Cluster
+(``pipeline.server.start_local_cluster``); ``--redis.shards S`` shards every stream.
 """
 
 from __future__ import annotations
@@ -115,8 +117,8 @@ def up(cfg: RunConfig, *, chaos: bool = False) -> int:
         monkey = Chaos(cfg.chaos, time.time(), cfg.trainer.steps)
     cfg.redis.url = server.url
     (run_dir / "config.toml").write_text(to_toml(cfg))
-    r, keys = connect(server.url, name=f"{cfg.run_id}:driver", redis_cfg=cfg.redis), Keys(cfg.run_id)
-    if r.exists(keys.ledger, keys.prompts):
+    r, keys = connect(server.url, name=f"{cfg.run_id}:driver", redis_cfg=cfg.redis), Keys.of(cfg.run_id, cfg.redis)
+    if any(r.exists(s.ledger) or r.exists(s.prompts) for s in keys.all_shards()):
         server.stop()
         raise SystemExit(f"pipeline: run {cfg.run_id!r} already has data in {server.url}; choose another --run-id")
     ensure_all_groups(r, keys)
@@ -133,9 +135,11 @@ def up(cfg: RunConfig, *, chaos: bool = False) -> int:
 
     def record() -> None:
         cluster_file.write_text(json.dumps({
-            "run_id": cfg.run_id, "url": server.url, "ns": keys.ns,
-            "server_pid": server.process.pid if server.process else None, "driver_pid": os.getpid(),
-            "workers": {n: p.pid for n, p in procs.items()}}))
+            "run_id": cfg.run_id, "url": server.url, "ns": keys.ns, "stop_key": keys.stop,
+            "redis_cluster": cfg.redis.cluster,
+            "server_pid": server.process.pid if server.process else None,
+            "server_pids": getattr(server, "pids", [server.process.pid] if server.process else []),
+            "driver_pid": os.getpid(), "workers": {n: p.pid for n, p in procs.items()}}))
 
     print(f"run {cfg.run_id}: redis {server.url}, logs in {run_dir}/logs, base accuracy "
           f"{base_info.get('heldout_accuracy', float('nan')):.3f}", flush=True)
@@ -309,14 +313,20 @@ def down(runs_dir: Path) -> int:
                 break
             time.sleep(0.2)
     try:
-        redis.Redis.from_url(info["url"], socket_timeout=2).set(f"{info['ns']}:stop", 1)
+        if info.get("redis_cluster"):
+            from redis.cluster import RedisCluster
+
+            RedisCluster.from_url(info["url"], socket_timeout=2).set(info["stop_key"], 1)
+        else:
+            redis.Redis.from_url(info["url"], socket_timeout=2).set(info.get("stop_key", f"{info['ns']}:stop"), 1)
     except redis.RedisError:
         pass  # server already gone: signals below still stop the workers
     for name, pid in info["workers"].items():
         if _signal(pid, signal.SIGTERM, group=True):
             print(f"stopped {name} (pid {pid})")
-    if info.get("server_pid") and _signal(info["server_pid"], signal.SIGTERM):
-        print(f"stopped the Redis server (pid {info['server_pid']})")
+    for pid in info.get("server_pids") or ([info["server_pid"]] if info.get("server_pid") else []):
+        if _signal(pid, signal.SIGTERM):
+            print(f"stopped the Redis server (pid {pid})")
     info_file.unlink(missing_ok=True)
     return 0
 

@@ -59,6 +59,14 @@ class RedisConfig:
     """``rediss://`` only: client certificate, for servers that require mutual TLS."""
     tls_key_file: str = ""
     """``rediss://`` only: the client certificate's private key."""
+    shards: int = 1
+    """Shards per stream (S): each of prompts, rollouts and scored is split into S streams,
+    with their dead letters, ledger and counters beside them (``pipeline.keys``); prompts are
+    routed by a hash of their id. 1 keeps every key's plain name on a single server."""
+    cluster: bool = False
+    """Connect to a Redis Cluster (``redis.cluster.RedisCluster``) through the node at ``url``;
+    keys then carry hash tags so each shard's keys share one slot. ``pipeline up`` without a
+    URL starts a local three-master cluster for the run."""
 
     def validate(self, p: str) -> None:
         _check(self.appendfsync in ("always", "everysec", "no"), f"{p}.appendfsync", "always|everysec|no", self.appendfsync)
@@ -72,6 +80,9 @@ class RedisConfig:
         for name in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
             value = getattr(self, name)
             _check(not value or Path(value).is_file(), f"{p}.{name}", "empty or an existing file", value)
+        _check(1 <= self.shards <= 1024, f"{p}.shards", "in [1, 1024]", self.shards)
+        _check(not (self.cluster and self.url.startswith("unix://")), f"{p}.url",
+               "a redis:// or rediss:// URL of one cluster node when redis.cluster is on", self.url)
 
 
 @dataclass(kw_only=True)

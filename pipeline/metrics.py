@@ -12,6 +12,10 @@ Two sources, two kinds of endpoint:
   histogram, the policy version a worker runs) live in the worker's own process and are
   served on its own port by ``start_worker_metrics``.
 
+With sharded streams (``pipeline.keys``) a stream's shards are merged into one row:
+lengths, lags, pending and read counts add up, the oldest pending age is the oldest of
+any shard, and a consumer's rows across shards are summed; counters are summed.
+
 Ports: ``metrics.base_port`` + a fixed offset per worker (``worker_ports``): the
 exporter, then the trainer, the feeder, the generators and the verifiers. 0 disables
 serving; the numbers are still kept, so the loops never branch on "is metrics on?".
@@ -36,7 +40,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from pipeline.keys import Keys
-from pipeline.streams import group_lag
+from pipeline.streams import group_lag, read_stats
 
 DELIVERY_BUCKETS = (1, 2, 3, 5, 10)
 """Upper bounds of the pending entries' delivery-count histogram (then +Inf)."""
@@ -137,6 +141,37 @@ def _stream_row(r: redis.Redis, name: str, key: str, group: str | None, now_ms: 
     return row
 
 
+def _merge_rows(rows: list[dict]) -> dict:
+    """One stream's rows over its shards, as one row (the first shard's key names it)."""
+    if len(rows) == 1:
+        return rows[0]
+    out = {**rows[0], "exists": any(x["exists"] for x in rows), "length": sum(x["length"] for x in rows),
+           "entries_added": sum(x["entries_added"] for x in rows), "groups": []}
+    by_group: dict[str, dict] = {}
+    for row in rows:
+        for g in row["groups"]:
+            m = by_group.get(g["group"])
+            if m is None:
+                by_group[g["group"]] = {**g, "delivery_counts": list(g["delivery_counts"]),
+                                        "consumer_rows": [dict(c) for c in g["consumer_rows"]]}
+                out["groups"].append(by_group[g["group"]])
+                continue
+            for f in ("pending", "lag", "entries_read"):
+                m[f] += g[f]
+            m["consumers"] = max(m["consumers"], g["consumers"])
+            if g["oldest_pending_age_s"] > m["oldest_pending_age_s"]:
+                m["oldest_pending_age_s"], m["oldest_pending_id"] = g["oldest_pending_age_s"], g["oldest_pending_id"]
+            m["delivery_counts"] += g["delivery_counts"]
+            known = {c["consumer"]: c for c in m["consumer_rows"]}
+            for c in g["consumer_rows"]:
+                if c["consumer"] in known:
+                    known[c["consumer"]]["pending"] += c["pending"]
+                    known[c["consumer"]]["idle_s"] = min(known[c["consumer"]]["idle_s"], c["idle_s"])
+                else:
+                    m["consumer_rows"].append(dict(c))
+    return out
+
+
 def snapshot(r: redis.Redis, keys: Keys) -> dict:
     """Everything the exporter, ``pipeline top`` and the dashboard show, read from Redis now.
 
@@ -144,11 +179,16 @@ def snapshot(r: redis.Redis, keys: Keys) -> dict:
     letters, the ``{ns}:stats`` counters, the trainer's progress and worker heartbeats.
     Times come from the server's clock so ages do not depend on the reader's.
     """
-    sec, usec = r.time()
+    t = r.time()
+    if isinstance(t, dict):  # a cluster client asks every node; any clock will do
+        t = next(iter(t.values()))
+    sec, usec = t
     now_ms = sec * 1000 + usec // 1000
-    streams = [_stream_row(r, name, key, group, now_ms) for name, (key, group) in keys.streams().items()]
-    streams.append(_stream_row(r, "dead", keys.dead, None, now_ms))
-    stats = {_text(k): float(v) for k, v in r.hgetall(keys.stats).items()}
+    shards = keys.all_shards()
+    streams = [_merge_rows([_stream_row(r, name, getattr(s, name), group, now_ms) for s in shards])
+               for name, (_, group) in shards[0].streams().items()]
+    streams.append(_merge_rows([_stream_row(r, "dead", s.dead, None, now_ms) for s in shards]))
+    stats = read_stats(r, keys)
     trainer = {_text(k): _number(v) for k, v in r.hgetall(keys.trainer).items()}
     workers = []
     for wid, raw in sorted(r.hgetall(keys.workers).items()):

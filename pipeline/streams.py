@@ -2,6 +2,8 @@
 admission control, stop flags and queue depths.
 
 Every stream entry has one field, ``d``, holding an encoded record (``pipeline.records``).
+A run's streams may be sharded (``pipeline.keys``): ``ShardedReader`` reads all shards of
+one stream, and the depth, counter and dead-letter readers sum or merge over the shards.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from urllib.parse import urlparse
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.cluster import RedisCluster
+from redis.exceptions import ClusterDownError, SlotNotCoveredError
 from redis.retry import Retry
 
-from pipeline.keys import Keys
+from pipeline.keys import Keys, ShardKeys
 from pipeline.records import RecordError
 
 FIELD = b"d"
@@ -36,8 +40,44 @@ class _TransientRetry(Retry):
         return super().call_with_retry(do, fail, transient, with_failure_count)
 
 
+class _RidingCluster(RedisCluster):
+    """A cluster client whose every command rides through a master's restart.
+
+    redis-py's cluster client retries a failed command ``retry.get_retries()`` times but
+    without sleeping in between (it refreshes the slot table and tries again at once), so
+    a master that takes a second to come back fails the command. This one wraps each
+    command in a second retry with exponential backoff, as ``connect`` does on one server;
+    transactions (``pipeline(transaction=True)``) already back off with the ``retry`` given.
+    """
+
+    def __init__(self, *args, **kwargs):
+        self._backoff_retry = _TransientRetry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), CONNECT_RETRIES * 2,
+                                              supported_errors=CLUSTER_ERRORS)
+        super().__init__(*args, **kwargs)
+
+    def _internal_execute_command(self, *args, **kwargs):
+        return self._backoff_retry.call_with_retry(
+            lambda: super(_RidingCluster, self)._internal_execute_command(*args, **dict(kwargs)), lambda error: None)
+
+
+CLUSTER_ERRORS = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, SlotNotCoveredError)
+
+
+def _connect_cluster(url: str, *, name: str, socket_timeout: float, extra: dict) -> RedisCluster:
+    client = _RidingCluster.from_url(
+        url, client_name=name, socket_timeout=socket_timeout, socket_connect_timeout=5,
+        require_full_coverage=False,
+        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), CONNECT_RETRIES,
+                    supported_errors=CLUSTER_ERRORS),
+        **extra)
+    return client
+
+
 def connect(url: str, *, name: str = "pipeline", socket_timeout: float = 30.0, redis_cfg=None) -> redis.Redis:
     """A client that retries with exponential backoff (up to ~10 s) when the server restarts.
+
+    With ``redis_cfg.cluster`` it is a Redis Cluster client bootstrapped from the node at
+    ``url``; its commands back off the same way while a master restarts (``_RidingCluster``).
 
     ``socket_timeout`` must exceed the longest ``BLOCK`` a caller uses, or redis-py
     reports a blocking read as a timeout. Credentials come from the URL
@@ -62,6 +102,13 @@ def connect(url: str, *, name: str = "pipeline", socket_timeout: float = 30.0, r
                               ("ssl_keyfile", "tls_key_file")):
                 if getattr(redis_cfg, attr):
                     extra[key] = getattr(redis_cfg, attr)
+    if redis_cfg is not None and redis_cfg.cluster:
+        try:
+            client = _connect_cluster(url, name=name, socket_timeout=socket_timeout, extra=extra)
+            client.ping()
+        except redis.RedisError as e:
+            raise redis.ConnectionError(f"cannot reach the Redis Cluster at {_redact(url)}: {e}") from e
+        return client
     client = redis.Redis.from_url(
         url,
         client_name=name,
@@ -104,8 +151,9 @@ def ensure_group(r: redis.Redis, stream: str, group: str) -> None:
 
 
 def ensure_all_groups(r: redis.Redis, keys: Keys) -> None:
-    for key, group in keys.streams().values():
-        ensure_group(r, key, group)
+    for shard in keys.all_shards():
+        for key, group in shard.streams().values():
+            ensure_group(r, key, group)
 
 
 @dataclass
@@ -115,6 +163,19 @@ class Entry:
     """The record bytes; None if the entry was deleted or has no ``d`` field (a poison entry)."""
     deliveries: int = 1
     """How many times the group has delivered this entry (1 for a first delivery)."""
+    shard: int = 0
+    """The shard of the stream it was read from (``pipeline.keys``)."""
+
+    @property
+    def ref(self) -> str:
+        """The entry's id, prefixed ``k/`` outside shard 0: unique across a stream's shards."""
+        return self.id.decode() if not self.shard else f"{self.shard}/{self.id.decode()}"
+
+
+def parse_ref(ref: str) -> tuple[int, str]:
+    """``Entry.ref`` back to (shard, id)."""
+    shard, sep, eid = ref.partition("/")
+    return (int(shard), eid) if sep else (0, ref)
 
 
 class GroupReader:
@@ -135,8 +196,9 @@ class GroupReader:
     """
 
     def __init__(self, r: redis.Redis, stream: str, group: str, consumer: str, *,
-                 claim_idle_ms: int = 30_000, max_deliveries: int = 5, claim_every_s: float = 1.0):
+                 claim_idle_ms: int = 30_000, max_deliveries: int = 5, claim_every_s: float = 1.0, shard: int = 0):
         self.r, self.stream, self.group, self.consumer = r, stream, group, consumer
+        self.shard = shard
         self.claim_idle_ms, self.max_deliveries, self.claim_every_s = claim_idle_ms, max_deliveries, claim_every_s
         self._pending_cursor: bytes | str | None = "0"
         self._claim_cursor: bytes | str = "0-0"
@@ -157,7 +219,7 @@ class GroupReader:
             self._pending_cursor = None
             return []
         self._pending_cursor = entries[-1][0]
-        return self._with_deliveries([Entry(i, f.get(FIELD) if f else None) for i, f in entries])
+        return self._with_deliveries([Entry(i, f.get(FIELD) if f else None, shard=self.shard) for i, f in entries])
 
     def claim(self, count: int) -> list[Entry]:
         """Take over up to ``count`` entries idle in other consumers for ``claim_idle_ms`` or more.
@@ -171,7 +233,7 @@ class GroupReader:
         resp = self.r.xautoclaim(self.stream, self.group, self.consumer, self.claim_idle_ms,
                                  start_id=self._claim_cursor, count=count)
         self._claim_cursor = resp[0]
-        entries = [Entry(i, f.get(FIELD) if f else None) for i, f in resp[1] if i is not None]
+        entries = [Entry(i, f.get(FIELD) if f else None, shard=self.shard) for i, f in resp[1] if i is not None]
         if self._claim_cursor in (b"0-0", "0-0") and not entries:
             self._next_claim = now + self.claim_every_s
         self.claimed_total += len(entries)
@@ -181,11 +243,11 @@ class GroupReader:
         """Work already admitted to the group: own pending entries, else entries reclaimed from the dead."""
         return self.read_pending(count) or self.claim(count)
 
-    def read_new(self, count: int, block_ms: int) -> list[Entry]:
-        """Entries never delivered to the group, waiting up to ``block_ms`` for one."""
+    def read_new(self, count: int, block_ms: int | None) -> list[Entry]:
+        """Entries never delivered to the group, waiting up to ``block_ms`` for one (None: not at all)."""
         resp = self.r.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms)
         entries = resp[0][1] if resp else []
-        return [Entry(i, f.get(FIELD) if f else None) for i, f in entries]
+        return [Entry(i, f.get(FIELD) if f else None, shard=self.shard) for i, f in entries]
 
     def read(self, count: int, block_ms: int) -> list[Entry]:
         """Own pending entries first, then reclaimed ones, then new ones."""
@@ -209,13 +271,77 @@ class GroupReader:
         return None
 
 
-def group_reader(r: redis.Redis, stream: str, group: str, consumer: str, redis_cfg, *, claim: bool = True) -> GroupReader:
+class ShardedReader:
+    """Reads every shard of one stream as one consumer: a ``GroupReader`` per shard.
+
+    Each call returns entries of ONE shard (``Entry.shard``), so the caller's MULTI that
+    writes downstream and acks upstream stays in that shard's slot. Shards are visited in
+    turn, starting after the one that last gave work, so none starves. ``read_new`` first
+    polls every shard without blocking, then blocks on one shard for a slice of
+    ``block_ms`` (all of it with one shard, which behaves exactly like a ``GroupReader``).
+    """
+
+    def __init__(self, readers: list[GroupReader]):
+        self.readers = readers
+        self._next = 0
+
+    @property
+    def max_deliveries(self) -> int:
+        return self.readers[0].max_deliveries
+
+    @property
+    def claimed_total(self) -> int:
+        return sum(x.claimed_total for x in self.readers)
+
+    def _turn(self) -> list[int]:
+        n = len(self.readers)
+        return [(self._next + i) % n for i in range(n)]
+
+    def read_owned(self, count: int) -> list[Entry]:
+        for k in self._turn():
+            got = self.readers[k].read_owned(count)
+            if got:
+                self._next = (k + 1) % len(self.readers)
+                return got
+        return []
+
+    def read_new(self, count: int, block_ms: int | None) -> list[Entry]:
+        if len(self.readers) == 1:
+            return self.readers[0].read_new(count, block_ms)
+        for k in self._turn():
+            got = self.readers[k].read_new(count, None)
+            if got:
+                self._next = (k + 1) % len(self.readers)
+                return got
+        if not block_ms:
+            return []
+        k = self._next
+        self._next = (k + 1) % len(self.readers)
+        return self.readers[k].read_new(count, max(10, block_ms // len(self.readers)))
+
+    def read(self, count: int, block_ms: int) -> list[Entry]:
+        """Own pending entries first, then reclaimed ones, then new ones (of one shard)."""
+        return self.read_owned(count) or self.read_new(count, block_ms)
+
+    def over_limit(self, e: Entry) -> str | None:
+        return self.readers[e.shard].over_limit(e)
+
+
+def group_reader(r: redis.Redis, stream: str, group: str, consumer: str, redis_cfg, *, claim: bool = True,
+                 shard: int = 0) -> GroupReader:
     """A reader with the run's reclaim and delivery-limit settings (``RedisConfig``)."""
     return GroupReader(r, stream, group, consumer, max_deliveries=redis_cfg.max_deliveries,
-                       claim_idle_ms=redis_cfg.claim_idle_ms if claim else 0)
+                       claim_idle_ms=redis_cfg.claim_idle_ms if claim else 0, shard=shard)
 
 
-def decode_entries(entries: list[Entry], decode, check=None, *, reader: GroupReader | None = None,
+def sharded_reader(r: redis.Redis, keys: Keys, stream: str, group: str, consumer: str, redis_cfg, *,
+                   claim: bool = True) -> ShardedReader:
+    """A reader of every shard of stream ``stream`` (prompts, rollouts or scored)."""
+    return ShardedReader([group_reader(r, getattr(s, stream), group, consumer, redis_cfg, claim=claim, shard=s.index)
+                          for s in keys.all_shards()])
+
+
+def decode_entries(entries: list[Entry], decode, check=None, *, reader: GroupReader | ShardedReader | None = None,
                    ) -> tuple[list[tuple[Entry, object]], list[tuple[Entry, str]]]:
     """Split entries into ``(entry, record)`` pairs and ``(entry, reason)`` defects.
 
@@ -250,20 +376,34 @@ def dead_letter(
     consumer: str,
     prompt_id: str = "",
     release_admission: bool = False,
-) -> None:
-    """Queue, on a MULTI pipeline, the move of one entry to ``{ns}:dead`` and its ack.
+) -> int:
+    """Queue, on a MULTI pipeline, the move of one entry to its shard's dead letters and its ack.
 
     ``release_admission`` returns the group's admission slot (DESIGN §3) when the
-    entry was admitted for generation but will never reach the trainer.
+    entry was admitted for generation but will never reach the trainer. Unsharded the
+    release is part of the MULTI and 0 is returned; sharded, ``{ns}:admitted`` is in
+    another slot, so the slots to give back are returned for ``release_admissions``
+    to send once the MULTI is done (``pipeline.keys`` says what a crash between costs).
     """
-    pipe.xadd(keys.dead, {
+    shard = keys.shard(entry.shard)
+    pipe.xadd(shard.dead, {
         "reason": reason[:2000], "stream": stream, "id": entry.id, "consumer": consumer,
         "prompt_id": prompt_id, "payload": entry.payload or b"", "at": f"{time.time():.3f}",
     })
     pipe.xack(stream, group, entry.id)
-    pipe.hincrby(keys.stats, "dead_letters_total", 1)
-    if release_admission:
-        pipe.decr(keys.admitted)
+    pipe.hincrby(shard.stats, "dead_letters_total", 1)
+    if not release_admission:
+        return 0
+    if keys.sharded:
+        return 1
+    pipe.decr(keys.admitted)
+    return 0
+
+
+def release_admissions(r: redis.Redis, keys: Keys, n: int) -> None:
+    """Give back ``n`` admission slots of dead-lettered groups (sharded runs; see ``dead_letter``)."""
+    if n > 0:
+        r.decrby(keys.admitted, n)
 
 
 # Admission (DESIGN §3, AReaL's rule): groups admitted so far must stay below
@@ -367,25 +507,37 @@ def unacked(r: redis.Redis, stream: str, group: str, *, cap: int = LAG_COUNT_CAP
     return 0
 
 
-def wait_for_room(r: redis.Redis, keys: Keys, stream: str, group: str, *, bound: int, worker_id: str,
-                  stage: str, log, poll_s: float = 0.2) -> float:
-    """Backpressure: block while ``stream`` holds more than ``bound`` unacked entries.
+def unacked_all(r: redis.Redis, streams: str | list[str], group: str, *, cap: int = LAG_COUNT_CAP) -> int:
+    """``unacked`` summed over a stream's shards (a list of keys), stopping once past ``cap``."""
+    total = 0
+    for key in [streams] if isinstance(streams, str) else streams:
+        total += unacked(r, key, group, cap=max(1, cap - total))
+        if total >= cap:
+            break
+    return total
 
-    Says so in the heartbeat (state ``backpressure``), the log and ``{ns}:stats``
+
+def wait_for_room(r: redis.Redis, keys: Keys, stream: str | list[str], group: str, *, bound: int, worker_id: str,
+                  stage: str, log, poll_s: float = 0.2) -> float:
+    """Backpressure: block while ``stream`` (a key, or all shards' keys) holds more than ``bound`` unacked entries.
+
+    Says so in the heartbeat (state ``backpressure``), the log and the counters
     (``backpressure_waits_total``, ``backpressure_seconds_total``). Returns seconds waited.
     """
     t0 = time.perf_counter()
-    depth = unacked(r, stream, group, cap=bound + 1)
+    depth = unacked_all(r, stream, group, cap=bound + 1)
     if depth <= bound:
         return 0.0
-    log.warning("backpressure", stream=stream, unacked=depth, bound=bound)
-    r.hincrby(keys.stats, "backpressure_waits_total", 1)
+    name = stream if isinstance(stream, str) else stream[0]
+    stats = keys.shard(0).stats
+    log.warning("backpressure", stream=name, unacked=depth, bound=bound)
+    r.hincrby(stats, "backpressure_waits_total", 1)
     while depth > bound and not stop_requested(r, keys):
-        heartbeat(r, keys, worker_id, stage, "backpressure", stream=stream, unacked=depth)
+        heartbeat(r, keys, worker_id, stage, "backpressure", stream=name, unacked=depth)
         time.sleep(poll_s)
-        depth = unacked(r, stream, group, cap=bound + 1)
+        depth = unacked_all(r, stream, group, cap=bound + 1)
     waited = time.perf_counter() - t0
-    r.hincrbyfloat(keys.stats, "backpressure_seconds_total", waited)
+    r.hincrbyfloat(stats, "backpressure_seconds_total", waited)
     log.info("backpressure_released", stream=stream, unacked=depth, seconds=round(waited, 3))
     return waited
 
@@ -426,7 +578,8 @@ def heartbeat(r: redis.Redis, keys: Keys, worker_id: str, stage: str, state: str
         {"stage": stage, "pid": os.getpid(), "state": state, "at": time.time(), **extra}))
 
 
-def incr_stats(pipe: redis.Redis | redis.client.Pipeline, keys: Keys, **counts: float) -> None:
+def incr_stats(pipe: redis.Redis | redis.client.Pipeline, keys: Keys | ShardKeys, **counts: float) -> None:
+    """Add to the counters of ``keys`` (a shard's, so the increments join that shard's MULTI)."""
     for name, n in counts.items():
         if n:
             if isinstance(n, float) and not n.is_integer():
@@ -435,22 +588,38 @@ def incr_stats(pipe: redis.Redis | redis.client.Pipeline, keys: Keys, **counts: 
                 pipe.hincrby(keys.stats, name, int(n))
 
 
+MAX_STATS = frozenset({"prompts_issued"})
+"""Counters that are positions, not sums: merged over shards by their maximum."""
+
+
+def merge_stats(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Shards' counters as one: sums, except ``MAX_STATS`` (maximum)."""
+    out: dict[str, float] = {}
+    for row in rows:
+        for k, v in row.items():
+            out[k] = max(out.get(k, v), v) if k in MAX_STATS else out.get(k, 0.0) + v
+    return out
+
+
 def read_stats(r: redis.Redis, keys: Keys) -> dict[str, float]:
-    return {k.decode(): float(v) for k, v in r.hgetall(keys.stats).items()}
+    """The run's counters, summed over shards."""
+    return merge_stats([{k.decode(): float(v) for k, v in r.hgetall(s.stats).items()} for s in keys.all_shards()])
 
 
 def queue_depths(r: redis.Redis, keys: Keys, *, lag_cap: int = LAG_COUNT_CAP) -> dict[str, dict[str, int]]:
-    """Per stream: length, entries not yet delivered to its group (lag), delivered but unacked (pending)."""
+    """Per stream: length, entries not yet delivered to its group (lag), delivered but unacked (pending),
+    each summed over the stream's shards."""
     out: dict[str, dict[str, int]] = {}
-    for name, (key, group) in keys.streams().items():
-        row = {"length": int(r.xlen(key)), "lag": 0, "pending": 0}
-        try:
-            for g in r.xinfo_groups(key):
-                if g["name"].decode() == group:
-                    row["pending"] = int(g["pending"])
-                    row["lag"] = group_lag(r, key, g, cap=lag_cap)
-        except redis.ResponseError:
-            pass  # stream not created yet
-        out[name] = row
-    out["dead"] = {"length": int(r.xlen(keys.dead)), "lag": 0, "pending": 0}
+    for shard in keys.all_shards():
+        for name, (key, group) in shard.streams().items():
+            row = out.setdefault(name, {"length": 0, "lag": 0, "pending": 0})
+            row["length"] += int(r.xlen(key))
+            try:
+                for g in r.xinfo_groups(key):
+                    if g["name"].decode() == group:
+                        row["pending"] += int(g["pending"])
+                        row["lag"] += group_lag(r, key, g, cap=lag_cap)
+            except redis.ResponseError:
+                pass  # stream not created yet
+    out["dead"] = {"length": sum(int(r.xlen(s.dead)) for s in keys.all_shards()), "lag": 0, "pending": 0}
     return out

@@ -12,6 +12,9 @@ Staleness is checked at consumption: a group with v − min_version > η is drop
 A restarted trainer resumes from its latest checkpoint (model, optimizer, schedule, RNG,
 version) and retrains only the groups no checkpoint holds; SIGTERM finishes the current
 step, checkpoints it and exits.
+With sharded streams the trainer reads every scored shard; a step's commit is one MULTI
+per shard (that shard's ledger, training log, acks), each recording the shard's committed
+version, so a commit re-applied after a crash skips the shards that already have it.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from pipeline.keys import TRAINER_GROUP, Keys
 from pipeline.logs import MetricsFile
 from pipeline.losses import NO_SIGNAL_STD
 from pipeline.records import ScoredGroup, check_token_ids
-from pipeline.streams import dead_letter, decode_entries, ensure_all_groups, group_reader, incr_stats, stop_requested
+from pipeline.streams import (dead_letter, decode_entries, ensure_all_groups, incr_stats, parse_ref,
+                              release_admissions, sharded_reader, stop_requested)
 from pipeline.weights import make_publisher, publisher_options
 
 
@@ -57,25 +61,33 @@ def collect_batch(reader, r, keys: Keys, *, size: int, block_ms: int, log, vocab
         entries = reader.read(size - len(batch), block_ms)
         if not entries:
             continue
+        shard = keys.shard(entries[0].shard)  # one read, one shard
         pipe = r.pipeline(transaction=True)
         decoded, bad = decode_entries(entries, ScoredGroup.decode, lambda g: check_scored(g, vocab_size=vocab_size),
                                       reader=reader)
+        releases = 0
         for e, reason in bad:
             log.warning("dead_letter", id=e.id, reason=reason)
-            dead_letter(pipe, keys, stream=keys.scored, group=TRAINER_GROUP, entry=e, reason=reason,
-                        consumer="trainer", release_admission=True)
-        known = r.hmget(keys.ledger, [g.rollout.prompt_id for _, g in decoded]) if decoded else []
+            releases += dead_letter(pipe, keys, stream=shard.scored, group=TRAINER_GROUP, entry=e, reason=reason,
+                                    consumer="trainer", release_admission=True)
+        known = [ledger_outcome(r, keys, g.rollout.prompt_id) for _, g in decoded]
         for (e, g), outcome in zip(decoded, known):
             if outcome is not None or g.rollout.prompt_id in seen:
                 log.warning("duplicate_skipped", prompt_id=g.rollout.prompt_id, group_id=g.rollout.group_id,
                             earlier=outcome.decode() if outcome else "a step not yet committed")
-                pipe.xack(keys.scored, TRAINER_GROUP, e.id)
-                pipe.hincrby(keys.stats, "duplicates_skipped_total", 1)
+                pipe.xack(shard.scored, TRAINER_GROUP, e.id)
+                pipe.hincrby(shard.stats, "duplicates_skipped_total", 1)
             else:
                 seen.add(g.rollout.prompt_id)
                 batch.append((e, g))
         pipe.execute()
+        release_admissions(r, keys, releases)
     return batch
+
+
+def ledger_outcome(r, keys: Keys, prompt_id: str) -> bytes | None:
+    """The prompt's ledger outcome, from the ledger of the shard it is routed to."""
+    return r.hget(keys.shard(keys.shard_of(prompt_id)).ledger, prompt_id)
 
 
 def has_signal(g: ScoredGroup) -> bool:
@@ -108,32 +120,57 @@ def step_metrics(batch, fresh, signal, *, version: int, stats: dict, wait_s: flo
 def step_record(batch, kinds: list[str], *, version: int, row: dict) -> StepRecord:
     """What a step consumed, kept until a checkpoint holds the step and ``commit`` makes it final."""
     return StepRecord(
-        version=version, entry_ids=[e.id.decode() for e, _ in batch],
+        version=version, entry_ids=[e.ref for e, _ in batch],
         outcomes={g.rollout.prompt_id: f"{kind}:{version}" for (_, g), kind in zip(batch, kinds)},
         group_ids={g.rollout.prompt_id: g.rollout.group_id for _, g in batch},
         counts={"groups_trained_total": row["groups_trained"], "groups_nosignal_total": row["groups_nosignal"],
                 "dropped_stale_total": row["groups_stale"], "tokens_trained_total": row.get("tokens", 0)})
 
 
-def commit(r, keys: Keys, steps: list[StepRecord]) -> None:
-    """Make checkpointed steps final, in one transaction: ledger (HSETNX), training log, acks, counters.
+def shard_committed(r, keys: Keys, k: int) -> int:
+    """The last step whose commit is final in shard ``k``."""
+    if not keys.sharded:
+        return int(r.hget(keys.trainer, "committed_version") or 0)
+    return int(r.get(keys.shard(k).committed) or 0)
 
-    ``{ns}:trainer`` ``committed_version`` records the last committed step, so a resumed
-    trainer re-applies only the steps of its checkpoint that never committed.
+
+def commit(r, keys: Keys, steps: list[StepRecord]) -> None:
+    """Make checkpointed steps final: ledger (HSETNX), training log, acks, counters.
+
+    One transaction per shard, holding that shard's prompts (by ``Keys.shard_of``) and
+    entries (by ``Entry.ref``); shard 0's also carries the steps' counters. Each records
+    the shard's last committed step, and steps a shard already committed are skipped, so
+    re-applying a commit interrupted between shards neither repeats a training-log entry
+    nor a counter. ``{ns}:trainer`` ``committed_version`` is set once every shard has it:
+    a resumed trainer re-applies only the steps of its checkpoint beyond it.
     """
     if not steps:
         return
-    pipe = r.pipeline(transaction=True)
-    for s in steps:
-        for pid, outcome in s.outcomes.items():
-            pipe.hsetnx(keys.ledger, pid, outcome)
-            pipe.xadd(keys.trainlog, {"prompt_id": pid, "group_id": s.group_ids.get(pid, ""),
-                                      "outcome": outcome, "version": s.version})
-        if s.entry_ids:
-            pipe.xack(keys.scored, TRAINER_GROUP, *s.entry_ids)
-        incr_stats(pipe, keys, **s.counts)
-    pipe.hset(keys.trainer, "committed_version", steps[-1].version)
-    pipe.execute()
+    last = steps[-1].version
+    for shard in keys.all_shards():
+        todo = [s for s in steps if s.version > shard_committed(r, keys, shard.index)]
+        if not todo:
+            continue
+        pipe = r.pipeline(transaction=True)
+        for s in todo:
+            for pid, outcome in s.outcomes.items():
+                if keys.shard_of(pid) != shard.index:
+                    continue
+                pipe.hsetnx(shard.ledger, pid, outcome)
+                pipe.xadd(shard.trainlog, {"prompt_id": pid, "group_id": s.group_ids.get(pid, ""),
+                                           "outcome": outcome, "version": s.version})
+            ids = [eid for k, eid in map(parse_ref, s.entry_ids) if k == shard.index]
+            if ids:
+                pipe.xack(shard.scored, TRAINER_GROUP, *ids)
+            if shard.index == 0:
+                incr_stats(pipe, shard, **s.counts)
+        if keys.sharded:
+            pipe.set(shard.committed, last)
+        else:
+            pipe.hset(keys.trainer, "committed_version", last)
+        pipe.execute()
+    if keys.sharded:
+        r.hset(keys.trainer, "committed_version", last)
 
 
 def report_progress(r, keys: Keys, *, version: int, row: dict) -> None:
@@ -163,7 +200,7 @@ def run_trainer(cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = No
     ensure_all_groups(r, keys)
     # The only consumer of its group: nothing to reclaim from others, and its own
     # uncommitted entries must not come back to it while it still holds them.
-    reader = group_reader(r, keys.scored, TRAINER_GROUP, "trainer", cfg.redis, claim=False)
+    reader = sharded_reader(r, keys, "scored", TRAINER_GROUP, "trainer", cfg.redis, claim=False)
     uncommitted: list[StepRecord] = []
     held: set[str] = set()
     labelmodel_versions: set[int] = set()

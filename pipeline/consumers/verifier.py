@@ -6,6 +6,7 @@ waits for:    rollout groups; on first start, a label model fitted by some repli
 unblocked by: generators
 Weak verifiers never see the reference answer; it is used only for the hidden accuracy
 logged beside the reward (and by the ``ground_truth`` reward mode for experiments).
+With sharded streams a batch comes from rollouts shard k and goes to scored shard k.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from pipeline.keys import TRAINER_GROUP, VERIFIERS_GROUP, Keys
 from pipeline.labelmodel import LabelModel, fit_label_model
 from pipeline.records import RolloutGroup, ScoredGroup, check_token_ids
 from pipeline.rewards import RewardMode, parse_reward_mode
-from pipeline.streams import (FIELD, dead_letter, decode_entries, ensure_all_groups, group_reader, heartbeat,
-                              incr_stats, stop_requested, trim_acked, wait_for_room)
+from pipeline.streams import (FIELD, dead_letter, decode_entries, ensure_all_groups, heartbeat, incr_stats,
+                              release_admissions, sharded_reader, stop_requested, trim_acked, wait_for_room)
 from pipeline.tasks import make_task
 from pipeline.tokenizer import model_vocab_size
 from pipeline.verifiers import SOUND, Scorer, check_spec
@@ -162,20 +163,21 @@ def run_verifier(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batc
     vocab_size = model_vocab_size(cfg.model.base_dir)
     the_task = make_task(cfg.task)
     shared = SharedLabelModel(r, keys, v, worker_id, log) if mode.needs_label_model else None
-    reader = group_reader(r, keys.rollouts, VERIFIERS_GROUP, worker_id, cfg.redis)
+    reader = sharded_reader(r, keys, "rollouts", VERIFIERS_GROUP, worker_id, cfg.redis)
     posteriors_path = cfg.run_dir / POSTERIORS_FILE
     scorer = Scorer(v.verifiers, timeouts=v.timeout_map(), default_timeout_s=v.timeout_s)
     batches, scored = 0, 0
     log.info("verifier_started", reward=v.reward, verifiers=v.verifiers)
     while not stop_requested(r, keys) and (max_batches is None or batches < max_batches):
         # Backpressure before taking work: the trainer has not drained what we wrote.
-        wait_for_room(r, keys, keys.scored, TRAINER_GROUP, bound=cfg.redis.max_stream_lag,
+        wait_for_room(r, keys, keys.stream_keys("scored"), TRAINER_GROUP, bound=cfg.redis.max_stream_lag,
                       worker_id=worker_id, stage="verifier", log=log)
         entries = reader.read(v.batch, cfg.redis.block_ms)
         if not entries:
             heartbeat(r, keys, worker_id, "verifier", "idle")
             continue
         batches += 1
+        shard = keys.shard(entries[0].shard)  # one read, one shard
         t0 = time.perf_counter()
         good, bad = decode_entries(entries, RolloutGroup.decode, lambda g: check_tokens(g, vocab_size=vocab_size),
                                    reader=reader)
@@ -195,19 +197,22 @@ def run_verifier(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batc
                               rewards=rewards.astype(np.float32), truth=truth.astype(np.float32),
                               reward_mode=v.reward, labelmodel_version=shared.version if shared else -1,
                               verifier_id=worker_id, scored_at=time.time())
-            pipe.xadd(keys.scored, {FIELD: rec.encode()})
-            pipe.xack(keys.rollouts, VERIFIERS_GROUP, e.id)
+            pipe.xadd(shard.scored, {FIELD: rec.encode()})
+            pipe.xack(shard.rollouts, VERIFIERS_GROUP, e.id)
+        releases = 0
         for e, reason in bad:
             log.warning("dead_letter", id=e.id, reason=reason)
-            dead_letter(pipe, keys, stream=keys.rollouts, group=VERIFIERS_GROUP, entry=e, reason=reason,
-                        consumer=worker_id, release_admission=True)
-        incr_stats(pipe, keys, groups_scored_total=len(good), verifier_errors_total=failed["error"],
+            releases += dead_letter(pipe, keys, stream=shard.rollouts, group=VERIFIERS_GROUP, entry=e, reason=reason,
+                                    consumer=worker_id, release_admission=True)
+        incr_stats(pipe, shard, groups_scored_total=len(good), verifier_errors_total=failed["error"],
                    verifier_timeouts_total=failed["timeout"], verify_seconds_total=time.perf_counter() - t0)
         pipe.execute()
+        release_admissions(r, keys, releases)
         append_posteriors(posteriors_path, rows)
         scored += len(good)
         if cfg.redis.trim_acked and batches % TRIM_EVERY == 0:
-            trim_acked(r, keys.rollouts)
+            for key in keys.stream_keys("rollouts"):
+                trim_acked(r, key)
         heartbeat(r, keys, worker_id, "verifier", "scored", groups=scored,
                   abstained={n: st.abstained for n, st in scorer.stats.items()})
         log.info("batch_scored", groups=len(good), dead=len(bad), labelmodel_version=shared.version if shared else -1,

@@ -1,9 +1,14 @@
 """Feeder: streams training prompts into ``{ns}:prompts`` with a bounded backlog.
 
 consumes:     the task's endless training stream (pipeline.tasks; never a held-out problem)
-produces:     PromptTask records on {ns}:prompts, ids p00000000, p00000001, ...
-waits for:    the generators' group lag to fall below ``feeder.backlog``
+produces:     PromptTask records on {ns}:prompts, ids p00000000, p00000001, ...; with S shards,
+              prompt p goes to shard crc32(p) mod S (``Keys.shard_of``)
+waits for:    the generators' group lag (all shards) to fall below ``feeder.backlog``
 unblocked by: generators reading prompts
+
+Resume is exact: prompts are written in id order, each run of consecutive prompts bound
+for one shard in one MULTI that also sets that shard's ``prompts_issued`` to the id after
+its last prompt, so the maximum over shards (``read_stats``) is where the stream resumes.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import numpy as np
 from pipeline.config import RunConfig
 from pipeline.keys import Keys
 from pipeline.records import PromptTask
-from pipeline.streams import FIELD, ensure_all_groups, heartbeat, queue_depths, stop_requested
+from pipeline.streams import FIELD, ensure_all_groups, heartbeat, queue_depths, read_stats, stop_requested
 
 IDLE_WAIT_S = 0.2
 """No blocking read exists for "the backlog shrank", so the feeder re-checks at this period."""
@@ -33,7 +38,7 @@ def run_feeder(cfg: RunConfig, r, keys: Keys, log, *, tokenizer, max_rounds: int
     ensure_all_groups(r, keys)
     problems = make_task(cfg.task).training(cfg.feeder.seed)
     # A restarted feeder resumes the same deterministic problem stream where it stopped.
-    seq = int(r.hget(keys.stats, "prompts_issued") or 0)
+    seq = int(read_stats(r, keys).get("prompts_issued", 0))
     problems = itertools.islice(problems, seq, None)
     issued = 0
     rounds = 0
@@ -50,16 +55,25 @@ def run_feeder(cfg: RunConfig, r, keys: Keys, log, *, tokenizer, max_rounds: int
             heartbeat(r, keys, "feeder", "feeder", "backlog_full")
             time.sleep(IDLE_WAIT_S)
             continue
-        pipe = r.pipeline(transaction=True)
+        pipe, shard = None, -1
+
+        def flush() -> None:
+            if pipe is not None:
+                pipe.hset(keys.shard(shard).stats, "prompts_issued", seq)
+                pipe.execute()
+
         for p in itertools.islice(problems, room):
             rec = PromptTask(prompt_id=prompt_id(seq), prompt=p.prompt,
                              prompt_ids=np.asarray(tokenizer.encode(p.prompt), dtype=np.int32),
                              reference=p.reference, issued_at=time.time())
-            pipe.xadd(keys.prompts, {FIELD: rec.encode()})
+            k = keys.shard_of(rec.prompt_id)
+            if k != shard:
+                flush()
+                pipe, shard = r.pipeline(transaction=True), k
+            pipe.xadd(keys.shard(k).prompts, {FIELD: rec.encode()})
             seq += 1
             issued += 1
-        pipe.hset(keys.stats, "prompts_issued", seq)
-        pipe.execute()
+        flush()
         heartbeat(r, keys, "feeder", "feeder", "issued", issued=seq)
     log.info("feeder_stopped", issued=issued, total=seq)
     return issued

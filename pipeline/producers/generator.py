@@ -5,6 +5,8 @@ produces:     RolloutGroup records on {ns}:rollouts, with behaviour log-probs an
 waits for:    admission (DESIGN §3): groups admitted < (η + v + 1)·B; then for a prompt
 unblocked by: the trainer publishing version v+1 ({ns}:versions); the feeder adding prompts
 Weights swap only between generation batches, so no batch runs on half-written weights.
+With sharded streams a batch comes from one shard k and its groups go to rollouts shard k,
+so the xadd + xack + counters stay one single-slot MULTI.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from pipeline.config import RunConfig
 from pipeline.keys import GENERATORS_GROUP, VERIFIERS_GROUP, Keys
 from pipeline.records import PromptTask, RecordError, RolloutGroup, check_token_ids
 from pipeline.streams import (FIELD, Admission, VersionWatch, dead_letter, decode_entries, ensure_all_groups,
-                              group_reader, heartbeat, incr_stats, stop_requested, trim_acked, wait_for_room)
+                              heartbeat, incr_stats, release_admissions, sharded_reader, stop_requested, trim_acked,
+                              wait_for_room)
 from pipeline.task import prompt_length
 from pipeline.weights import WeightsError, fetcher_options, make_fetcher
 
@@ -86,7 +89,7 @@ def run_generator(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_bat
     fetcher = make_fetcher(cfg.weights.transport, r, keys.weights, **fetcher_options(cfg.weights))
     admission = Admission(r, keys, max_staleness=cfg.trainer.max_staleness, groups_per_step=cfg.trainer.groups_per_step)
     watch = VersionWatch(r, keys)
-    reader = group_reader(r, keys.prompts, GENERATORS_GROUP, worker_id, cfg.redis)
+    reader = sharded_reader(r, keys, "prompts", GENERATORS_GROUP, worker_id, cfg.redis)
     plen = prompt_length(cfg.task.digits) if cfg.task.kind == "arithmetic" else None
     max_len = context_length(cfg.model.base_dir) - cfg.task.max_new_tokens
     log.info("generator_started", group_size=g.group_size, transport=cfg.weights.transport, backend=g.backend)
@@ -107,7 +110,7 @@ def _generate_loop(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, backen
     while not stop_requested(r, keys) and (max_batches is None or batches < max_batches):
         version = swap_weights(fetcher, backend, version, log)
         # Backpressure before taking work: the verifiers have not drained what we wrote.
-        wait_for_room(r, keys, keys.rollouts, VERIFIERS_GROUP, bound=cfg.redis.max_stream_lag,
+        wait_for_room(r, keys, keys.stream_keys("rollouts"), VERIFIERS_GROUP, bound=cfg.redis.max_stream_lag,
                       worker_id=worker_id, stage="generator", log=log)
         # Already admitted: own entries left from before a restart, or a dead generator's.
         entries = reader.read_owned(g.prompts_per_batch)
@@ -122,11 +125,15 @@ def _generate_loop(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, backen
         good, bad = decode_entries(entries, PromptTask.decode,
                                    lambda t: check_prompt(t, prompt_len=plen, max_len=max_len,
                                                           vocab_size=backend.vocab_size), reader=reader)
+        if not entries:
+            continue
+        shard = keys.shard(entries[0].shard)  # one read, one shard
         pipe = r.pipeline(transaction=True)
+        releases = 0
         for e, reason in bad:
             log.warning("dead_letter", id=e.id, reason=reason)
-            dead_letter(pipe, keys, stream=keys.prompts, group=GENERATORS_GROUP, entry=e, reason=reason,
-                        consumer=worker_id, release_admission=True)
+            releases += dead_letter(pipe, keys, stream=shard.prompts, group=GENERATORS_GROUP, entry=e, reason=reason,
+                                    consumer=worker_id, release_admission=True)
         if good:
             batches += 1
             heartbeat(r, keys, worker_id, "generator", "generating", version=version, groups=produced)
@@ -136,16 +143,18 @@ def _generate_loop(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, backen
             n_tokens = int(sum(int(s.lengths.sum()) for s in samples))
             for (e, _), rec in zip(good, to_groups([t for _, t in good], samples, tok=tok, worker_id=worker_id,
                                                     batch=batches, version=version)):
-                pipe.xadd(keys.rollouts, {FIELD: rec.encode()})
-                pipe.xack(keys.prompts, GENERATORS_GROUP, e.id)
-            incr_stats(pipe, keys, groups_generated_total=len(good), tokens_generated_total=n_tokens,
+                pipe.xadd(shard.rollouts, {FIELD: rec.encode()})
+                pipe.xack(shard.prompts, GENERATORS_GROUP, e.id)
+            incr_stats(pipe, shard, groups_generated_total=len(good), tokens_generated_total=n_tokens,
                        generate_seconds_total=time.perf_counter() - t0)
             produced += len(good)
             log.info("batch_generated", groups=len(good), version=version, seconds=round(time.perf_counter() - t0, 4),
                      tokens=n_tokens,
                      prompt_ids=[t.prompt_id for _, t in good])
         pipe.execute()
+        release_admissions(r, keys, releases)
         if cfg.redis.trim_acked and batches % TRIM_EVERY == 0:
-            trim_acked(r, keys.prompts)
+            for key in keys.stream_keys("prompts"):
+                trim_acked(r, key)
     log.info("generator_stopped", groups=produced, version=version)
     return produced
