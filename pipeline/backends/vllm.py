@@ -178,9 +178,11 @@ class VllmGenerator:
 
         # vLLM refuses n > 1 with greedy sampling: ask for n copies of n=1 instead.
         copies, per_request = (n, 1) if temperature == 0 else (1, n)
+        # Stop at the tokenizer's eos only, as the torch sampler does: ignore_eos drops the
+        # generation config's end-of-sequence ids, stop_token_ids keeps ours (in the output).
         params = self._vllm.SamplingParams(
             n=per_request, temperature=temperature, max_tokens=max_new_tokens, logprobs=0,
-            stop_token_ids=[self.tokenizer.eos_id], detokenize=False, flat_logprobs=True,
+            stop_token_ids=[self.tokenizer.eos_id], ignore_eos=True, detokenize=False, flat_logprobs=True,
         )
         requests = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts for _ in range(copies)]
         outputs = self._llm.generate(requests, params, use_tqdm=False)
