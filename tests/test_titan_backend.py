@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -130,17 +131,23 @@ def test_dcp_checkpoint_from_two_ranks_resumes_on_one_rank(tmp_path, tiny_base_m
     assert json.loads((tmp_path / "greedy.json").read_text()) == want
 
 
-def test_pipeline_up_with_a_two_rank_torchtitan_trainer(tmp_path, tiny_base_model):
-    args = [sys.executable, "-m", "pipeline.cli", "up", "--runs_dir", str(tmp_path / "runs"), "--run-id", "titan",
-            "--model.base_dir", str(tiny_base_model), "--task.heldout_size", "50", "--trainer.groups_per_step", "4",
+def up_args(tmp_path, base, run_id: str, steps: int) -> list[str]:
+    return [sys.executable, "-m", "pipeline.cli", "up", "--runs_dir", str(tmp_path / "runs"), "--run-id", run_id,
+            "--model.base_dir", str(base), "--task.heldout_size", "50", "--trainer.groups_per_step", "4",
             "--trainer.eval_every", "2", "--generator.group_size", "4", "--generator.prompts_per_batch", "2",
             "--feeder.backlog", "16", "--verifier.batch", "4", "--verifier.min_fit_rows", "16",
             "--cluster.progress_every_s", "0.5", "--trainer.backend", "torchtitan", "--trainer.nproc", "2",
-            "--trainer.device", "cpu", "--trainer.steps", "3"]
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
-    p = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+            "--trainer.device", "cpu", "--trainer.steps", str(steps)]
+
+
+UP_ENV = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # the embedded server
+
+
+def test_pipeline_up_with_a_two_rank_torchtitan_trainer(tmp_path, tiny_base_model):
+    p = subprocess.run(up_args(tmp_path, tiny_base_model, "titan", 3), cwd=tmp_path, env=UP_ENV, capture_output=True,
+                       text=True, timeout=600)
     run = tmp_path / "runs" / "titan"
-    trainer_out = (run / "logs" / "trainer.out").read_text() if (run / "logs" / "trainer.out").exists() else ""
+    trainer_out = (run / "logs" / "train.out").read_text() if (run / "logs" / "train.out").exists() else ""
     assert p.returncode == 0, p.stdout[-3000:] + trainer_out[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["steps"] == 3, summary
@@ -156,6 +163,33 @@ def test_pipeline_up_with_a_two_rank_torchtitan_trainer(tmp_path, tiny_base_mode
     base = load_file(str(tiny_base_model / "model.safetensors"))
     assert sorted(final) == sorted(base) and any(not torch.equal(final[k], base[k]) for k in base)
     assert np.isfinite([s["loss"] for s in steps if "loss" in s]).all()
+
+
+def test_pipeline_down_stops_every_rank_after_a_checkpoint(tmp_path, tiny_base_model):
+    """SIGTERM reaches torchrun and every rank: followers wait for rank 0, which checkpoints its step and sends STOP."""
+    p = subprocess.Popen(up_args(tmp_path, tiny_base_model, "long", 100000), cwd=tmp_path, env=UP_ENV,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    run = tmp_path / "runs" / "long"
+    deadline = time.time() + 300
+    while not (run / "metrics.jsonl").exists() or '"kind": "step"' not in (run / "metrics.jsonl").read_text():
+        assert time.time() < deadline and p.poll() is None, "the cluster never trained a step"
+        time.sleep(0.5)
+    ranks = subprocess.run(["pgrep", "-f", f"pipeline.cli train --config {run}"], capture_output=True, text=True)
+    pids = [int(x) for x in ranks.stdout.split()]
+    assert len(pids) >= 3, ranks.stdout  # torchrun's agent and two ranks
+    down = subprocess.run([sys.executable, "-m", "pipeline.cli", "down", "--runs-dir", str(tmp_path / "runs")],
+                          capture_output=True, text=True, timeout=180)
+    assert down.returncode == 0, down.stderr
+    out = p.communicate(timeout=180)[0].decode()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["accounting"]["ok"], out[-3000:]
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[-1][:3], \
+            f"trainer process {pid} survived `pipeline down`"
+    latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    state = json.loads((latest / "state.json").read_text())
+    assert state["version"] == summary["steps"] and state["engine"]["world_size"] == 2
+    assert "Traceback" not in (run / "logs" / "train.out").read_text()
 
 
 def test_tied_embeddings_in_one_process_without_torchrun(tmp_path, tiny_base_model):
