@@ -421,8 +421,11 @@ def completion_logprobs(
     completion_ids: torch.Tensor,
     *,
     with_entropy: bool = False,
+    temperature: float = 1.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Log-probabilities (temperature 1) of ``completion_ids[N, T]`` after ``prompt_ids[N, P]``.
+    """Log-probabilities of ``completion_ids[N, T]`` after ``prompt_ids[N, P]`` under
+    ``softmax(logits / temperature)``: the distribution the sampler drew from, so that the
+    trainer's ratios compare like with like (temperature 0, greedy, scores at 1).
 
     One forward over the concatenation, with autograd. Positions after a row's eos
     get the log-probability of whatever token is there (pad); mask them with
@@ -442,6 +445,8 @@ def completion_logprobs(
     inputs = torch.cat([prompt_ids, completion_ids[:, :-1]], dim=1)
     # logits_to_keep=T: only the positions that predict completion tokens reach lm_head.
     logits = model(input_ids=inputs, use_cache=False, logits_to_keep=t).logits.float()
+    if temperature not in (0, 1):
+        logits = logits / temperature
     logp = F.log_softmax(logits, dim=-1)
     chosen = logp.gather(2, completion_ids.unsqueeze(2)).squeeze(2)
     if not with_entropy:
@@ -458,6 +463,7 @@ def ragged_completion_logprobs(
     *,
     pad_id: int,
     with_entropy: bool = False,
+    temperature: float = 1.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`completion_logprobs` for prompts of different lengths (1-D id tensors).
 
@@ -468,7 +474,8 @@ def ragged_completion_logprobs(
     """
     lens = [int(p.numel()) for p in prompts]
     if len(set(lens)) == 1:
-        return completion_logprobs(model, torch.stack(list(prompts)), completion_ids, with_entropy=with_entropy)
+        return completion_logprobs(model, torch.stack(list(prompts)), completion_ids, with_entropy=with_entropy,
+                                   temperature=temperature)
     n, t = completion_ids.shape
     if t == 0:
         raise ValueError("completion_ids has no tokens")
@@ -483,6 +490,8 @@ def ragged_completion_logprobs(
     offset = width - keep
     index = torch.tensor(lens).unsqueeze(1) - 1 - offset + torch.arange(t).unsqueeze(0)
     logits = logits[torch.arange(n).unsqueeze(1), index]
+    if temperature not in (0, 1):
+        logits = logits / temperature
     logp = F.log_softmax(logits, dim=-1)
     chosen = logp.gather(2, completion_ids.unsqueeze(2)).squeeze(2)
     if not with_entropy:

@@ -165,6 +165,25 @@ def test_sample_logprobs_equal_recomputed_completion_logprobs(model, tokenizer):
     assert bool((entropy >= 0).all()) and bool((entropy <= torch.log(torch.tensor(float(tokenizer.vocab_size))) + 1e-5).all())
 
 
+@pytest.mark.parametrize("temperature", [0.7, 1.6])
+def test_rescoring_at_the_sampling_temperature_matches_the_behaviour_logprobs(model, tokenizer, temperature):
+    """The trainer scores at generator.temperature; at 1 the numbers would differ (the
+    importance ratios of the loss would then be wrong from the first step)."""
+    from pipeline.model import ragged_completion_logprobs
+
+    prompt_ids = _prompts(tokenizer, 6).repeat_interleave(3, dim=0)
+    tokens, logprobs, lengths = sample(model, prompt_ids, max_new_tokens=6, temperature=temperature,
+                                       eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+                                       generator=torch.Generator().manual_seed(3))
+    mask = completion_mask(lengths, tokens.shape[1])
+    with torch.no_grad():
+        tempered = ragged_completion_logprobs(model, list(prompt_ids), tokens, pad_id=tokenizer.pad_id,
+                                              temperature=temperature)
+        plain = completion_logprobs(model, prompt_ids, tokens)
+    assert torch.allclose(tempered[mask], logprobs[mask], atol=1e-4)
+    assert not torch.allclose(plain[mask], logprobs[mask], atol=1e-2)
+
+
 def test_sample_logprobs_follow_the_tempered_distribution(model, tokenizer):
     prompt_ids = _prompts(tokenizer, 8)
     tokens, logprobs, _ = sample(

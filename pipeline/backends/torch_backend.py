@@ -99,13 +99,16 @@ def train_step(model, opt, groups: list[ScoredGroup], cfg: RunConfig, *, pad_id:
     prompts, comp_ids, behav, mask = pad_batch(groups, pad_id)
     adv = torch.cat([ADVANTAGES[t.advantage](torch.from_numpy(g.rewards.copy())) for g in groups])
     model.train()
-    logp, entropy = ragged_completion_logprobs(model, prompts, comp_ids, pad_id=pad_id, with_entropy=True)
+    # The policy being optimised is the one the generators sample: softmax(logits / temperature).
+    temp = cfg.generator.temperature
+    logp, entropy = ragged_completion_logprobs(model, prompts, comp_ids, pad_id=pad_id, with_entropy=True,
+                                               temperature=temp)
     settings = LossSettings(clip_eps=t.clip_eps, clip_eps_high=t.clip_eps_high, is_cap=t.is_cap)
     # One optimizer step per batch: the proximal policy is the current one, detached.
     loss, stats = LOSSES[t.loss](logp, logp.detach(), behav, adv, mask, settings)
     if ref_model is not None:
         with torch.no_grad():
-            ref_logp = ragged_completion_logprobs(ref_model, prompts, comp_ids, pad_id=pad_id)
+            ref_logp = ragged_completion_logprobs(ref_model, prompts, comp_ids, pad_id=pad_id, temperature=temp)
         kl = (kl_k3(logp, ref_logp) * mask).sum() / mask.sum()
         loss = loss + t.kl_coef * kl
         stats["kl_ref"] = float(kl)
