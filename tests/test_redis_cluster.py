@@ -236,6 +236,8 @@ def test_a_master_killed_and_restarted_mid_run_loses_and_repeats_nothing(tmp_pat
     chaos = summary["chaos"]
     assert [e["target"] for e in chaos["events"]] == ["redis"], chaos
     assert "of master redis://127.0.0.1:" in chaos["events"][0]["detail"], chaos
+    # The first restart hits master 0 (slots 0..5460), which serves shard 2 of this run.
+    assert _slot("{clchaos/2}") < 16384 // 3 and Keys("clchaos", shards=3).shard(2).prompts == "{clchaos/2}:prompts"
     v = chaos["verdict"]
     assert v["ok"] and v["finished"], v
     assert v["lost"] == 0 and v["duplicated"] == 0 and v["unexpected"] == 0
