@@ -336,6 +336,13 @@ def load_state_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor])
 # --------------------------------------------------------------------------- kernels
 
 
+def _cache_kwarg(model: torch.nn.Module) -> str:
+    """The KV-cache argument and output attribute of this transformers version's forward."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 @torch.no_grad()
 def sample(
     model: Qwen3ForCausalLM,
@@ -380,9 +387,11 @@ def sample(
     # expensive step) once per distinct prompt, then fan the KV cache out to the rows.
     unique, inverse = torch.unique(prompt_ids, dim=0, return_inverse=True)
     dedup = unique.shape[0] < n
-    # transformers 5 renamed the kwarg/attribute past_key_values -> cache.
+    # transformers 5.2x renamed the kwarg/attribute past_key_values -> cache; the GPU set's
+    # 5.20 still has the old name.
+    kwarg = _cache_kwarg(model)
     out = model(input_ids=unique if dedup else prompt_ids, use_cache=True, logits_to_keep=1)
-    cache = out.cache
+    cache = getattr(out, kwarg)
     logits = out.logits[:, -1, :].float()
     if dedup:
         cache.reorder_cache(inverse)
@@ -404,8 +413,8 @@ def sample(
         if t + 1 == max_new_tokens or bool(finished.all()):
             break
         # Finished rows keep being fed pad: without masks they only affect themselves.
-        out = model(input_ids=nxt.unsqueeze(1), cache=cache, use_cache=True)
-        cache = out.cache
+        out = model(input_ids=nxt.unsqueeze(1), use_cache=True, **{kwarg: cache})
+        cache = getattr(out, kwarg)
         logits = out.logits[:, -1, :].float()
     return tokens, logprobs, lengths
 

@@ -111,7 +111,7 @@ def train_step(model, opt, groups: list[ScoredGroup], cfg: RunConfig, *, pad_id:
             ref_logp = ragged_completion_logprobs(ref_model, prompts, comp_ids, pad_id=pad_id, temperature=temp)
         kl = (kl_k3(logp, ref_logp) * mask).sum() / mask.sum()
         loss = loss + t.kl_coef * kl
-        stats["kl_ref"] = float(kl)
+        stats["kl_ref"] = float(kl.detach())
     opt.zero_grad(set_to_none=True)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
