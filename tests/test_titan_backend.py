@@ -1,7 +1,7 @@
 """The torchtitan trainer engine (pipeline.backends.titan) under real ``torchrun`` launches on gloo.
 
 Parity: two FSDP2 ranks take the same GRPO steps as the single-process torch engine.
-Checkpoints: torch DCP written by two ranks resumes on one rank with the same next step.
+Checkpoints: sharded safetensors written by two ranks resumes on one rank with the same next step.
 Whole pipeline: ``pipeline up`` with a two-rank torchtitan trainer finishes its steps.
 """
 
@@ -96,14 +96,28 @@ def test_more_ranks_than_completions_still_steps_correctly(tmp_path, tiny_base_m
     assert_weights_close(load_file(str(tmp_path / "three.safetensors")), load_file(str(tmp_path / "one.safetensors")))
 
 
-def test_dcp_checkpoint_from_two_ranks_resumes_on_one_rank(tmp_path, tiny_base_model):
+def assert_safetensors_shards(directory, *, ranks: int) -> None:
+    """A distributed checkpoint is one safetensors file per rank, nothing pickled: every file
+    opens with safetensors, and together they hold the model, the AdamW state and the RNG."""
+    from safetensors import safe_open
+
+    files = sorted(directory.iterdir())
+    assert len(files) == ranks and all(f.suffix == ".safetensors" for f in files), [f.name for f in files]
+    names = set()
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            names |= set(fh.keys())
+    assert "rng" in names and any(n.startswith("model.") for n in names)
+    assert any(n.endswith(".exp_avg_sq") for n in names) and any(n.endswith(".step") for n in names)
+
+
+def test_sharded_checkpoint_from_two_ranks_resumes_on_one_rank(tmp_path, tiny_base_model):
     ckpt = tmp_path / "ckpt"
     torchrun(2, tiny_base_model, tmp_path / "a", "train:1", "lr", f"save:{ckpt}", "train:2",
              f"weights:{tmp_path / 'continued.safetensors'}")
-    files = {p.name for p in (ckpt / "dcp").iterdir()}
-    assert files == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    assert_safetensors_shards(ckpt / "shards", ranks=2)
     extras = json.loads((ckpt / "extras.json").read_text())
-    assert extras["format"] == "torch-dcp" and extras["world_size"] == 2 and extras["sched"]["last_epoch"] == 1
+    assert extras["format"] == "sharded-safetensors" and extras["world_size"] == 2 and extras["sched"]["last_epoch"] == 1
 
     export = tmp_path / "export"
     torchrun(1, tiny_base_model, tmp_path / "b", f"load:{ckpt}", "train:2",
@@ -156,9 +170,9 @@ def test_pipeline_up_with_a_two_rank_torchtitan_trainer(tmp_path, tiny_base_mode
     assert [s["version"] for s in steps if s.get("kind", "step") == "step" and "groups_trained" in s] == [1, 2, 3]
     ckpt = run / "checkpoints"
     latest = ckpt / (ckpt / "latest").read_text().strip()
-    assert {p.name for p in (latest / "dcp").iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    assert_safetensors_shards(latest / "shards", ranks=2)
     state = json.loads((latest / "state.json").read_text())
-    assert state["version"] == 3 and state["engine"]["format"] == "torch-dcp"
+    assert state["version"] == 3 and state["engine"]["format"] == "sharded-safetensors"
     final = load_file(str(ckpt / "final" / "model.safetensors"))
     base = load_file(str(tiny_base_model / "model.safetensors"))
     assert sorted(final) == sorted(base) and any(not torch.equal(final[k], base[k]) for k in base)

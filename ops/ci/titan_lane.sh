@@ -7,7 +7,7 @@
 #   TITAN_VENV=/some/dir bash ops/ci/titan_lane.sh
 #   TORCH_INDEX=https://download.pytorch.org/whl/cpu bash ops/ci/titan_lane.sh   # where no +cpu wheel is configured
 #
-# Measured on the 2-core dev machine: see docs/backends-titan.md ("The CI lane").
+# Measured on the 2-core dev machine: see docs/torchtitan.md ("The CI lane").
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # Outside the work tree, so the venv can never be committed.
@@ -31,7 +31,7 @@ fi
 step "installing requirements/titan-cpu.txt (torchtitan 0.3.0, triton 3.7.1; ~250 MB with their dependencies)"
 "${PIP[@]}" -r requirements/titan-cpu.txt
 step "installing the project with the test and math extras"
-"${PIP[@]}" -e '.[test,math]'
+"${PIP[@]}" -r requirements/cpu.txt   # the project, its test and math extras, the CPU pins
 "$VENV/bin/python" - <<'PY'
 import torch, torchtitan, transformers
 assert torch.__version__.startswith("2.13.0") and "+cpu" in torch.__version__, \

@@ -20,6 +20,8 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/pip" install --quiet --upgrade pip
 fi
 echo "ucx lane: installing the project with the test and ucx extras"
+# The CPU pins first (pyproject.toml holds ranges; an unpinned torch is a CUDA build), then the extra.
+"$VENV/bin/pip" install --quiet --progress-bar off -r requirements/cpu.txt
 "$VENV/bin/pip" install --quiet --progress-bar off -e '.[test,ucx]'
 "$VENV/bin/python" -c "import ucxx; print('ucx lane: ucxx', ucxx.__version__)"
 # -k ucx: the ucx cases of both weight test files (the shm/tcp ones run in the main lane).

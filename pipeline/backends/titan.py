@@ -23,10 +23,11 @@ The command protocol (rank 0 -> all, ``torch.distributed.broadcast``, no pickle)
              ``greedy`` and ``export_hf`` need nothing else from the followers: rank 0
              copies the gathered weights into a plain local ``transformers`` model and
              decodes or saves there.
-    SAVE     payload: the directory. torch.distributed.checkpoint of model, optimizer
-             and the torch RNG into ``<dir>/dcp`` (``.distcp`` shards + ``.metadata``).
-    LOAD     payload: the directory and the schedule state; the inverse of SAVE (DCP
-             reshards, so a checkpoint loads under a different rank count).
+    SAVE     payload: the directory. Model, optimizer and the torch RNG into
+             ``<dir>/shards``: each rank's rows as safetensors (``pipeline.backends.sharded_ckpt``;
+             no pickle, no object collectives).
+    LOAD     payload: the directory, the schedule state and learning rates; the inverse of
+             SAVE, resharding, so a checkpoint loads under a different rank count.
     STOP     the followers leave :func:`follow`.
 
 The model is built from the ``config.json`` of ``model.base_dir`` (SDPA attention, which
@@ -63,7 +64,7 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(days=7)
 for scored groups for as long as the generators take; a dead driver is noticed by
 ``torchrun``, which then stops the followers."""
 
-DCP_DIR = "dcp"
+SHARDS_DIR = "shards"
 """Subdirectory of a checkpoint holding the torch.distributed.checkpoint files."""
 
 
@@ -166,7 +167,7 @@ def build_titan_model(base_dir: Path):
 
 
 def titan_completion_logprobs(model, prompts: list[torch.Tensor], completion_ids: torch.Tensor, *, pad_id: int,
-                              with_entropy: bool = False):
+                              with_entropy: bool = False, temperature: float = 1.0):
     """Log-probabilities of ``completion_ids[N, T]`` after ``prompts`` (1-D, any lengths) under a titan model.
 
     Each row is its prompt and completion (less its last token) right-padded; causal
@@ -187,6 +188,8 @@ def titan_completion_logprobs(model, prompts: list[torch.Tensor], completion_ids
     logits = model(inputs)
     index = (lens.unsqueeze(1) - 1 + torch.arange(t).unsqueeze(0)).to(device)
     logits = logits[torch.arange(n, device=device).unsqueeze(1), index].float()
+    if temperature not in (0, 1):
+        logits = logits / temperature  # the generators' sampling distribution
     logp = F.log_softmax(logits, dim=-1)
     chosen = logp.gather(2, completion_ids.unsqueeze(2)).squeeze(2)
     if not with_entropy:
@@ -325,7 +328,7 @@ class TitanEngine:
                 self._save(Path(msgpack.unpackb(payload)["dir"]))
             elif op == OP_LOAD:
                 msg = msgpack.unpackb(payload, strict_map_key=False)
-                self._load(Path(msg["dir"]), msg["sched"])
+                self._load(Path(msg["dir"]), msg["sched"], msg.get("lrs"))
 
     # ---------------------------------------------------------------- collective work (every rank)
 
@@ -365,7 +368,9 @@ class TitanEngine:
         local_tokens = float(mask.sum())
 
         self.model.train()
-        logp, entropy = titan_completion_logprobs(self.model, prompts, ids, pad_id=pad_id, with_entropy=True)
+        temp = self.cfg.generator.temperature
+        logp, entropy = titan_completion_logprobs(self.model, prompts, ids, pad_id=pad_id, with_entropy=True,
+                                                  temperature=temp)
         settings = LossSettings(clip_eps=t.clip_eps, clip_eps_high=t.clip_eps_high, is_cap=t.is_cap)
         local_loss, stats = LOSSES[t.loss](logp, logp.detach(), behav, adv, mask, settings)
         # The loss is a token mean over this rank's tokens; re-weighted so that the summed
@@ -374,7 +379,7 @@ class TitanEngine:
         kl_sum = torch.zeros((), device=self.device)
         if self.ref_model is not None:
             with torch.no_grad():
-                ref_logp = titan_completion_logprobs(self.ref_model, prompts, ids, pad_id=pad_id)
+                ref_logp = titan_completion_logprobs(self.ref_model, prompts, ids, pad_id=pad_id, temperature=temp)
             kl_sum = (kl_k3(logp, ref_logp) * mask).sum()
             loss = loss + t.kl_coef * kl_sum / global_tokens
         self.opt.zero_grad(set_to_none=True)
@@ -415,23 +420,47 @@ class TitanEngine:
             hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
         return hf
 
+    def _tensor_state(self) -> dict[str, torch.Tensor]:
+        """Model and AdamW state as one flat dict of (DTensor) tensors: ``model.<fqn>``,
+        ``optim.state.<fqn>.<exp_avg|exp_avg_sq|step>`` and ``rng``. The optimizer's
+        hyper-parameters are not tensors; they come from the config, the learning rate from
+        the schedule state in ``state.json``."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        msd, osd = get_state_dict(self.model, self.opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+        state = {f"model.{k}": v for k, v in msd.items()}
+        state.update({f"optim.{k}": v for k, v in osd.items() if isinstance(v, torch.Tensor)})
+        state["rng"] = torch.get_rng_state()
+        return state
+
     def _save(self, directory: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from pipeline.backends.sharded_ckpt import save_sharded
 
-        msd, osd = get_state_dict(self.model, self.opt)
-        dcp.save({"model": msd, "optim": osd, "rng": torch.get_rng_state()}, checkpoint_id=str(directory / DCP_DIR))
+        # Every rank writes its own rows as safetensors (pipeline.backends.sharded_ckpt).
+        save_sharded(directory / SHARDS_DIR, self._tensor_state(), rank=self.rank, world=self.world)
+        torch.distributed.barrier()
 
-    def _load(self, directory: Path, sched: dict) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    def _load(self, directory: Path, sched: dict, lrs: list[float] | None = None) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-        msd, osd = get_state_dict(self.model, self.opt)
-        state = {"model": msd, "optim": osd, "rng": torch.get_rng_state()}
-        dcp.load(state, checkpoint_id=str(directory / DCP_DIR))
-        set_state_dict(self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        from pipeline.backends.sharded_ckpt import load_sharded
+
+        flat = StateDictOptions(flatten_optimizer_state_dict=True)
+        # The hyper-parameter entries (param_groups.<fqn>.lr, betas, ...) as they are now.
+        hyper = {k: v for k, v in get_state_dict(self.model, self.opt, options=flat)[1].items()
+                 if not isinstance(v, torch.Tensor)}
+        state = self._tensor_state()
+        # Reads the rows this rank needs, whatever the writers' rank count.
+        load_sharded(directory / SHARDS_DIR, state, rank=self.rank, world=self.world)
+        msd = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+        osd = {k[len("optim."):]: v for k, v in state.items() if k.startswith("optim.")}
+        osd.update(hyper)
+        set_state_dict(self.model, self.opt, model_state_dict=msd, optim_state_dict=osd, options=flat)
         torch.set_rng_state(state["rng"])
         self.sched.load_state_dict(sched)
+        if lrs is not None:
+            for group, lr in zip(self.opt.param_groups, lrs):
+                group["lr"] = lr
         self._gathered = None
         self._local_fresh = False
 
@@ -496,16 +525,17 @@ class TitanEngine:
         self._announce(OP_SAVE, msgpack.packb({"dir": str(directory)}))
         self._save(directory)
         self._busy = False
-        return {"format": "torch-dcp", "dir": DCP_DIR, "world_size": self.world, "sched": self.sched.state_dict()}
+        return {"format": "sharded-safetensors", "dir": SHARDS_DIR, "world_size": self.world, "sched": self.sched.state_dict(),
+                "lrs": [g["lr"] for g in self.opt.param_groups]}
 
     def load_state(self, directory: Path, extras: dict) -> None:
         self._driver("load_state")
-        if extras.get("format") != "torch-dcp":
-            raise ValueError(f"{directory}: not a torchtitan (torch DCP) checkpoint (format {extras.get('format')!r}); "
-                             "a checkpoint resumes only under the trainer.backend that wrote it")
+        if extras.get("format") != "sharded-safetensors":
+            raise ValueError(f"{directory}: not a torchtitan (sharded safetensors) checkpoint (format "
+                             f"{extras.get('format')!r}); a checkpoint resumes only under the trainer.backend that wrote it")
         directory = Path(directory).resolve()
-        self._announce(OP_LOAD, msgpack.packb({"dir": str(directory), "sched": extras["sched"]}))
-        self._load(directory, extras["sched"])
+        self._announce(OP_LOAD, msgpack.packb({"dir": str(directory), "sched": extras["sched"], "lrs": extras["lrs"]}))
+        self._load(directory, extras["sched"], extras["lrs"])
         self._busy = False
 
     def export_hf(self, directory: Path) -> None:
