@@ -17,7 +17,7 @@ that Weaver closes: (weaver − single) / (ground_truth − single).
     python bench/gap.py --reuse --extra distilled=runs/<id>   # add a run as an extra row (not in the gap)
 
 Beside the gap it reports the calibration of the Weaver posterior in the weaver run (hidden
-accuracy of the sampled answers per posterior bin, from runs/<id>/posteriors.jsonl): where a
+accuracy of the sampled answers per posterior bin, from runs/<id>/posteriors/): where a
 bin's accuracy is far from its posterior, the label model mis-weights its verifiers.
 
 Writes bench/results/gap.json, gap.md and gap.png (accuracy over steps, three runs).
@@ -69,11 +69,12 @@ def probe_verifiers(cfg, *, prompts: int, seed: int) -> dict:
 
 def posterior_calibration(run_dir: Path, *, last_steps: int = 30) -> list[dict]:
     """Hidden accuracy of sampled answers per Weaver-posterior bin over the run's last ``last_steps`` versions."""
-    path = run_dir / "posteriors.jsonl"
-    if not path.is_file():
+    from pipeline.distill import posterior_rows
+
+    rows = posterior_rows(run_dir)
+    if not rows:
         return []
     post, truth = [], []
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
     top = max(r["policy_version"] for r in rows)
     for r in rows:
         if r["posterior"] is not None and r["policy_version"] > top - last_steps:

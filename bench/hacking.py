@@ -8,7 +8,7 @@ reward that rises while the hidden accuracy falls. Per run it reports the change
 each between an early window (after the lr warm-up) and the last steps, the held-out
 greedy accuracy (base, best, final = mean of the last three evaluations), and the
 verdict, plus the per-verifier pass rates of the sampled answers early and late
-(from the run's posteriors.jsonl), which show *which* checks a hacking policy games.
+(from the run's posterior files), which show *which* checks a hacking policy games.
 
     python bench/hacking.py                  # 200 steps per run at lr 3e-4
     python bench/hacking.py --steps 120      # a smaller budget when time is short
@@ -48,13 +48,14 @@ def window_means(run: dict, field: str, *, start: int) -> tuple[float, float]:
 
 
 def pass_rates(run_dir: Path, *, start: int, last_from: int) -> dict:
-    """Per-verifier share of sampled answers passing (score >= 0.5), early vs late, from posteriors.jsonl."""
-    path = run_dir / "posteriors.jsonl"
-    if not path.is_file():
+    """Per-verifier share of sampled answers passing (score >= 0.5), early vs late, from the posterior files."""
+    from pipeline.distill import posterior_rows
+
+    rows = posterior_rows(run_dir)
+    if not rows:
         return {}
     early, late, names = [], [], None
-    for line in path.read_text().splitlines():
-        d = json.loads(line)
+    for d in rows:
         names = d["names"]
         v = np.array([[np.nan if x is None else x for x in row] for row in d["votes"]], dtype=float)
         if start < d["policy_version"] <= start + WINDOW:

@@ -75,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("run_path", metavar="RUN_DIR", help="the run directory, e.g. runs/<id>")
     dist = sub.add_parser("distill", help="train a distilled verifier (cross-encoder) on a run's Weaver posteriors",
                           description="Train a small cross-encoder on the Weaver posteriors a run recorded "
-                                      "(runs/<id>/posteriors.jsonl), report its selection-accuracy retention and "
+                                      "(runs/<id>/posteriors/<verifier>.jsonl), report its selection-accuracy retention and "
                                       "throughput against the ensemble, save it for the distilled:<dir> reward mode.")
     dist.add_argument("--run", required=True, help="run directory or run id")
     dist.add_argument("--out", help="output directory (default: <run>/distilled)")

@@ -234,7 +234,12 @@ def _stop_all(procs: dict[str, subprocess.Popen], grace_s: float = 15.0) -> None
         try:
             p.wait(5)
         except subprocess.TimeoutExpired:
-            p.kill()
+            # The whole group (every worker starts its own session): a torchrun agent's
+            # ranks die with it instead of outliving a SIGKILL of the agent alone.
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             p.wait()
 
 

@@ -3,7 +3,7 @@
 Weaver's last step replaces the whole weak-verifier ensemble plus label model with one
 learned scorer: (prompt, completion) -> P(correct), trained on the ensemble's soft
 posteriors, never on the hidden answers. Here the training data is what a run's verifier
-stage recorded in ``runs/<id>/posteriors.jsonl`` (one line per scored group: prompt,
+stage recorded in ``runs/<id>/posteriors/<verifier>.jsonl`` (one line per scored group: prompt,
 completions, votes, posterior, and the hidden truth, which is only used to *measure*).
 
     pipeline distill --run runs/<id>          # or just the run id
@@ -44,6 +44,25 @@ WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 REPORT_FILE = "report.json"
 POSTERIORS_FILE = "posteriors.jsonl"
+"""Where runs before per-worker files kept every verifier's lines (still read)."""
+POSTERIORS_DIR = "posteriors"
+"""``<run>/posteriors/<verifier worker>.jsonl``: each verifier replica appends to its own file,
+so replicas on several hosts sharing a network file system never interleave."""
+
+
+def posterior_files(run_dir: str | Path) -> list[Path]:
+    """A run's posterior files: ``posteriors/*.jsonl`` (one per verifier), and ``posteriors.jsonl``."""
+    run_dir = Path(run_dir)
+    files = sorted((run_dir / POSTERIORS_DIR).glob("*.jsonl"))
+    if (run_dir / POSTERIORS_FILE).is_file():
+        files.append(run_dir / POSTERIORS_FILE)
+    return files
+
+
+def posterior_rows(run_dir: str | Path) -> list[dict]:
+    """Every recorded line of a run's posterior files, parsed."""
+    return [json.loads(line) for f in posterior_files(run_dir) for line in f.read_text(encoding="utf-8").splitlines()
+            if line.strip()]
 
 
 # --------------------------------------------------------------------------- measures
@@ -114,7 +133,8 @@ class Group:
 
 
 def load_posteriors(path: str | Path) -> tuple[list[Group], list[str]]:
-    """Read a run's ``posteriors.jsonl``; returns (groups, verifier names).
+    """Read a posteriors file, or all of a run directory's (:func:`posterior_files`); returns
+    (groups, verifier names).
 
     Groups recorded without a posterior (a run whose reward mode used no label model)
     get one from a label model fitted here on all the recorded votes, which is what the
@@ -123,10 +143,13 @@ def load_posteriors(path: str | Path) -> tuple[list[Group], list[str]]:
     from pipeline.labelmodel import fit_label_model
 
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file; runs record it from the verifier stage on (posteriors.jsonl)")
+    files = posterior_files(path) if path.is_dir() else [path] if path.is_file() else []
+    if not files:
+        raise FileNotFoundError(f"{path}: no posteriors; runs record them from the verifier stage on "
+                                f"({POSTERIORS_DIR}/<worker>.jsonl)")
     groups, names, missing = [], None, []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    lines = [(f, n, line) for f in files for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1)]
+    for path, lineno, line in lines:
         if not line.strip():
             continue
         try:
@@ -459,7 +482,7 @@ def measure(verifier: DistilledVerifier, heldout: Sequence[Group], train_groups:
 def resolve_run(run: str, runs_dir: str | Path = "runs") -> Path:
     """A run directory from a path or a run id; FileNotFoundError when neither exists."""
     p = Path(run)
-    if (p / POSTERIORS_FILE).is_file() or (p / "config.toml").is_file():
+    if posterior_files(p) or (p / "config.toml").is_file():
         return p
     q = Path(runs_dir) / run
     if q.is_dir():
@@ -475,7 +498,7 @@ def distill_run(run_dir: str | Path, cfg: DistillConfig, *, out: str | Path | No
     run_dir = Path(run_dir)
     run_cfg = load_config(str(run_dir / "config.toml"), {}) if (run_dir / "config.toml").is_file() else None
     base_dir = run_cfg.model.base_dir if run_cfg is not None else None
-    groups, names = load_posteriors(run_dir / POSTERIORS_FILE)
+    groups, names = load_posteriors(run_dir)
     train_groups, heldout = split_groups(groups, heldout_fraction=cfg.heldout_fraction, seed=cfg.seed)
     if not train_groups or not heldout:
         raise ValueError(f"{run_dir}: too few prompts ({len(groups)} groups) to hold some out")

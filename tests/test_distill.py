@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from pipeline import task
-from pipeline.distill import (DistillConfig, DistilledVerifier, distill_run, load_posteriors, selection_accuracy,
+from pipeline.distill import (DistillConfig, DistilledVerifier, distill_run, load_posteriors, posterior_files,
+                              posterior_rows, selection_accuracy,
                               split_groups, train)
 from pipeline.model import CharTokenizer
 from pipeline.rewards import compute_rewards, parse_reward_mode
@@ -175,7 +176,9 @@ def test_the_verifier_stage_records_posteriors_and_can_reward_with_the_distilled
         log = setup_logging(tmp_path / "logs", stage="verifier", worker="ver-0")
         assert run_verifier(cfg, redis_client, keys, "ver-0", log, max_batches=1) == 3
         scored = [ScoredGroup.decode(f[FIELD]) for _, f in redis_client.xrange(keys.scored)]
-        lines = [json.loads(x) for x in (tmp_path / run_id / "posteriors.jsonl").read_text().splitlines()]
+        # One file per verifier replica, read back through the run directory.
+        assert [f.name for f in posterior_files(tmp_path / run_id)] == ["ver-0.jsonl"]
+        lines = posterior_rows(tmp_path / run_id)
         assert [x["prompt_id"] for x in lines] == [g.rollout.prompt_id for g in scored]
         for line, g in zip(lines, scored):
             assert line["completions"] == list(g.rollout.completions)

@@ -112,14 +112,16 @@ def reward_mode(v: VerifierConfig) -> RewardMode:
     return mode
 
 
-POSTERIORS_FILE = "posteriors.jsonl"
-"""Per run: one JSON line per scored group (prompt, completions, votes, Weaver posterior, hidden
-truth), the training data of ``pipeline distill``; the scored stream itself is gone after the run."""
+POSTERIORS_DIR = "posteriors"
+"""Per run and verifier replica, ``posteriors/<worker>.jsonl``: one JSON line per scored group
+(prompt, completions, votes, Weaver posterior, hidden truth), the training data of ``pipeline
+distill``; the scored stream itself is gone after the run. One file per replica, so replicas on
+several hosts appending over a network file system never interleave."""
 
 
 def posterior_row(g: RolloutGroup, votes: np.ndarray, truth: np.ndarray, lm: LabelModel | None,
                   names) -> dict:
-    """One group's line of ``posteriors.jsonl``; ``posterior`` is null when no label model was in use."""
+    """One group's line of the posteriors file; ``posterior`` is null when no label model was in use."""
     post = None if lm is None else [round(float(x), 5) for x in lm.posterior(votes, list(names))]
     return {"group_id": g.group_id, "prompt_id": g.prompt_id, "prompt": g.prompt,
             "completions": list(g.completions), "names": list(names),
@@ -164,7 +166,7 @@ def run_verifier(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batc
     the_task = make_task(cfg.task)
     shared = SharedLabelModel(r, keys, v, worker_id, log) if mode.needs_label_model else None
     reader = sharded_reader(r, keys, "rollouts", VERIFIERS_GROUP, worker_id, cfg.redis)
-    posteriors_path = cfg.run_dir / POSTERIORS_FILE
+    posteriors_path = cfg.run_dir / POSTERIORS_DIR / f"{worker_id}.jsonl"
     scorer = Scorer(v.verifiers, timeouts=v.timeout_map(), default_timeout_s=v.timeout_s)
     batches, scored = 0, 0
     log.info("verifier_started", reward=v.reward, verifiers=v.verifiers)
