@@ -310,9 +310,9 @@ def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def load_state_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy ``tensors`` into ``model`` in place; names and shapes must match exactly."""
-    expected = {name: t.shape for name, t in model.state_dict().items()}
+def fit_errors(expected: dict[str, tuple[int, ...]], tensors: dict) -> str:
+    """What keeps ``tensors`` from fitting the ``expected`` names and shapes ("" when they fit):
+    missing and unexpected names, and shape mismatches."""
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     mismatched = sorted(
@@ -320,15 +320,16 @@ def load_state_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor])
         for name in set(expected) & set(tensors)
         if tuple(tensors[name].shape) != tuple(expected[name])
     )
-    if missing or unexpected or mismatched:
-        parts = []
-        if missing:
-            parts.append(f"missing {missing}")
-        if unexpected:
-            parts.append(f"unexpected {unexpected}")
-        if mismatched:
-            parts.append(f"shape mismatch {mismatched}")
-        raise ValueError("state tensors do not fit the model: " + "; ".join(parts))
+    parts = [f"{what} {names}" for what, names in
+             (("missing", missing), ("unexpected", unexpected), ("shape mismatch", mismatched)) if names]
+    return "; ".join(parts)
+
+
+def load_state_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy ``tensors`` into ``model`` in place; names and shapes must match exactly."""
+    misfit = fit_errors({name: tuple(t.shape) for name, t in model.state_dict().items()}, tensors)
+    if misfit:
+        raise ValueError("state tensors do not fit the model: " + misfit)
     with torch.no_grad():
         model.load_state_dict(tensors, strict=True)
 
@@ -454,10 +455,17 @@ def completion_logprobs(
     inputs = torch.cat([prompt_ids, completion_ids[:, :-1]], dim=1)
     # logits_to_keep=T: only the positions that predict completion tokens reach lm_head.
     logits = model(input_ids=inputs, use_cache=False, logits_to_keep=t).logits.float()
+    return token_logprobs(logits, completion_ids, temperature=temperature, with_entropy=with_entropy)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, temperature: float = 1.0,
+                   with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities of ``tokens[N, T]`` under ``softmax(logits[N, T, V] / temperature)``
+    (temperature 0, greedy, scores at 1), and optionally each position's entropy (no gradient)."""
     if temperature not in (0, 1):
         logits = logits / temperature
     logp = F.log_softmax(logits, dim=-1)
-    chosen = logp.gather(2, completion_ids.unsqueeze(2)).squeeze(2)
+    chosen = logp.gather(2, tokens.unsqueeze(2)).squeeze(2)
     if not with_entropy:
         return chosen
     with torch.no_grad():
@@ -499,15 +507,7 @@ def ragged_completion_logprobs(
     offset = width - keep
     index = torch.tensor(lens).unsqueeze(1) - 1 - offset + torch.arange(t).unsqueeze(0)
     logits = logits[torch.arange(n).unsqueeze(1), index]
-    if temperature not in (0, 1):
-        logits = logits / temperature
-    logp = F.log_softmax(logits, dim=-1)
-    chosen = logp.gather(2, completion_ids.unsqueeze(2)).squeeze(2)
-    if not with_entropy:
-        return chosen
-    with torch.no_grad():
-        entropy = -(logp.exp() * logp).sum(dim=-1)
-    return chosen, entropy
+    return token_logprobs(logits, completion_ids, temperature=temperature, with_entropy=with_entropy)
 
 
 def greedy_answers(

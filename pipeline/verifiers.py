@@ -322,12 +322,18 @@ def majority(prompt: str, completions: Sequence[str]) -> np.ndarray:
     Weak: a group that agrees on a wrong answer passes it.
     """
     del prompt
-    answers = _answers(completions)
+    return frequency_scores(_answers(completions))
+
+
+def frequency_scores(answers: Sequence[object | None]) -> np.ndarray:
+    """Min-max rescaled frequency of each answer among the group's (Weaver's majority rule):
+    1 for all when every answer is equally frequent, 0 for no answer, NaN throughout when
+    no completion has one."""
     counts = Counter(a for a in answers if a is not None)
     if not counts:
-        return np.full(len(completions), np.nan, dtype=np.float32)
+        return np.full(len(answers), np.nan, dtype=np.float32)
     c_min, c_max = min(counts.values()), max(counts.values())
-    out = np.zeros(len(completions), dtype=np.float32)
+    out = np.zeros(len(answers), dtype=np.float32)
     for i, ans in enumerate(answers):
         if ans is not None:
             out[i] = 1.0 if c_max == c_min else (counts[ans] - c_min) / (c_max - c_min)
@@ -531,13 +537,4 @@ def boxed_majority(prompt: str, completions: Sequence[str]) -> np.ndarray:
 
     del prompt
     answers = [boxed_answer(c) for c in completions]
-    answers = [None if a is None else " ".join(a.split()) for a in answers]
-    counts = Counter(a for a in answers if a is not None)
-    if not counts:
-        return np.full(len(completions), np.nan, dtype=np.float32)
-    c_min, c_max = min(counts.values()), max(counts.values())
-    out = np.zeros(len(completions), dtype=np.float32)
-    for i, ans in enumerate(answers):
-        if ans is not None:
-            out[i] = 1.0 if c_max == c_min else (counts[ans] - c_min) / (c_max - c_min)
-    return out
+    return frequency_scores([None if a is None else " ".join(a.split()) for a in answers])

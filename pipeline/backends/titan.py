@@ -49,10 +49,10 @@ import msgpack
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from pipeline.config import RunConfig
 from pipeline.losses import ADVANTAGES, LOSSES, LossSettings, kl_k3
+from pipeline.model import token_logprobs
 from pipeline.records import ScoredGroup
 
 OP_TRAIN, OP_LR_STEP, OP_WEIGHTS, OP_SAVE, OP_LOAD, OP_STOP = 1, 2, 3, 4, 5, 6
@@ -188,15 +188,8 @@ def titan_completion_logprobs(model, prompts: list[torch.Tensor], completion_ids
     logits = model(inputs)
     index = (lens.unsqueeze(1) - 1 + torch.arange(t).unsqueeze(0)).to(device)
     logits = logits[torch.arange(n, device=device).unsqueeze(1), index].float()
-    if temperature not in (0, 1):
-        logits = logits / temperature  # the generators' sampling distribution
-    logp = F.log_softmax(logits, dim=-1)
-    chosen = logp.gather(2, completion_ids.unsqueeze(2)).squeeze(2)
-    if not with_entropy:
-        return chosen
-    with torch.no_grad():
-        entropy = -(logp.exp() * logp).sum(dim=-1)
-    return chosen, entropy
+    # At the generators' sampling temperature, like the torch engine.
+    return token_logprobs(logits, completion_ids, temperature=temperature, with_entropy=with_entropy)
 
 
 # --------------------------------------------------------------------------- process group

@@ -97,22 +97,11 @@ def checkpoint_shapes(directory: str | os.PathLike[str]) -> dict[str, tuple[int,
 
 def check_fit(expected: dict[str, tuple[int, ...]], tensors: dict[str, Any]) -> None:
     """Raise ValueError unless ``tensors`` has exactly the ``expected`` names and shapes."""
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    mismatched = sorted(
-        f"{name}: expected {expected[name]}, got {tuple(tensors[name].shape)}"
-        for name in set(expected) & set(tensors)
-        if tuple(tensors[name].shape) != expected[name]
-    )
-    if missing or unexpected or mismatched:
-        parts = []
-        if missing:
-            parts.append(f"missing {missing}")
-        if unexpected:
-            parts.append(f"unexpected {unexpected}")
-        if mismatched:
-            parts.append(f"shape mismatch {mismatched}")
-        raise ValueError("weights do not fit the vLLM model: " + "; ".join(parts))
+    from pipeline.model import fit_errors
+
+    misfit = fit_errors(expected, tensors)
+    if misfit:
+        raise ValueError("weights do not fit the vLLM model: " + misfit)
 
 
 class VllmGenerator:
