@@ -238,6 +238,51 @@ def test_the_keda_schema_rejects_what_keda_would(change, why):
     assert list(validator.iter_errors(so)), why
 
 
+def _cluster_scaled_objects() -> list[dict]:
+    return [d for d in yaml.safe_load_all((K8S / "cluster" / "keda.yaml").read_text()) if d]
+
+
+def test_cluster_scaled_objects_cover_every_shard_of_the_sharded_streams():
+    """ops/k8s/cluster/keda.yaml: one redis-cluster-streams lag and pending trigger per shard,
+    on exactly the keys pipeline.keys gives a sharded run of the manifests' run id."""
+    from pipeline.config import RedisConfig
+
+    validator = jsonschema.Draft202012Validator(_keda_schema())
+    run_id = tomllib.loads(_run_config_text())["run_id"]
+    base = {so["metadata"]["name"]: so["spec"]["scaleTargetRef"]["name"] for so in _of_kind("ScaledObject")}
+    scaled = _cluster_scaled_objects()
+    assert {so["metadata"]["name"]: so["spec"]["scaleTargetRef"]["name"] for so in scaled} == base
+    for so in scaled:
+        errors = sorted(validator.iter_errors(so), key=lambda e: list(e.path))
+        assert not errors, [f"{list(e.path)}: {e.message}" for e in errors]
+        metas = [t["metadata"] for t in so["spec"]["triggers"]]
+        assert all(t["type"] == "redis-cluster-streams" for t in so["spec"]["triggers"])
+        shards = len({m["stream"] for m in metas})
+        assert shards >= 2
+        keys = Keys.of(run_id, RedisConfig(cluster=True, shards=shards))
+        name, group = {"rlpipe-generator": ("prompts", GENERATORS_GROUP),
+                       "rlpipe-verifier": ("rollouts", VERIFIERS_GROUP)}[so["metadata"]["name"]]
+        expected = {getattr(keys.shard(k), name) for k in range(shards)}
+        assert {m["stream"] for m in metas if "lagCount" in m} == expected
+        assert {m["stream"] for m in metas if "pendingEntriesCount" in m} == expected
+        assert all(m["consumerGroup"] == group and m["passwordFromEnv"] == "REDIS_PASSWORD" for m in metas)
+        assert so["spec"]["minReplicaCount"] >= 1
+
+
+@pytest.mark.parametrize("change, why", [
+    (lambda m: m.update(address=m.pop("addresses")), "the single-server address field"),
+    (lambda m: m.update(databaseIndex="0"), "a database index (a cluster has only 0)"),
+    (lambda m: m.update(addresses="redis://node:6379"), "a URL where KEDA wants host:port"),
+    (lambda m: m.pop("activationLagCount"), "lagCount without activationLagCount"),
+])
+def test_the_keda_schema_checks_cluster_triggers_too(change, why):
+    validator = jsonschema.Draft202012Validator(_keda_schema())
+    so = json.loads(json.dumps(_cluster_scaled_objects()[0]))
+    meta = next(t["metadata"] for t in so["spec"]["triggers"] if "lagCount" in t["metadata"])
+    change(meta)
+    assert list(validator.iter_errors(so)), why
+
+
 # ----------------------------------------------------------------------------- Slurm
 
 
