@@ -279,6 +279,18 @@ def save_checkpoint(model: torch.nn.Module, tokenizer, directory: str | os.PathL
     return final
 
 
+def safetensors_files(directory: str | os.PathLike[str]) -> list[Path]:
+    """The weight files of an HF checkpoint directory: ``model.safetensors``, or the shards
+    its ``model.safetensors.index.json`` lists."""
+    d = Path(directory)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        return [d / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    if (d / "model.safetensors").is_file():
+        return [d / "model.safetensors"]
+    raise FileNotFoundError(f"no model.safetensors (or index) in {d}")
+
+
 def load_checkpoint(directory: str | os.PathLike[str]):
     """Load a local HF causal-LM checkpoint directory and its tokenizer (safetensors only, never pickle).
 

@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from pipeline.config import RunConfig
 from pipeline.losses import ADVANTAGES, LOSSES, LossSettings, kl_k3
-from pipeline.model import token_logprobs
+from pipeline.model import safetensors_files, token_logprobs
 from pipeline.records import ScoredGroup
 
 OP_TRAIN, OP_LR_STEP, OP_WEIGHTS, OP_SAVE, OP_LOAD, OP_STOP = 1, 2, 3, 4, 5, 6
@@ -141,16 +141,10 @@ def read_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
     """Every tensor of an HF checkpoint directory (``model.safetensors`` or its sharded index)."""
     from safetensors.torch import load_file
 
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (directory / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"no model.safetensors (or index) in {directory}")
+    files = safetensors_files(directory)
     out: dict[str, torch.Tensor] = {}
     for f in files:
-        out.update(load_file(str(directory / f)))
+        out.update(load_file(str(f)))
     return out
 
 

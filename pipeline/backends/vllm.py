@@ -76,17 +76,12 @@ def engine_seed(seed: int, worker_id: str) -> int:
 def checkpoint_shapes(directory: str | os.PathLike[str]) -> dict[str, tuple[int, ...]]:
     """Every tensor's name and shape in a checkpoint's safetensors file(s), read from the
     headers alone (``model.safetensors``, or the shards ``model.safetensors.index.json`` lists)."""
-    d = Path(directory)
-    index = d / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (d / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"no model.safetensors (or index) in {d}")
+    from pipeline.model import safetensors_files
+
+    files = safetensors_files(directory)
     shapes: dict[str, tuple[int, ...]] = {}
     for name in files:
-        with open(d / name, "rb") as f:
+        with open(name, "rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(size))
         for key, meta in header.items():
