@@ -27,6 +27,11 @@ from pipeline.weights.manifest import WeightsError
 _VERSION_FIELD = "version"
 _ANNOUNCE_FIELD = "announce"
 
+JOIN_WINDOW_S = 2.0
+"""After (re)connecting its SUB socket, a watcher re-reads the hash every JOIN_RECHECK_S for
+this long: notes sent before the subscription reaches the publisher are dropped by PUB."""
+JOIN_RECHECK_S = 0.05
+
 
 class Announcer:
     """The publisher's PUB socket on ``host``: ``port`` (0: a free one); one note per version.
@@ -87,17 +92,25 @@ class WeightWatch:
         self._ctx = zmq.Context()
         self._sub: zmq.Socket | None = None
         self._endpoint: str | None = None
+        self._connected_at = float("-inf")
 
     def latest(self) -> int:
         """Newest version in the durable hash (-1 if none); reconnects the SUB socket
-        when the publisher moved (restart) and drops notes already covered."""
+        when the publisher moved (restart) and drops notes already covered.
+
+        Notes are drained *before* the hash is read: the publisher writes the hash, then
+        sends the note, so every note drained here is covered by the read that follows,
+        and a note sent after the read stays queued and wakes the next poll. (Draining
+        after the read lost a note that landed between the two, leaving the watcher asleep
+        for ``recheck_s``.)
+        """
+        self._drain()
         try:
             version, endpoint = self._redis.hmget(self._key, [_VERSION_FIELD, _ANNOUNCE_FIELD])
         except redis.RedisError as e:
             raise WeightsError(f"cannot read {self._key!r} from Redis: {e}") from e
         if endpoint is not None:
             self._connect(endpoint.decode() if isinstance(endpoint, bytes) else endpoint)
-        self._drain()
         if version is None:
             return -1
         try:
@@ -117,7 +130,12 @@ class WeightWatch:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            step_ms = max(1, round(min(remaining, self._recheck_s) * 1000))
+            step_s = min(remaining, self._recheck_s)
+            if time.monotonic() - self._connected_at < JOIN_WINDOW_S:
+                # A fresh SUB socket misses notes until its subscription reaches the
+                # publisher (ZeroMQ's slow joiner); re-read the hash often meanwhile.
+                step_s = min(step_s, JOIN_RECHECK_S)
+            step_ms = max(1, round(step_s * 1000))
             if self._sub is not None:
                 self._sub.poll(step_ms)  # a note, or the recheck period, ends the wait
             else:
@@ -148,6 +166,7 @@ class WeightWatch:
         self._sub.setsockopt(zmq.SUBSCRIBE, self._topic)
         self._sub.connect(endpoint)
         self._endpoint = endpoint
+        self._connected_at = time.monotonic()
 
     def _drain(self) -> None:
         if self._sub is None:
