@@ -101,6 +101,11 @@ def load_tokenizer(directory: str | os.PathLike[str]) -> Tokenizer:
     return HFTokenizer(d)
 
 
+def model_context_length(directory: str | os.PathLike[str]) -> int:
+    """The checkpoint's context length (``config.json`` ``max_position_embeddings``; unbounded when absent)."""
+    return int(_read_json(Path(directory) / "config.json").get("max_position_embeddings", 1 << 30))
+
+
 def model_vocab_size(directory: str | os.PathLike[str]) -> int:
     """Rows of the checkpoint's embedding (``config.json`` ``vocab_size``), which may exceed the tokenizer's."""
     cfg = _read_json(Path(directory) / "config.json")

@@ -48,6 +48,17 @@ def sample_prompts(model, prompts: list[np.ndarray], *, n: int, max_new_tokens: 
     return out  # type: ignore[return-value]
 
 
+def greedy_decode(model, tokenizer, prompts: list[np.ndarray], *, max_new_tokens: int,
+                  batch_size: int = 1000) -> list[str]:
+    """Decoded greedy completions of ``prompts`` (any lengths), in order, ``batch_size`` at a time."""
+    out: list[str] = []
+    for start in range(0, len(prompts), batch_size):
+        for s in sample_prompts(model, prompts[start: start + batch_size], n=1, max_new_tokens=max_new_tokens,
+                                temperature=0.0, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id):
+            out.append(tokenizer.decode(s.tokens[0].tolist()))
+    return out
+
+
 class TorchGenerator:
     """``generator.backend = "torch"``."""
 
@@ -151,15 +162,8 @@ class TorchEngine:
     def weights(self) -> dict[str, torch.Tensor]:
         return {name: t.detach() for name, t in self.model.state_dict().items()}
 
-    def greedy(self, prompts: list[np.ndarray], *, max_new_tokens: int, batch_size: int = 1000) -> list[str]:
-        out: list[str] = [""] * len(prompts)
-        for start in range(0, len(prompts), batch_size):
-            chunk = prompts[start: start + batch_size]
-            for k, s in enumerate(sample_prompts(self.model, chunk, n=1, max_new_tokens=max_new_tokens,
-                                                 temperature=0.0, eos_id=self.tokenizer.eos_id,
-                                                 pad_id=self.tokenizer.pad_id)):
-                out[start + k] = self.tokenizer.decode(s.tokens[0].tolist())
-        return out
+    def greedy(self, prompts: list[np.ndarray], *, max_new_tokens: int) -> list[str]:
+        return greedy_decode(self.model, self.tokenizer, prompts, max_new_tokens=max_new_tokens)
 
     def save_state(self, directory: Path) -> dict:
         groups = checkpoint.write_torch_state(directory, self.model, self.opt)

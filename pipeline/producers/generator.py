@@ -23,6 +23,7 @@ from pipeline.streams import (FIELD, Admission, VersionWatch, dead_letter, decod
                               heartbeat, incr_stats, release_admissions, sharded_reader, stop_requested, trim_acked,
                               wait_for_room)
 from pipeline.task import prompt_length
+from pipeline.tokenizer import model_context_length
 from pipeline.weights import WeightsError, fetcher_options, make_fetcher
 
 
@@ -73,14 +74,6 @@ def to_groups(tasks: list[PromptTask], samples: list[Sampled], *, tok, worker_id
     return out
 
 
-def context_length(base_dir: str) -> int:
-    """The checkpoint's ``max_position_embeddings``."""
-    import json
-    from pathlib import Path
-
-    return int(json.loads((Path(base_dir) / "config.json").read_text()).get("max_position_embeddings", 1 << 30))
-
-
 def run_generator(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batches: int | None = None) -> int:
     """Generate until stopped (or ``max_batches`` batches); returns groups produced."""
     g = cfg.generator
@@ -91,7 +84,7 @@ def run_generator(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_bat
     watch = VersionWatch(r, keys)
     reader = sharded_reader(r, keys, "prompts", GENERATORS_GROUP, worker_id, cfg.redis)
     plen = prompt_length(cfg.task.digits) if cfg.task.kind == "arithmetic" else None
-    max_len = context_length(cfg.model.base_dir) - cfg.task.max_new_tokens
+    max_len = model_context_length(cfg.model.base_dir) - cfg.task.max_new_tokens
     log.info("generator_started", group_size=g.group_size, transport=cfg.weights.transport, backend=g.backend)
     try:
         produced = _generate_loop(cfg, r, keys, worker_id, log, backend=backend, fetcher=fetcher,
