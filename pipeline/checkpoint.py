@@ -2,13 +2,14 @@
 
 A checkpoint is a directory ``<run_dir>/checkpoints/step-<version>/``:
 
-    model.safetensors      the policy's weights under their HF names
-    optimizer.safetensors  AdamW's per-parameter state (step, exp_avg, exp_avg_sq) and the
-                           torch RNG state, as plain tensors
-    state.json             version, schedule state, optimizer hyper-parameters, evaluations,
-                           the label-model versions trained on, and the *uncommitted steps*:
-                           for each step since the previous checkpoint, the stream entry ids it
-                           consumed and each prompt's outcome
+    (the engine's tensors) the torch engine: ``model.safetensors`` (weights under their HF
+                           names) and ``optimizer.safetensors`` (AdamW's per-parameter state
+                           and the torch RNG, :func:`write_torch_state`); torchtitan: one
+                           safetensors file per rank (``pipeline.backends.sharded_ckpt``)
+    state.json             version, evaluations, the label-model versions trained on, the
+                           engine's JSON extras (schedule state, optimizer settings), and the
+                           *uncommitted steps*: for each step since the previous checkpoint,
+                           the stream entry ids it consumed and each prompt's outcome
 
 No pickle anywhere: tensors go through safetensors, the rest is JSON. The directory is
 written under a temporary name, fsynced and renamed, then ``latest`` (a one-line file)
@@ -56,9 +57,6 @@ class StepRecord:
 @dataclass
 class TrainerState:
     version: int
-    sched: dict[str, Any]
-    """The learning-rate schedule's state_dict (plain numbers)."""
-    param_groups: list[dict[str, Any]]
     evals: dict[int, float]
     uncommitted: list[StepRecord]
     labelmodel_versions: list[int] = field(default_factory=list)
@@ -96,13 +94,11 @@ def _restore_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tens
     opt.load_state_dict({"state": state, "param_groups": groups})
 
 
-def write_torch_state(directory: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, *,
-                      version: int | None = None) -> list[dict[str, Any]]:
+def write_torch_state(directory: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """``model.safetensors`` and ``optimizer.safetensors`` (with the torch RNG) of one process;
     returns the optimizer's param groups (JSON)."""
     model_tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
-    save_file(model_tensors, str(directory / "model.safetensors"),
-              metadata=None if version is None else {"version": str(version)})
+    save_file(model_tensors, str(directory / "model.safetensors"))
     opt_tensors, groups = _optimizer_tensors(opt)
     opt_tensors["rng.torch"] = torch.get_rng_state()
     save_file(opt_tensors, str(directory / "optimizer.safetensors"))
@@ -120,25 +116,19 @@ def read_torch_state(directory: Path, model: torch.nn.Module, opt: torch.optim.O
     torch.set_rng_state(opt_tensors["rng.torch"])
 
 
-def save(directory: Path, *, state: TrainerState, keep: int = 2, model: torch.nn.Module | None = None,
-         opt: torch.optim.Optimizer | None = None, write: Callable[[Path], dict[str, Any]] | None = None) -> Path:
+def save(directory: Path, *, state: TrainerState, write: Callable[[Path], dict[str, Any]], keep: int = 2) -> Path:
     """Write one checkpoint atomically and point ``latest`` at it; keeps the newest ``keep``.
 
-    The tensors come from ``write(tmp_dir)`` (a training engine's ``save_state``, whose
-    JSON extras land in ``state.engine``) or, for one process, from ``model`` and ``opt``.
+    The tensors come from ``write(tmp_dir)`` (a training engine's ``save_state``), whose
+    JSON extras land in ``state.engine``.
     """
-    if (write is None) == (model is None or opt is None):
-        raise ValueError("checkpoint.save needs either write= or both model= and opt=")
     directory.mkdir(parents=True, exist_ok=True)
     name = f"step-{state.version:06d}"
     final = directory / name
     tmp = directory / f".{name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    if write is not None:
-        state.engine = write(tmp)
-    else:
-        state.param_groups = write_torch_state(tmp, model, opt, version=state.version)
+    state.engine = write(tmp)
     state.saved_at = time.time()
     meta = {**state.__dict__, "uncommitted": [s.__dict__ for s in state.uncommitted],
             "evals": {str(k): v for k, v in state.evals.items()}}
@@ -170,15 +160,15 @@ def latest(directory: Path) -> Path | None:
     return path if (path / "state.json").is_file() else None
 
 
-def load(path: Path, *, model: torch.nn.Module | None = None, opt: torch.optim.Optimizer | None = None) -> TrainerState:
-    """A checkpoint's trainer state; with ``model`` and ``opt`` also restores them and the torch RNG
-    (a training engine restores itself from ``path`` and ``state.engine`` instead)."""
+def load(path: Path) -> TrainerState:
+    """A checkpoint's trainer state; the training engine restores its tensors from ``path``
+    and ``state.engine``."""
     meta = json.loads((path / "state.json").read_text())
-    if model is not None and opt is not None:
-        read_torch_state(path, model, opt, meta["param_groups"])
+    if not meta.get("engine"):
+        raise ValueError(f"{path}: no training-engine state (written by an older version of the trainer); "
+                         "start a new run or set trainer.resume = false")
     return TrainerState(
-        version=int(meta["version"]), sched=meta["sched"],
-        param_groups=meta["param_groups"], evals={int(k): float(v) for k, v in meta["evals"].items()},
+        version=int(meta["version"]), evals={int(k): float(v) for k, v in meta["evals"].items()},
         uncommitted=[StepRecord(**s) for s in meta["uncommitted"]],
         labelmodel_versions=list(meta.get("labelmodel_versions", [])), saved_at=float(meta.get("saved_at", 0.0)),
-        engine=dict(meta.get("engine", {})))
+            engine=dict(meta["engine"]))

@@ -213,39 +213,44 @@ def test_a_checkpoint_resumes_training_exactly_where_it_stopped(tmp_path, tiny_b
     import torch
 
     from pipeline import checkpoint
+    from pipeline.backends.torch_backend import TorchEngine
     from pipeline.config import load_config
-    from pipeline.consumers.trainer import train_step
-    from pipeline.model import load_checkpoint
 
-    cfg = load_config(overrides={"trainer.lr": "1e-3"})
+    # The trainer's own engine, with a 2-step warm-up so the schedule moves across the cut.
+    cfg = load_config(overrides={"trainer.lr": "1e-3", "trainer.warmup_steps": "2",
+                                 "model.base_dir": str(tiny_base_model)})
     batches = [[make_scored(prompt_id=f"p{i}{j}", rewards=[1, 0, j % 2, 0]) for j in range(2)] for i in range(4)]
 
-    def fresh():
-        torch.manual_seed(0)
-        model, tok = load_checkpoint(tiny_base_model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
-        return model, tok, opt, sched
-
-    def steps(model, tok, opt, sched, part):
+    def steps(engine, part):
         for groups in part:
-            train_step(model, opt, groups, cfg, pad_id=tok.pad_id)
-            sched.step()
+            engine.train_step(groups)
+            engine.lr_step()
 
-    model, tok, opt, sched = fresh()
-    steps(model, tok, opt, sched, batches[:2])
-    checkpoint.save(tmp_path / "ck", model=model, opt=opt, state=checkpoint.TrainerState(
-        version=2, sched=sched.state_dict(), param_groups=[], evals={0: 0.5}, uncommitted=[]))
-    steps(model, tok, opt, sched, batches[2:])
-    straight = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = TorchEngine(cfg)
+    steps(engine, batches[:2])
+    checkpoint.save(tmp_path / "ck", write=engine.save_state,
+                    state=checkpoint.TrainerState(version=2, evals={0: 0.5}, uncommitted=[]))
+    steps(engine, batches[2:])
+    straight = {k: v.clone() for k, v in engine.weights().items()}
 
-    model, tok, opt, sched = fresh()
-    state = checkpoint.load(checkpoint.latest(tmp_path / "ck"), model=model, opt=opt)
-    sched.load_state_dict(state.sched)
+    engine = TorchEngine(cfg)
+    path = checkpoint.latest(tmp_path / "ck")
+    state = checkpoint.load(path)
+    engine.load_state(path, state.engine)
     assert state.version == 2 and state.evals == {0: 0.5}
-    steps(model, tok, opt, sched, batches[2:])
-    for name, value in model.state_dict().items():
+    steps(engine, batches[2:])
+    for name, value in engine.weights().items():
         assert torch.equal(value, straight[name]), name
+
+
+def test_a_checkpoint_without_engine_state_is_refused_with_the_reason(tmp_path):
+    from pipeline import checkpoint
+
+    ck = tmp_path / "step-000002"
+    ck.mkdir()
+    (ck / "state.json").write_text(json.dumps({"version": 2, "evals": {}, "uncommitted": []}))
+    with pytest.raises(ValueError, match="no training-engine state"):
+        checkpoint.load(ck)
 
 
 def _trainer_cmd(path: Path, *extra: str) -> subprocess.Popen:

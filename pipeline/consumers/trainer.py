@@ -26,7 +26,6 @@ import numpy as np
 
 from pipeline import checkpoint
 from pipeline.backends import TrainEngine, make_train_engine
-from pipeline.backends.torch_backend import pad_batch, train_step  # noqa: F401 - re-exported: the torch step
 from pipeline.checkpoint import StepRecord
 from pipeline.config import RunConfig
 from pipeline.keys import TRAINER_GROUP, Keys
@@ -228,7 +227,7 @@ def run_trainer(cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = No
         """Checkpoint, then make the checkpointed steps final (the order that loses nothing)."""
         if ckpt_dir is not None:
             checkpoint.save(ckpt_dir, write=engine.save_state, keep=t.keep_checkpoints, state=checkpoint.TrainerState(
-                version=version, sched={}, param_groups=[], evals=evals,
+                version=version, evals=evals,
                 uncommitted=list(uncommitted), labelmodel_versions=sorted(labelmodel_versions)))
         commit(r, keys, uncommitted)
         uncommitted.clear()
