@@ -78,15 +78,19 @@ def build(work: Path, args) -> dict:
     return {"seconds": time.perf_counter() - t0, "dataset": str(data), **summary}
 
 
-def run_config(work: Path, **over):
-    from pipeline.config import load_config
-
-    base = {"model.base_dir": str(work / "model"), "task.kind": "math", "task.dataset": str(work / "math.jsonl"),
+def shared_settings(work: Path) -> dict[str, str]:
+    """Config overrides both the vLLM phase and the end-to-end run use: the model, the math
+    task and the vLLM engine (the e2e run gives vLLM a smaller share of the GPU)."""
+    return {"model.base_dir": str(work / "model"), "task.kind": "math", "task.dataset": str(work / "math.jsonl"),
             "task.template": "{problem} Put the answer in \\boxed{}.", "task.heldout_size": "64",
             "task.max_new_tokens": "128", "generator.backend": "vllm", "generator.vllm_dtype": "bfloat16",
             "generator.vllm_gpu_memory_utilization": "0.35", "generator.vllm_max_model_len": "512"}
-    base.update({k: str(v) for k, v in over.items()})
-    return load_config(None, base)
+
+
+def run_config(work: Path):
+    from pipeline.config import load_config
+
+    return load_config(None, shared_settings(work))
 
 
 def vllm_phase(work: Path, args) -> tuple[dict, object]:
@@ -155,17 +159,15 @@ def weights_phase(work: Path, gen) -> dict:
 
 def e2e_phase(work: Path, args) -> dict:
     runs = work / "runs"
+    settings = {**shared_settings(work), "verifier.verifiers": "boxed,boxed_numeric,boxed_majority,math_equiv",
+                "generator.vllm_gpu_memory_utilization": "0.3", "generator.group_size": "8",
+                "generator.prompts_per_batch": "32", "trainer.backend": "torchtitan", "trainer.device": "auto",
+                "trainer.nproc": "1", "trainer.steps": str(args.steps), "trainer.groups_per_step": "16",
+                "trainer.eval_every": "1000", "trainer.checkpoint_every": "1000", "cluster.generators": "1",
+                "cluster.verifiers": "1", "feeder.backlog": "64", "verifier.min_fit_rows": "32",
+                "cluster.timeout_s": str(args.e2e_timeout)}
     cmd = [sys.executable, "-m", "pipeline.cli", "up", "--run-id", "gpu-e2e", "--runs_dir", str(runs),
-           "--model.base_dir", str(work / "model"), "--task.kind", "math", "--task.dataset", str(work / "math.jsonl"),
-           "--task.template", "{problem} Put the answer in \\boxed{}.", "--task.heldout_size", "64",
-           "--task.max_new_tokens", "128", "--verifier.verifiers", "boxed,boxed_numeric,boxed_majority,math_equiv",
-           "--generator.backend", "vllm", "--generator.vllm_dtype", "bfloat16",
-           "--generator.vllm_gpu_memory_utilization", "0.3", "--generator.vllm_max_model_len", "512",
-           "--generator.group_size", "8", "--generator.prompts_per_batch", "32",
-           "--trainer.backend", "torchtitan", "--trainer.device", "auto", "--trainer.nproc", "1",
-           "--trainer.steps", str(args.steps), "--trainer.groups_per_step", "16", "--trainer.eval_every", "1000",
-           "--trainer.checkpoint_every", "1000", "--cluster.generators", "1", "--cluster.verifiers", "1",
-           "--feeder.backlog", "64", "--verifier.min_fit_rows", "32", "--cluster.timeout_s", str(args.e2e_timeout)]
+           *(item for name, value in settings.items() for item in (f"--{name}", value))]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.e2e_timeout + 60, cwd=ROOT)
     wall = time.perf_counter() - t0
