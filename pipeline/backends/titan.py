@@ -493,18 +493,11 @@ class TitanEngine:
             self._local_fresh = True
         return self._local
 
-    def greedy(self, prompts: list[np.ndarray], *, max_new_tokens: int, batch_size: int = 1000) -> list[str]:
-        from pipeline.backends.torch_backend import sample_prompts
+    def greedy(self, prompts: list[np.ndarray], *, max_new_tokens: int) -> list[str]:
+        from pipeline.backends.torch_backend import greedy_decode
 
         self._driver("greedy")
-        model = self._local_model()
-        out: list[str] = [""] * len(prompts)
-        for start in range(0, len(prompts), batch_size):
-            chunk = prompts[start: start + batch_size]
-            for k, s in enumerate(sample_prompts(model, chunk, n=1, max_new_tokens=max_new_tokens, temperature=0.0,
-                                                 eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)):
-                out[start + k] = self.tokenizer.decode(s.tokens[0].tolist())
-        return out
+        return greedy_decode(self._local_model(), self.tokenizer, prompts, max_new_tokens=max_new_tokens)
 
     def save_state(self, directory: Path) -> dict:
         self._driver("save_state")
@@ -542,6 +535,9 @@ class TitanEngine:
         self._closed = True
         if self.rank == 0 and not self._busy:
             self._announce(OP_STOP)
+            # Every rank holds the STOP before any leaves the group: a rank tearing gloo down
+            # while a peer still relays the broadcast aborts that peer.
+            dist.barrier()
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -557,6 +553,7 @@ def follow(cfg: RunConfig) -> None:
     engine = TitanEngine(cfg)
     try:
         engine.serve()
+        dist.barrier()  # rank 0's close() meets it after the STOP
     finally:
         engine._closed = True
         if engine._owns_group and dist.is_initialized():
