@@ -41,8 +41,10 @@ from common import progress, save_result  # noqa: E402
 from pipeline.keys import GENERATORS_GROUP, TRAINER_GROUP, VERIFIERS_GROUP, Keys  # noqa: E402
 from pipeline.records import PromptTask, RolloutGroup, ScoredGroup  # noqa: E402
 from pipeline.config import RunConfig  # noqa: E402
-from pipeline.streams import (FIELD, Admission, GroupReader, VersionWatch, connect, decode_entries,  # noqa: E402
-                              ensure_all_groups, heartbeat, incr_stats, stop_requested, wait_for_room)
+from pipeline.bus.connection import connect
+from pipeline.bus.flow import Admission, VersionWatch, stop_requested, wait_for_room
+from pipeline.bus.stats import heartbeat, incr_stats
+from pipeline.bus.streams import FIELD, GroupReader, decode_entries, ensure_all_groups  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 AIM = 0.90
@@ -322,7 +324,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         p.error(f"--etas: expected comma-separated integers, got {a.etas!r}")
     if not etas or min(etas) < 0 or a.scale <= 0 or a.steps <= a.warmup or a.warmup < 1:
         p.error("--etas must be >= 0, --scale > 0, --warmup >= 1 and --steps > --warmup")
-    from pipeline.server import start_local_server
+    from pipeline.bus.server import start_local_server
 
     with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:
         server = start_local_server(Path(tmp))

@@ -52,8 +52,8 @@ from bench_records import embedded_group, typical_group  # noqa: E402
 from pipeline.config import RunConfig  # noqa: E402
 from pipeline.keys import GENERATORS_GROUP, VERIFIERS_GROUP, Keys  # noqa: E402
 from pipeline.records import PromptTask, RolloutGroup  # noqa: E402
-from pipeline.server import start_local_server  # noqa: E402
-from pipeline.streams import FIELD, GroupReader, decode_entries, ensure_group, incr_stats  # noqa: E402
+from pipeline.bus.server import start_local_server  # noqa: E402
+from pipeline.bus.streams import FIELD, GroupReader, decode_entries, ensure_group, incr_stats  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 AIM = 0.80

@@ -12,7 +12,7 @@ Methods (each gives one score per response; selection picks the top score per gr
   labels* (an optimistic baseline: nobody knows the best verifier in advance);
 - ``average``: the plain mean of the verifiers' normalised scores (reward mode ``average``);
 - ``dawid_skene``: EM on the binarised votes (one TPR/TNR per verifier), its posterior;
-- ``weaver``: the label model of ``pipeline.labelmodel`` (drop and merge policies);
+- ``weaver``: the label model of ``pipeline.algo.labelmodel`` (drop and merge policies);
 - ``logistic``: logistic regression *trained on labels* of a separate split (upper bound
   of what any aggregation of these votes can do);
 - ``oracle_rates``: Weaver's posterior over the same kept verifiers with TPR/TNR/π
@@ -52,9 +52,9 @@ from scipy.optimize import minimize
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeline.labelmodel import MU_CLIP, _em, fit_label_model  # noqa: E402
-from pipeline.selection import brier, ece, pass_at_g, selection_accuracy  # noqa: E402
-from pipeline.verifiers import SOUND  # noqa: E402
+from pipeline.algo.labelmodel import MU_CLIP, _em, fit_label_model  # noqa: E402
+from pipeline.algo.selection import brier, ece, pass_at_g, selection_accuracy  # noqa: E402
+from pipeline.verifiers.registry import SOUND  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 T0 = time.perf_counter()
@@ -253,9 +253,10 @@ def real_rollouts(*, base_dir: str, prompts: int, group_size: int, seed: int) ->
     """Sample ``group_size`` completions per prompt from the base model; score with the default verifiers."""
     import torch
 
-    from pipeline import task
-    from pipeline.model import encode_prompts, load_checkpoint, sample
-    from pipeline.verifiers import DEFAULT_VERIFIERS, Scorer, correctness
+    from pipeline.tasks import arithmetic as task
+    from pipeline.model.qwen import encode_prompts, load_checkpoint, sample
+    from pipeline.tasks.arithmetic import correctness
+    from pipeline.verifiers.registry import DEFAULT_VERIFIERS, Scorer
 
     torch.set_num_threads(1)
     model, tok = load_checkpoint(base_dir)

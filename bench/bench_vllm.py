@@ -34,7 +34,7 @@ say = progress("bench-vllm")
 
 
 def _prompts(tok, n: int, seed: int) -> list[np.ndarray]:
-    from pipeline import task
+    from pipeline.tasks import arithmetic as task
 
     rng = random.Random(seed)
     return [np.asarray(tok.encode(task.random_problem(rng, digits=3, ops=("+",)).prompt), dtype=np.int32)
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     from safetensors.torch import load_file
 
-    from pipeline.backends import make_generation_backend
+    from pipeline.engines import make_generation_backend
     from pipeline.config import load_config
 
     if not (Path(args.base_dir) / "model.safetensors").exists():

@@ -17,7 +17,7 @@
    so all three see the same machine load), after two untimed warm-up rounds: a fetcher
    reuses its buffer, as a generator does from its second fetch on.
 2. Latency from "trainer finished step v" (the snapshot is ready to publish) to "every
-   generator runs v", with 4 generator-side processes (``pipeline.weights.worker fetch``:
+   generator runs v", with 4 generator-side processes (``weights_worker fetch``:
    PUB/SUB wake-up, fetch, copy into their weights), per transport, median over versions.
 3. How long a generator is blocked by a swap (fetch + copy into the model) relative to one
    generation batch, for the default tiny Qwen3 policy and batch.
@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from common import progress  # noqa: E402
 
 from pipeline.weights import DEFAULT_BUCKET_BYTES, make_fetcher, make_publisher  # noqa: E402
-from pipeline.weights.worker import synthetic_tensors  # noqa: E402
+from weights_worker import synthetic_tensors  # noqa: E402
 
 MiB = 1 << 20
 KEY = "bench:weights"
@@ -313,7 +313,7 @@ def latency(redis_url: str, transports: list[str], nbytes: int, versions: int, g
         import redis
 
         redis.Redis.from_url(redis_url).delete(KEY)
-        base = [sys.executable, "-m", "pipeline.weights.worker"]
+        base = [sys.executable, "-m", "weights_worker"]
         common = ["--transport", transport, "--redis-url", redis_url, "--key", KEY]
         say(f"latency {transport}: 1 publisher + {generators} generator processes, {versions} versions "
             f"of {nbytes // MiB} MiB")
@@ -363,8 +363,8 @@ def swap_vs_batch(redis_url: str, transports: list[str], repeats: int) -> list[d
     import redis
 
     from pipeline.config import RunConfig
-    from pipeline.model import ModelShape, build_model, load_state_tensors, sample, state_tensors
-    from pipeline.task import prompt_length
+    from pipeline.model.qwen import ModelShape, build_model, load_state_tensors, sample, state_tensors
+    from pipeline.tasks.arithmetic import prompt_length
 
     cfg = RunConfig()
     m = cfg.model
@@ -466,7 +466,7 @@ def main() -> None:
         say(f"skipping ucx: {ucx_note}")
         transports.remove("ucx")
     skip = set(a.skip.split(","))
-    from pipeline.server import provision
+    from pipeline.bus.server import provision
 
     with tempfile.TemporaryDirectory() as tmp:
         server = provision(Path(tmp), url=os.environ.get("REDIS_URL", ""))

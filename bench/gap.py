@@ -39,10 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_runs import RESULTS, ROOT, eval_series, md_table, read_run, run_up  # noqa: E402
 
 from pipeline.config import load_config  # noqa: E402
-from pipeline.distill import base_rollouts, selection_accuracy  # noqa: E402
-from pipeline.labelmodel import fit_label_model  # noqa: E402
-from pipeline.rewards import compute_rewards  # noqa: E402
-from pipeline.verifiers import SOUND  # noqa: E402
+from pipeline.algo.distill import base_rollouts, selection_accuracy  # noqa: E402
+from pipeline.algo.labelmodel import fit_label_model  # noqa: E402
+from pipeline.algo.rewards import compute_rewards  # noqa: E402
+from pipeline.verifiers.registry import SOUND  # noqa: E402
 
 
 def probe_verifiers(cfg, *, prompts: int, seed: int) -> dict:
@@ -69,7 +69,7 @@ def probe_verifiers(cfg, *, prompts: int, seed: int) -> dict:
 
 def posterior_calibration(run_dir: Path, *, last_steps: int = 30) -> list[dict]:
     """Hidden accuracy of sampled answers per Weaver-posterior bin over the run's last ``last_steps`` versions."""
-    from pipeline.distill import posterior_rows
+    from pipeline.algo.distill import posterior_rows
 
     rows = posterior_rows(run_dir)
     if not rows:

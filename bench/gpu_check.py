@@ -68,7 +68,7 @@ def environment() -> dict:
 
 
 def build(work: Path, args) -> dict:
-    from pipeline.init_model import corpus, init_model, synthetic_math_rows, write_rows
+    from pipeline.model.init_model import corpus, init_model, synthetic_math_rows, write_rows
 
     t0 = time.perf_counter()
     rows = synthetic_math_rows(3000, seed=0)
@@ -96,14 +96,14 @@ def run_config(work: Path):
 def vllm_phase(work: Path, args) -> tuple[dict, object]:
     import numpy as np
 
-    from pipeline.backends.vllm import VllmGenerator
+    from pipeline.engines.vllm import VllmGenerator
 
     cfg = run_config(work)
     t0 = time.perf_counter()
     gen = VllmGenerator(cfg, worker_id="gpu-check")
     load_s = time.perf_counter() - t0
     tok = gen.tokenizer
-    from pipeline.tasks import make_task
+    from pipeline.tasks.registry import make_task
 
     items = make_task(cfg.task).heldout()
     prompts = [np.asarray(tok.encode(items[i % len(items)].prompt), dtype=np.int32) for i in range(args.prompts)]
@@ -121,8 +121,8 @@ def weights_phase(work: Path, gen) -> dict:
     from safetensors.torch import load_file
 
     from pipeline.keys import Keys
-    from pipeline.server import start_local_server
-    from pipeline.streams import connect
+    from pipeline.bus.server import start_local_server
+    from pipeline.bus.connection import connect
     from pipeline.weights import make_fetcher, make_publisher
 
     server = start_local_server(work / "redis")

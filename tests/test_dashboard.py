@@ -13,7 +13,7 @@ from html.parser import HTMLParser
 
 import pytest
 
-from pipeline.dashboard import STATIC, make_server
+from pipeline.observe.dashboard import STATIC, make_server
 from pipeline.keys import Keys
 from tests.busy_streams import fill_streams, group_info
 

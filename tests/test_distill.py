@@ -9,12 +9,12 @@ import random
 import numpy as np
 import pytest
 
-from pipeline import task
-from pipeline.distill import (DistillConfig, DistilledVerifier, distill_run, load_posteriors, posterior_files,
+from pipeline.tasks import arithmetic as task
+from pipeline.algo.distill import (DistillConfig, DistilledVerifier, distill_run, load_posteriors, posterior_files,
                               posterior_rows, selection_accuracy,
                               split_groups, train)
-from pipeline.model import CharTokenizer
-from pipeline.rewards import compute_rewards, parse_reward_mode
+from pipeline.model.tokenizer import CharTokenizer
+from pipeline.algo.rewards import compute_rewards, parse_reward_mode
 
 TINY = dict(init="scratch", hidden_size=32, num_layers=1, num_heads=2, batch_size=64, lr=3e-3, warmup_steps=5)
 
@@ -87,8 +87,9 @@ def test_bad_settings_and_rows_are_refused_by_name():
 
 def write_posteriors(path, *, groups: int, seed: int, with_posterior: bool = True) -> None:
     """A posteriors.jsonl as the verifier stage writes it, from real verifiers and a real label model."""
-    from pipeline.labelmodel import fit_label_model
-    from pipeline.verifiers import DEFAULT_VERIFIERS, correctness, score_group
+    from pipeline.algo.labelmodel import fit_label_model
+    from pipeline.tasks.arithmetic import correctness
+    from pipeline.verifiers.registry import DEFAULT_VERIFIERS, score_group
 
     rng = random.Random(seed)
     names = list(DEFAULT_VERIFIERS)
@@ -158,9 +159,9 @@ def test_the_verifier_stage_records_posteriors_and_can_reward_with_the_distilled
     from pipeline.config import load_config
     from pipeline.consumers.verifier import run_verifier
     from pipeline.keys import Keys
-    from pipeline.logs import setup_logging
+    from pipeline.observe.logs import setup_logging
     from pipeline.records import ScoredGroup
-    from pipeline.streams import FIELD
+    from pipeline.bus.streams import FIELD
 
     prompts, comps, y = format_rows(64, seed=3)
     verifier, _ = train(prompts, comps, y, DistillConfig(**TINY, epochs=1), tok=CharTokenizer(), progress=None)

@@ -24,9 +24,10 @@ from test_pipeline_e2e import _config, _spawn
 
 from pipeline.keys import GENERATORS_GROUP, TRAINER_GROUP, VERIFIERS_GROUP, Keys
 from pipeline.records import MAX_RECORD_BYTES, PromptTask, ScoredGroup
-from pipeline.server import start_local_server
-from pipeline.streams import (GroupReader, connect, decode_entries, ensure_all_groups, ensure_group, trim_acked,
-                              unacked, wait_for_room)
+from pipeline.bus.server import start_local_server
+from pipeline.bus.connection import connect
+from pipeline.bus.flow import wait_for_room
+from pipeline.bus.streams import GroupReader, decode_entries, ensure_all_groups, ensure_group, trim_acked, unacked
 
 
 class _Log:
@@ -102,7 +103,7 @@ def _rollout_poison(vocab: int) -> dict[str, bytes]:
 
 def test_every_kind_of_poison_is_dead_lettered_by_a_real_verifier_that_keeps_going(tmp_path, tiny_base_model,
                                                                                  redis_url):
-    from pipeline.model import CharTokenizer
+    from pipeline.model.tokenizer import CharTokenizer
 
     cfg, path = _config(tmp_path, tiny_base_model, redis_url, "poison", **{"verifier.batch": 16})
     r = redis.Redis.from_url(redis_url)
@@ -127,7 +128,7 @@ def test_every_kind_of_poison_is_dead_lettered_by_a_real_verifier_that_keeps_goi
 
 def test_the_trainer_refuses_token_ids_its_model_cannot_embed(tiny_base_model):
     from pipeline.consumers.trainer import check_scored
-    from pipeline.streams import Entry
+    from pipeline.bus.streams import Entry
 
     ok = make_scored(prompt_id="p1")
     ro = ok.rollout
@@ -212,8 +213,8 @@ def test_a_producer_waits_while_the_stream_is_past_its_bound(redis_client):
 def test_a_checkpoint_resumes_training_exactly_where_it_stopped(tmp_path, tiny_base_model):
     import torch
 
-    from pipeline import checkpoint
-    from pipeline.backends.torch_backend import TorchEngine
+    from pipeline.run import checkpoint
+    from pipeline.engines.torch import TorchEngine
     from pipeline.config import load_config
 
     # The trainer's own engine, with a 2-step warm-up so the schedule moves across the cut.
@@ -244,7 +245,7 @@ def test_a_checkpoint_resumes_training_exactly_where_it_stopped(tmp_path, tiny_b
 
 
 def test_a_checkpoint_without_engine_state_is_refused_with_the_reason(tmp_path):
-    from pipeline import checkpoint
+    from pipeline.run import checkpoint
 
     ck = tmp_path / "step-000002"
     ck.mkdir()
@@ -358,7 +359,7 @@ def _tls_server_binary() -> str | None:
                     reason="needs a TLS-capable redis-server >= 7 and openssl on PATH (apt-get install redis-server)")
 def test_tls_with_a_private_ca(tmp_path):
     from pipeline.config import RedisConfig
-    from pipeline.server import free_port
+    from pipeline.bus.server import free_port
 
     d = tmp_path / "tls"
     d.mkdir()
@@ -396,7 +397,7 @@ def test_sigterm_lets_a_generator_finish_its_batch_and_exit_cleanly(tmp_path, ti
         r.xadd(keys.prompts, {"d": make_prompt(prompt_id=f"p{i:08d}").encode()})
     r.set(keys.admitted, 0)
     # Publish version 0 so the generator has weights to start from.
-    from pipeline.model import load_checkpoint, state_tensors
+    from pipeline.model.qwen import load_checkpoint, state_tensors
     from pipeline.weights import make_publisher
 
     pub = make_publisher("shm", r, keys.weights, ns=keys.ns, keep_versions=2)
@@ -421,7 +422,8 @@ def test_sigterm_lets_a_generator_finish_its_batch_and_exit_cleanly(tmp_path, ti
 
 def test_lag_is_counted_when_a_restarted_server_no_longer_knows_it(tmp_path):
     """After an AOF replay XINFO GROUPS reports no lag; feeder backlog and backpressure must still see it."""
-    from pipeline.streams import group_lag, queue_depths
+    from pipeline.bus.stats import queue_depths
+    from pipeline.bus.streams import group_lag
 
     server = start_local_server(tmp_path / "srv", appendfsync="always")
     try:

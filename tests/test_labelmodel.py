@@ -9,9 +9,10 @@ import msgpack
 import numpy as np
 import pytest
 
-from pipeline.labelmodel import DEPENDENCE_CORR, LabelModel, _select, fit_label_model
-from pipeline.task import random_problem
-from pipeline.verifiers import DEFAULT_VERIFIERS, correctness, score_group
+from pipeline.algo.labelmodel import DEPENDENCE_CORR, LabelModel, _select, fit_label_model
+from pipeline.tasks.arithmetic import random_problem
+from pipeline.tasks.arithmetic import correctness
+from pipeline.verifiers.registry import DEFAULT_VERIFIERS, score_group
 
 # Conditionally independent verifiers with accuracies in 0.6–0.85 and unequal TPR/TNR.
 TPR = np.array([0.60, 0.70, 0.85, 0.75, 0.65, 0.80, 0.70])
@@ -394,7 +395,7 @@ def _correlated_wrong_answers(n: int, seed: int) -> tuple[np.ndarray, np.ndarray
 
 
 def test_sound_checks_hold_their_tpr_at_one_and_fix_the_posterior_of_answers_that_fail_them():
-    from pipeline.selection import ece
+    from pipeline.algo.selection import ece
 
     y, votes = _correlated_wrong_answers(20_000, seed=3)
     names = ["a", "b", "maj"]
@@ -414,7 +415,7 @@ def test_sound_checks_hold_their_tpr_at_one_and_fix_the_posterior_of_answers_tha
 
 
 def test_the_rule_checks_are_registered_sound_and_the_majority_vote_is_not():
-    from pipeline.verifiers import SOUND
+    from pipeline.verifiers.base import SOUND
 
     assert {"format", "units_digit", "mod9", "magnitude", "leading_digit"} <= SOUND
     assert "majority" not in SOUND

@@ -1,6 +1,6 @@
 import torch
 
-from pipeline.losses import ADVANTAGES, LOSSES, LossSettings
+from pipeline.algo.losses import ADVANTAGES, LOSSES, LossSettings
 
 
 def test_grpo_advantages_are_standardised_within_the_group():

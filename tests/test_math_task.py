@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from pipeline.config import TaskConfig
-from pipeline.init_model import corpus, init_model, synthetic_math_rows, warm_up, write_rows
-from pipeline.tasks import MathTask, boxed_answer, read_rows
-from pipeline.verifiers import VERIFIERS
+from pipeline.model.init_model import corpus, init_model, synthetic_math_rows, warm_up, write_rows
+from pipeline.tasks.math import MathTask, boxed_answer, read_rows
+from pipeline.verifiers.base import VERIFIERS
 
 pytest.importorskip("math_verify")
 
@@ -97,8 +97,8 @@ def test_math_verifiers_never_need_the_reference():
 
 
 def test_local_checkpoint_with_bpe_tokenizer_loads_everywhere(bpe_model):
-    from pipeline.model import load_checkpoint
-    from pipeline.tokenizer import HFTokenizer, load_tokenizer, model_vocab_size
+    from pipeline.model.qwen import load_checkpoint
+    from pipeline.model.tokenizer import HFTokenizer, load_tokenizer, model_vocab_size
 
     tok = load_tokenizer(bpe_model)
     assert isinstance(tok, HFTokenizer)
@@ -114,8 +114,8 @@ def test_local_checkpoint_with_bpe_tokenizer_loads_everywhere(bpe_model):
 
 
 def test_prompts_of_different_lengths_sample_and_rescore_consistently(bpe_model):
-    from pipeline.backends.torch_backend import sample_prompts
-    from pipeline.model import completion_logprobs, load_checkpoint, ragged_completion_logprobs
+    from pipeline.engines.torch import sample_prompts
+    from pipeline.model.qwen import completion_logprobs, load_checkpoint, ragged_completion_logprobs
 
     model, tok = load_checkpoint(bpe_model)
     prompts = [np.asarray(tok.encode(t), dtype=np.int32) for t in

@@ -14,10 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.config import ConfigError, load_config
 from pipeline.keys import GENERATORS_GROUP, VERIFIERS_GROUP, Keys
-from pipeline.logs import setup_logging
-from pipeline.metrics import (StreamCollector, WorkerMetrics, port_for, run_exporter, serve, start_worker_metrics,
+from pipeline.observe.logs import setup_logging
+from pipeline.observe.metrics import (StreamCollector, WorkerMetrics, port_for, run_exporter, serve, start_worker_metrics,
                               worker_metrics, worker_ports, write_ports)
-from pipeline.server import free_port
+from pipeline.bus.server import free_port
 from tests.busy_streams import fill_streams, group_info
 
 

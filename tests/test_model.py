@@ -1,4 +1,4 @@
-"""The policy model, tokenizer and shared kernels (pipeline.model) and the warm-up."""
+"""The policy model, tokenizer and shared kernels (pipeline.model.qwen) and the warm-up."""
 
 from __future__ import annotations
 
@@ -8,23 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import task
-from pipeline.model import (
-    CharTokenizer,
-    ModelShape,
-    build_model,
-    completion_logprobs,
-    completion_mask,
-    encode_prompts,
-    greedy_accuracy,
-    greedy_answers,
-    load_checkpoint,
-    load_state_tensors,
-    sample,
-    save_checkpoint,
-    state_tensors,
-)
-from pipeline.pretrain import pretrain
+from pipeline.tasks import arithmetic as task
+from pipeline.model.qwen import (ModelShape, build_model, completion_logprobs, completion_mask, encode_prompts,
+                                 greedy_accuracy, greedy_answers, load_checkpoint, load_state_tensors, sample,
+                                 save_checkpoint, state_tensors)
+from pipeline.model.tokenizer import CharTokenizer
+from pipeline.model.pretrain import pretrain
 
 TINY = ModelShape(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
 
@@ -169,7 +158,7 @@ def test_sample_logprobs_equal_recomputed_completion_logprobs(model, tokenizer):
 def test_rescoring_at_the_sampling_temperature_matches_the_behaviour_logprobs(model, tokenizer, temperature):
     """The trainer scores at generator.temperature; at 1 the numbers would differ (the
     importance ratios of the loss would then be wrong from the first step)."""
-    from pipeline.model import ragged_completion_logprobs
+    from pipeline.model.qwen import ragged_completion_logprobs
 
     prompt_ids = _prompts(tokenizer, 6).repeat_interleave(3, dim=0)
     tokens, logprobs, lengths = sample(model, prompt_ids, max_new_tokens=6, temperature=temperature,

@@ -30,7 +30,7 @@ import pytest
 
 from pipeline.config import load_config, to_toml
 from pipeline.keys import Keys
-from pipeline.server import find_server_binary
+from pipeline.bus.server import find_server_binary
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from pipeline.accounting import account
+from pipeline.run.accounting import account
 from pipeline.config import load_config, to_toml
 from pipeline.keys import Keys
 
@@ -119,7 +119,7 @@ def test_a_malformed_rollout_is_dead_lettered_and_the_verifier_keeps_going(tmp_p
     cfg, path = _config(tmp_path, tiny_base_model, redis_url, "dlq")
     r = redis.Redis.from_url(redis_url)
     keys = Keys(cfg.run_id)
-    from pipeline.streams import ensure_all_groups
+    from pipeline.bus.streams import ensure_all_groups
 
     ensure_all_groups(r, keys)
     r.xadd(keys.rollouts, {"d": b"\x93not a record"})

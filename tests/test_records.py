@@ -102,7 +102,7 @@ def test_any_field_replaced_by_any_value_decodes_or_fails_cleanly(data):
     """Structure-aware mutation: valid MessagePack, wrong contents, for every record type."""
     import msgpack
 
-    from pipeline.accounting import _prompt_id
+    from pipeline.run.accounting import _prompt_id
 
     cls, record = data.draw(st.sampled_from([(PromptTask, make_prompt()), (RolloutGroup, make_rollout()),
                                              (ScoredGroup, make_scored())]))

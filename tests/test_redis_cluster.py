@@ -18,11 +18,13 @@ import time
 import pytest
 from redis.cluster import key_slot
 
-from pipeline.checkpoint import StepRecord
+from pipeline.run.checkpoint import StepRecord
 from pipeline.config import RedisConfig, RunConfig
 from pipeline.keys import TRAINER_GROUP, Keys
-from pipeline.server import _launch, start_local_cluster
-from pipeline.streams import connect, ensure_all_groups, read_stats
+from pipeline.bus.server import _launch, start_local_cluster
+from pipeline.bus.connection import connect
+from pipeline.bus.stats import read_stats
+from pipeline.bus.streams import ensure_all_groups
 
 
 def _slot(key: str) -> int:
@@ -117,9 +119,9 @@ def test_three_masters_serve_the_shards_and_a_client_rides_out_a_master_restart(
 
 
 def test_feeder_routes_by_prompt_id_and_resumes_exactly(tmp_path, cluster_client, tiny_base_model):
-    from pipeline.logs import setup_logging
+    from pipeline.observe.logs import setup_logging
     from pipeline.producers.feeder import prompt_id, run_feeder
-    from pipeline.tokenizer import load_tokenizer
+    from pipeline.model.tokenizer import load_tokenizer
 
     r = cluster_client
     cfg = RunConfig()

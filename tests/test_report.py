@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from pipeline.report import write_report
+from pipeline.observe.report import write_report
 
 T0 = 1_800_000_000.0
 

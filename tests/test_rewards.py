@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.labelmodel import fit_label_model
-from pipeline.rewards import REWARD_MODES, RewardMode, allowed_reward_modes, compute_rewards, parse_reward_mode
-from pipeline.verifiers import DEFAULT_VERIFIERS, correctness, score_group
+from pipeline.algo.labelmodel import fit_label_model
+from pipeline.algo.rewards import REWARD_MODES, RewardMode, allowed_reward_modes, compute_rewards, parse_reward_mode
+from pipeline.tasks.arithmetic import correctness
+from pipeline.verifiers.registry import DEFAULT_VERIFIERS, score_group
 
 PROMPT = " 42+317="  # 359
 COMPLETIONS = ["359", "359", "349", "359+", "0359", "395", "", "358"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.selection import brier, ece, pass_at_g, selection_accuracy
+from pipeline.algo.selection import brier, ece, pass_at_g, selection_accuracy
 
 
 def test_selection_picks_the_top_score_per_group():

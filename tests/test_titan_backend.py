@@ -1,4 +1,4 @@
-"""The torchtitan trainer engine (pipeline.backends.titan) under real ``torchrun`` launches on gloo.
+"""The torchtitan trainer engine (pipeline.engines.titan) under real ``torchrun`` launches on gloo.
 
 Parity: two FSDP2 ranks take the same GRPO steps as the single-process torch engine.
 Checkpoints: sharded safetensors written by two ranks resumes on one rank with the same next step.
@@ -43,7 +43,7 @@ def torchrun(nproc: int, base: Path, out: Path, *actions: str, settings: dict | 
 
 
 def torch_engine(base: Path):
-    from pipeline.backends.torch_backend import TorchEngine
+    from pipeline.engines.torch import TorchEngine
     from pipeline.config import load_config
 
     return TorchEngine(load_config(None, {"model.base_dir": str(base), **SETTINGS}))
@@ -135,8 +135,8 @@ def test_sharded_checkpoint_from_two_ranks_resumes_on_one_rank(tmp_path, tiny_ba
     assert differs > 1e-4
 
     # export_hf writes a loadable HF checkpoint of the current weights; greedy decodes with them.
-    from pipeline.backends.torch_backend import sample_prompts
-    from pipeline.model import load_checkpoint
+    from pipeline.engines.torch import sample_prompts
+    from pipeline.model.qwen import load_checkpoint
 
     model, tok = load_checkpoint(export)
     assert_weights_close({k: v for k, v in model.state_dict().items()}, resumed, rtol=0, atol=0)
@@ -212,7 +212,7 @@ def test_tied_embeddings_in_one_process_without_torchrun(tmp_path, tiny_base_mod
 
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from pipeline.backends.titan import TitanEngine
+    from pipeline.engines.titan import TitanEngine
     from pipeline.config import load_config
 
     tied = tmp_path / "tied"

@@ -9,8 +9,8 @@ import sys
 import time
 
 from pipeline.keys import GENERATORS_GROUP, Keys
-from pipeline.metrics import snapshot
-from pipeline.top import History, frame_text, rates, render, sparkline
+from pipeline.observe.metrics import snapshot
+from pipeline.observe.top import History, frame_text, rates, render, sparkline
 from tests.busy_streams import fill_streams, group_info
 
 

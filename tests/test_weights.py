@@ -508,7 +508,7 @@ def test_fixed_ports_and_an_advertised_host_reach_the_fetcher(transport, redis_c
     the configured ports and tells fetchers the advertised name, which they connect through."""
     from types import SimpleNamespace
 
-    from pipeline.server import free_port
+    from pipeline.bus.server import free_port
     from pipeline.weights import WeightWatch, fetcher_options, publisher_options
 
     cfg = SimpleNamespace(transport=transport, tcp_host="127.0.0.1", tcp_port=free_port(),

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.logs import setup_logging
-from pipeline.model import load_state_tensors
+from pipeline.observe.logs import setup_logging
+from pipeline.model.qwen import load_state_tensors
 from pipeline.producers.generator import swap_weights
 from pipeline.weights import TRANSPORTS, WeightsError, make_fetcher, make_publisher
 from pipeline.weights.shm import default_root
-from pipeline.weights.worker import digest, synthetic_tensors
+from weights_worker import digest, synthetic_tensors
 
 try:
     import ucxx  # noqa: F401
@@ -37,10 +37,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class Worker:
-    """A ``pipeline.weights.worker`` process whose JSON lines arrive on a queue."""
+    """A ``weights_worker`` process whose JSON lines arrive on a queue."""
 
     def __init__(self, role: str, transport: str, redis_url: str, *args: str) -> None:
-        cmd = [sys.executable, "-m", "pipeline.weights.worker", role, "--transport", transport,
+        cmd = [sys.executable, "-m", "weights_worker", role, "--transport", transport,
                "--redis-url", redis_url, "--key", KEY, *args]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -4,7 +4,7 @@
         --base DIR [--set trainer.lr=1e-3 ...] ACTION ...
 
 Rank 0 builds a :class:`TitanEngine` and performs the actions in order; the other ranks
-run :func:`pipeline.backends.titan.follow`. Actions:
+run :func:`pipeline.engines.titan.follow`. Actions:
 
     train:SEED[:G:N]     train_step on :func:`make_groups` (SEED, G groups of N completions; default 3 of 4);
                          appends the stats to --out/stats.jsonl
@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("actions", nargs="*")
     a = ap.parse_args()
 
-    from pipeline.backends.titan import TitanEngine, follow
+    from pipeline.engines.titan import TitanEngine, follow
     from pipeline.config import load_config
 
     overrides = dict(kv.split("=", 1) for kv in a.set)

@@ -1,7 +1,7 @@
 """Trainer: GRPO on bounded-staleness batches of scored groups; publishes each new version.
 
 consumes:     ScoredGroup records from {ns}:scored (group "trainer"), acked once a checkpoint
-              holds the step that consumed them (pipeline.checkpoint)
+              holds the step that consumed them (pipeline.run.checkpoint)
 produces:     policy version v+1 after each step ({ns}:weights, {ns}:versions); the ledger
               entry and training-log entry of every consumed prompt ({ns}:ledger,
               {ns}:trainlog); metrics.jsonl; checkpoints; a final HF checkpoint
@@ -24,16 +24,17 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline import checkpoint
-from pipeline.backends import TrainEngine, make_train_engine
-from pipeline.checkpoint import StepRecord
+from pipeline.run import checkpoint
+from pipeline.engines import TrainEngine, make_train_engine
+from pipeline.run.checkpoint import StepRecord
 from pipeline.config import RunConfig
 from pipeline.keys import TRAINER_GROUP, Keys
-from pipeline.logs import MetricsFile
-from pipeline.losses import NO_SIGNAL_STD
+from pipeline.observe.logs import MetricsFile
+from pipeline.algo.losses import NO_SIGNAL_STD
 from pipeline.records import ScoredGroup, check_token_ids
-from pipeline.streams import (dead_letter, decode_entries, ensure_all_groups, incr_stats, parse_ref,
-                              release_admissions, sharded_reader, stop_requested)
+from pipeline.bus.flow import release_admissions, stop_requested
+from pipeline.bus.stats import incr_stats
+from pipeline.bus.streams import dead_letter, decode_entries, ensure_all_groups, parse_ref, sharded_reader
 from pipeline.weights import make_publisher, publisher_options
 
 
@@ -184,7 +185,7 @@ def run_trainer(cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = No
     ``engine`` does the tensor work (``trainer.backend``; on torchtitan this process is the
     driver rank and the engine runs each operation on every rank); it is closed on return.
     """
-    from pipeline.tasks import make_task
+    from pipeline.tasks.registry import make_task
 
     t = cfg.trainer
     if engine is None:

@@ -19,14 +19,16 @@ import numpy as np
 
 from pipeline.config import ConfigError, RunConfig, VerifierConfig
 from pipeline.keys import TRAINER_GROUP, VERIFIERS_GROUP, Keys
-from pipeline.labelmodel import LabelModel, fit_label_model
+from pipeline.algo.labelmodel import LabelModel, fit_label_model
 from pipeline.records import RolloutGroup, ScoredGroup, check_token_ids
-from pipeline.rewards import RewardMode, parse_reward_mode
-from pipeline.streams import (FIELD, dead_letter, decode_entries, ensure_all_groups, heartbeat, incr_stats,
-                              release_admissions, sharded_reader, stop_requested, trim_acked, wait_for_room)
-from pipeline.tasks import make_task
-from pipeline.tokenizer import model_vocab_size
-from pipeline.verifiers import SOUND, Scorer, check_spec
+from pipeline.algo.rewards import RewardMode, parse_reward_mode
+from pipeline.bus.flow import release_admissions, stop_requested, wait_for_room
+from pipeline.bus.stats import heartbeat, incr_stats
+from pipeline.bus.streams import FIELD, dead_letter, decode_entries, ensure_all_groups, sharded_reader, trim_acked
+from pipeline.tasks.registry import make_task
+from pipeline.model.tokenizer import model_vocab_size
+from pipeline.verifiers.base import SOUND
+from pipeline.verifiers.registry import Scorer, check_spec
 
 FIRST_MODEL_WAIT_S = 60.0
 TRIM_EVERY = 10

@@ -1,6 +1,6 @@
 """Feeder: streams training prompts into ``{ns}:prompts`` with a bounded backlog.
 
-consumes:     the task's endless training stream (pipeline.tasks; never a held-out problem)
+consumes:     the task's endless training stream (pipeline.tasks.registry; never a held-out problem)
 produces:     PromptTask records on {ns}:prompts, ids p00000000, p00000001, ...; with S shards,
               prompt p goes to shard crc32(p) mod S (``Keys.shard_of``)
 waits for:    the generators' group lag (all shards) to fall below ``feeder.backlog``
@@ -21,7 +21,9 @@ import numpy as np
 from pipeline.config import RunConfig
 from pipeline.keys import Keys
 from pipeline.records import PromptTask
-from pipeline.streams import FIELD, ensure_all_groups, heartbeat, queue_depths, read_stats, stop_requested
+from pipeline.bus.flow import stop_requested
+from pipeline.bus.stats import heartbeat, queue_depths, read_stats
+from pipeline.bus.streams import FIELD, ensure_all_groups
 
 IDLE_WAIT_S = 0.2
 """No blocking read exists for "the backlog shrank", so the feeder re-checks at this period."""
@@ -33,7 +35,7 @@ def prompt_id(seq: int) -> str:
 
 def run_feeder(cfg: RunConfig, r, keys: Keys, log, *, tokenizer, max_rounds: int | None = None) -> int:
     """Issue prompts until stopped (or ``feeder.max_prompts``); returns prompts issued by this call."""
-    from pipeline.tasks import make_task
+    from pipeline.tasks.registry import make_task
 
     ensure_all_groups(r, keys)
     problems = make_task(cfg.task).training(cfg.feeder.seed)

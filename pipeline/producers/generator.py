@@ -15,15 +15,15 @@ import time
 
 import numpy as np
 
-from pipeline.backends import GenerationBackend, Sampled, make_generation_backend
+from pipeline.engines import GenerationBackend, Sampled, make_generation_backend
 from pipeline.config import RunConfig
 from pipeline.keys import GENERATORS_GROUP, VERIFIERS_GROUP, Keys
 from pipeline.records import PromptTask, RecordError, RolloutGroup, check_token_ids
-from pipeline.streams import (FIELD, Admission, VersionWatch, dead_letter, decode_entries, ensure_all_groups,
-                              heartbeat, incr_stats, release_admissions, sharded_reader, stop_requested, trim_acked,
-                              wait_for_room)
-from pipeline.task import prompt_length
-from pipeline.tokenizer import model_context_length
+from pipeline.bus.flow import Admission, VersionWatch, release_admissions, stop_requested, wait_for_room
+from pipeline.bus.stats import heartbeat, incr_stats
+from pipeline.bus.streams import FIELD, dead_letter, decode_entries, ensure_all_groups, sharded_reader, trim_acked
+from pipeline.tasks.arithmetic import prompt_length
+from pipeline.model.tokenizer import model_context_length
 from pipeline.weights import WeightsError, fetcher_options, make_fetcher
 
 

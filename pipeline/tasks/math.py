@@ -1,0 +1,140 @@
+r"""The math task (``task.kind = "math"``): problems and reference answers from a local file.
+
+Rows come from a ``.jsonl`` or ``.parquet`` file (``task.dataset``; columns
+``task.prompt_field`` and ``task.answer_field``). A seeded shuffle puts
+``task.heldout_size`` rows aside for evaluation; training cycles over the rest,
+reshuffled each epoch. A completion states its answer in ``\boxed{...}`` (the last one
+counts) and is right when ``math-verify`` finds it equal to the reference.
+
+``math-verify``'s own timeouts rely on SIGALRM, which only works in the main thread;
+they are turned off here and the verifier stage's per-verifier deadline bounds the call.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import json
+import logging
+import random
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.tasks.base import Item
+
+if TYPE_CHECKING:
+    from pipeline.config import TaskConfig
+
+
+def parse_answer(text: str) -> list:
+    """math-verify's parse of ``text`` (empty when nothing could be parsed)."""
+    from math_verify import parse
+
+    # math-verify warns on every call that its SIGALRM timeout is off; that is deliberate here.
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    return parse(text, parsing_timeout=None)
+
+
+def equivalent(a: list, b: list) -> bool:
+    """Whether two parsed answers are mathematically equal (math-verify's ``verify``)."""
+    from math_verify import verify
+
+    return bool(verify(a, b, timeout_seconds=None)) or bool(verify(b, a, timeout_seconds=None))
+
+
+def boxed_answer(text: str) -> str | None:
+    r"""Content of the last ``\boxed{...}`` (balanced braces), stripped; None when there is none."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i = start + len("\\boxed{")
+    depth = 1
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                content = text[i:j].strip()
+                return content or None
+    return None
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """Rows of a ``.jsonl`` (one JSON object per line) or ``.parquet`` file."""
+    p = Path(path)
+    if p.suffix == ".jsonl":
+        rows = []
+        with p.open(encoding="utf-8") as fh:
+            for n, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{p}:{n}: not a JSON object ({e.msg})") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{p}:{n}: not a JSON object")
+                rows.append(row)
+        return rows
+    if p.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as e:
+            raise ImportError("reading .parquet prompts needs pyarrow (the 'math' extra)") from e
+        return pq.read_table(p).to_pylist()
+    raise ValueError(f"{p}: prompt files are .jsonl or .parquet")
+
+
+class MathTask:
+    def __init__(self, cfg: TaskConfig) -> None:
+        rows = read_rows(cfg.dataset)
+        items = []
+        for n, row in enumerate(rows, 1):
+            for name in (cfg.prompt_field, cfg.answer_field):
+                if name not in row or row[name] is None or str(row[name]).strip() == "":
+                    raise ValueError(f"{cfg.dataset}: row {n} has no {name!r} (task.prompt_field / task.answer_field)")
+            items.append(Item(cfg.template.replace("{problem}", str(row[cfg.prompt_field])),
+                              str(row[cfg.answer_field]).strip()))
+        if cfg.heldout_size >= len(items):
+            raise ValueError(f"task.heldout_size: must be below the {len(items)} rows of {cfg.dataset}; "
+                             f"got {cfg.heldout_size}")
+        order = list(range(len(items)))
+        random.Random(cfg.heldout_seed).shuffle(order)
+        self._heldout = [items[i] for i in order[: cfg.heldout_size]]
+        self._train = [items[i] for i in order[cfg.heldout_size:]]
+        self.eval_max_new_tokens = cfg.max_new_tokens
+        try:
+            import math_verify  # noqa: F401
+        except ImportError as e:
+            raise ImportError(f"task.kind 'math' needs math-verify (the 'math' extra): {e}") from e
+        self._parse, self._equal = parse_answer, equivalent
+
+    def training(self, seed: int) -> Iterator[Item]:
+        epoch = 0
+        while True:
+            order = list(range(len(self._train)))
+            random.Random(seed * 1_000_003 + epoch).shuffle(order)
+            for i in order:
+                yield self._train[i]
+            epoch += 1
+
+    def heldout(self) -> list[Item]:
+        return list(self._heldout)
+
+    def answer(self, completion: str) -> str | None:
+        a = boxed_answer(completion)
+        return None if a is None else " ".join(a.split())
+
+    def correctness(self, reference: str, completions: Sequence[str]) -> np.ndarray:
+        ref = self._parse(f"${reference}$") or self._parse(reference)
+        out = np.zeros(len(completions), dtype=np.float32)
+        for i, c in enumerate(completions):
+            a = boxed_answer(c)
+            if a is None or not ref:
+                continue
+            if a == reference or self._equal(ref, self._parse(f"\\boxed{{{a}}}")):
+                out[i] = 1.0
+        return out

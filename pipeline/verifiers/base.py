@@ -1,0 +1,100 @@
+"""What a weak verifier is, and how one joins the registry.
+
+A weak verifier looks at the prompt and the G completions of one rollout group and
+scores each completion in [0, 1], or abstains with NaN when its check does not apply.
+Verifiers NEVER see the reference answer. ``@register(name)`` adds a function to
+``VERIFIERS``; heavier, parameterised *kinds* (``KINDS``) are modules of
+``pipeline/verifiers/kinds/`` built from a spec ``<kind>[:<arg>]`` on first use.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+Verifier = Callable[[str, Sequence[str]], np.ndarray]
+"""``(prompt, completions) -> float32 [G]`` scores in [0, 1], NaN = abstain."""
+
+VERIFIERS: dict[str, Verifier] = {}
+"""All registered weak verifiers by name."""
+
+THREADED: set[str] = set()
+"""Registered functions that run in a worker thread under their deadline instead of inline."""
+
+SOUND: set[str] = set()
+"""Registered checks that a correct answer always passes: necessary conditions of being
+right, by construction (a right sum has the right units digit, residue, length...). Known
+from how the check is built, never from labels; the label model can fix their TPR at 1
+(``verifier.sound_checks``) and estimate only how many wrong answers they let through."""
+
+DEFAULT_TIMEOUT_S = 10.0
+"""Seconds a verifier may spend on one group before it abstains (``verifier.timeout_s``)."""
+
+MAX_STUCK_THREADS = 2
+"""Worker threads of one verifier that may still run past their deadline; beyond that the
+verifier abstains at once instead of starting another (a thread cannot be killed)."""
+
+
+def register(name: str, *, threaded: bool = False, sound: bool = False) -> Callable[[Verifier], Verifier]:
+    """Decorator: add a verifier to ``VERIFIERS`` under ``name`` (names are unique).
+
+    ``threaded``: run it in a worker thread under its deadline (for a check that may be
+    slow); otherwise it runs inline, and one that overruns its deadline still abstains.
+    ``sound``: a correct answer always passes it (see ``SOUND``).
+    """
+    if ":" in name:
+        raise ValueError(f"verifier name {name!r} must not contain ':' (it separates a kind from its argument)")
+
+    def deco(fn: Verifier) -> Verifier:
+        if name in VERIFIERS:
+            raise ValueError(f"verifier {name!r} is already registered")
+        VERIFIERS[name] = fn
+        if threaded:
+            THREADED.add(name)
+        if sound:
+            SOUND.add(name)
+        return fn
+
+    return deco
+
+
+@dataclass(frozen=True, kw_only=True)
+class Kind:
+    """A parameterised verifier kind, built from a spec ``<name>[:<arg>]`` on first use."""
+
+    module: str
+    """Module holding ``build(arg: str | None) -> Verifier``; imported only when a spec names the kind."""
+    arg: str
+    """``required``, ``optional`` or ``none``: whether the spec carries ``:<arg>``."""
+    help: str
+    """What the argument is, for error messages."""
+
+
+KINDS: dict[str, Kind] = {
+    "math_equiv": Kind(module="pipeline.verifiers.kinds.math_equiv", arg="none", help="no argument"),
+    "reward_model": Kind(module="pipeline.verifiers.kinds.reward_model", arg="required",
+                         help="a local HF sequence-classification checkpoint directory (safetensors)"),
+    "lm_judge": Kind(module="pipeline.verifiers.kinds.lm_judge", arg="optional",
+                     help="a causal-LM checkpoint directory of this project (default artifacts/base-model)"),
+    "code_exec": Kind(module="pipeline.verifiers.kinds.code_exec", arg="none", help="no argument"),
+}
+"""Verifier kinds beyond the rule-based functions, by the name before the colon."""
+
+
+def frequency_scores(answers: Sequence[object | None]) -> np.ndarray:
+    """Min-max rescaled frequency of each answer among the group's (Weaver's majority rule):
+    1 for all when every answer is equally frequent, 0 for no answer, NaN throughout when
+    no completion has one."""
+    counts = Counter(a for a in answers if a is not None)
+    if not counts:
+        return np.full(len(answers), np.nan, dtype=np.float32)
+    c_min, c_max = min(counts.values()), max(counts.values())
+    out = np.zeros(len(answers), dtype=np.float32)
+    for i, ans in enumerate(answers):
+        if ans is not None:
+            out[i] = 1.0 if c_max == c_min else (counts[ans] - c_min) / (c_max - c_min)
+    return out
