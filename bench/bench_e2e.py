@@ -20,13 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
 
 from common import progress, save_result  # noqa: E402
 

@@ -13,7 +13,6 @@ the ratio is what the records' typing, copies and validation cost.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -21,8 +20,6 @@ import msgpack
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
 from common import progress, save_result  # noqa: E402
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,8 +42,6 @@ from pathlib import Path
 import redis
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
 from common import progress, save_result  # noqa: E402
 

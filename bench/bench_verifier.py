@@ -50,7 +50,6 @@ import numpy as np
 from scipy.optimize import minimize
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from pipeline.algo.labelmodel import MU_CLIP, _em, fit_label_model  # noqa: E402
 from pipeline.algo.selection import brier, ece, pass_at_g, selection_accuracy  # noqa: E402

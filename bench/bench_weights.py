@@ -17,7 +17,7 @@
    so all three see the same machine load), after two untimed warm-up rounds: a fetcher
    reuses its buffer, as a generator does from its second fetch on.
 2. Latency from "trainer finished step v" (the snapshot is ready to publish) to "every
-   generator runs v", with 4 generator-side processes (``weights_worker fetch``:
+   generator runs v", with 4 generator-side processes (``bench/weights_worker.py fetch``:
    PUB/SUB wake-up, fetch, copy into their weights), per transport, median over versions.
 3. How long a generator is blocked by a swap (fetch + copy into the model) relative to one
    generation batch, for the default tiny Qwen3 policy and batch.
@@ -44,8 +44,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
 from common import progress  # noqa: E402
 
@@ -313,7 +311,7 @@ def latency(redis_url: str, transports: list[str], nbytes: int, versions: int, g
         import redis
 
         redis.Redis.from_url(redis_url).delete(KEY)
-        base = [sys.executable, "-m", "weights_worker"]
+        base = [sys.executable, str(ROOT / "bench" / "weights_worker.py")]
         common = ["--transport", transport, "--redis-url", redis_url, "--key", KEY]
         say(f"latency {transport}: 1 publisher + {generators} generator processes, {versions} versions "
             f"of {nbytes // MiB} MiB")

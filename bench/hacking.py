@@ -26,8 +26,6 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pipeline_runs import RESULTS, ROOT, eval_series, md_table, read_run, run_up, smooth, step_series  # noqa: E402
 

@@ -34,7 +34,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 PARTS = ("streams", "records", "async", "e2e", "verifier", "weights")
-sys.path.insert(0, str(ROOT / "bench"))
 
 from common import progress  # noqa: E402
 

@@ -1,8 +1,8 @@
 """Stand-alone publisher and generator-side processes for tests and ``bench/bench_weights.py``.
 
-``python -m weights_worker publish ...`` publishes synthetic versions of a
+``python bench/weights_worker.py publish ...`` publishes synthetic versions of a
 given size and then takes ``publish <version>`` lines on stdin until stdin closes.
-``python -m weights_worker fetch ...`` behaves like a generator's weight
+``python bench/weights_worker.py fetch ...`` behaves like a generator's weight
 loop: it waits for announcements (``WeightWatch``), fetches into its second buffer,
 copies into its own "model" tensors, and retries after a failure with its old
 weights in place. Both print one JSON object per line on stdout (``event`` names
@@ -131,7 +131,7 @@ def run_fetcher(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m weights_worker", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="bench/weights_worker.py", description=__doc__.split("\n")[0])
     parser.add_argument("role", choices=("publish", "fetch"))
     parser.add_argument("--transport", required=True)
     parser.add_argument("--redis-url", required=True)

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import bench_async  # noqa: E402
 import bench_e2e  # noqa: E402

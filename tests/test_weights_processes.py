@@ -25,6 +25,8 @@ from pipeline.weights import TRANSPORTS, WeightsError, make_fetcher, make_publis
 from pipeline.weights.shm import default_root
 from weights_worker import digest, synthetic_tensors
 
+WORKER = Path(__file__).resolve().parent.parent / "bench" / "weights_worker.py"
+
 try:
     import ucxx  # noqa: F401
 
@@ -37,10 +39,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class Worker:
-    """A ``weights_worker`` process whose JSON lines arrive on a queue."""
+    """A ``bench/weights_worker.py`` process whose JSON lines arrive on a queue."""
 
     def __init__(self, role: str, transport: str, redis_url: str, *args: str) -> None:
-        cmd = [sys.executable, "-m", "weights_worker", role, "--transport", transport,
+        cmd = [sys.executable, str(WORKER), role, "--transport", transport,
                "--redis-url", redis_url, "--key", KEY, *args]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
