@@ -34,15 +34,15 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from common import progress, save_result  # noqa: E402
+from common import progress, save_result
 
-from pipeline.keys import GENERATORS_GROUP, TRAINER_GROUP, VERIFIERS_GROUP, Keys  # noqa: E402
-from pipeline.records import PromptTask, RolloutGroup, ScoredGroup  # noqa: E402
-from pipeline.config import RunConfig  # noqa: E402
+from pipeline.keys import GENERATORS_GROUP, TRAINER_GROUP, VERIFIERS_GROUP, Keys
+from pipeline.records import PromptTask, RolloutGroup, ScoredGroup
+from pipeline.config import RunConfig
 from pipeline.bus.connection import connect
 from pipeline.bus.flow import Admission, VersionWatch, stop_requested, wait_for_room
 from pipeline.bus.stats import heartbeat, incr_stats
-from pipeline.bus.streams import FIELD, GroupReader, decode_entries, ensure_all_groups  # noqa: E402
+from pipeline.bus.streams import FIELD, GroupReader, decode_entries, ensure_all_groups
 
 RESULTS = ROOT / "bench" / "results"
 AIM = 0.90

@@ -26,9 +26,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from common import progress, save_result  # noqa: E402
+from common import progress, save_result
 
-from pipeline_runs import read_run, run_up  # noqa: E402
+from pipeline_runs import read_run, run_up
 
 RESULTS = ROOT / "bench" / "results"
 

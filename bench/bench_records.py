@@ -21,9 +21,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from common import progress, save_result  # noqa: E402
+from common import progress, save_result
 
-from pipeline.records import RolloutGroup, ScoredGroup  # noqa: E402
+from pipeline.records import RolloutGroup, ScoredGroup
 
 RESULTS = ROOT / "bench" / "results"
 VOCAB = 151_936

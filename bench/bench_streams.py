@@ -43,14 +43,15 @@ import redis
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from common import progress, save_result  # noqa: E402
+from common import progress, save_result
 
-from bench_records import embedded_group, typical_group  # noqa: E402
-from pipeline.config import RunConfig  # noqa: E402
-from pipeline.keys import GENERATORS_GROUP, VERIFIERS_GROUP, Keys  # noqa: E402
-from pipeline.records import PromptTask, RolloutGroup  # noqa: E402
-from pipeline.bus.server import start_local_server  # noqa: E402
-from pipeline.bus.streams import FIELD, GroupReader, decode_entries, ensure_group, incr_stats  # noqa: E402
+from bench_records import embedded_group, typical_group
+from pipeline.config import RunConfig
+from pipeline.keys import GENERATORS_GROUP, VERIFIERS_GROUP, Keys
+from pipeline.records import PromptTask, RolloutGroup
+from pipeline.bus.server import start_local_server
+from pipeline.bus.stats import incr_stats
+from pipeline.bus.streams import FIELD, GroupReader, decode_entries, ensure_group
 
 RESULTS = ROOT / "bench" / "results"
 AIM = 0.80

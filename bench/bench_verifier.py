@@ -51,9 +51,9 @@ from scipy.optimize import minimize
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from pipeline.algo.labelmodel import MU_CLIP, _em, fit_label_model  # noqa: E402
-from pipeline.algo.selection import brier, ece, pass_at_g, selection_accuracy  # noqa: E402
-from pipeline.verifiers.registry import SOUND  # noqa: E402
+from pipeline.algo.labelmodel import MU_CLIP, _em, fit_label_model
+from pipeline.algo.selection import brier, ece, pass_at_g, selection_accuracy
+from pipeline.verifiers.base import SOUND
 
 RESULTS = ROOT / "bench" / "results"
 T0 = time.perf_counter()

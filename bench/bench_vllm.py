@@ -25,7 +25,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from common import progress, save_result  # noqa: E402
+from common import progress, save_result
 
 say = progress("bench-vllm")
 

@@ -45,10 +45,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 
-from common import progress  # noqa: E402
+from common import progress
 
-from pipeline.weights import DEFAULT_BUCKET_BYTES, make_fetcher, make_publisher  # noqa: E402
-from weights_worker import synthetic_tensors  # noqa: E402
+from pipeline.weights import DEFAULT_BUCKET_BYTES, make_fetcher, make_publisher
+from weights_worker import synthetic_tensors
 
 MiB = 1 << 20
 KEY = "bench:weights"

@@ -34,13 +34,13 @@ from pathlib import Path
 import numpy as np
 
 
-from pipeline_runs import RESULTS, ROOT, eval_series, md_table, read_run, run_up  # noqa: E402
+from pipeline_runs import RESULTS, ROOT, eval_series, md_table, read_run, run_up
 
-from pipeline.config import load_config  # noqa: E402
-from pipeline.algo.distill import base_rollouts, selection_accuracy  # noqa: E402
-from pipeline.algo.labelmodel import fit_label_model  # noqa: E402
-from pipeline.algo.rewards import compute_rewards  # noqa: E402
-from pipeline.verifiers.registry import SOUND  # noqa: E402
+from pipeline.config import load_config
+from pipeline.algo.distill import base_rollouts, selection_accuracy
+from pipeline.algo.labelmodel import fit_label_model
+from pipeline.algo.rewards import compute_rewards
+from pipeline.verifiers.base import SOUND
 
 
 def probe_verifiers(cfg, *, prompts: int, seed: int) -> dict:

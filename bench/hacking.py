@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 
-from pipeline_runs import RESULTS, ROOT, eval_series, md_table, read_run, run_up, smooth, step_series  # noqa: E402
+from pipeline_runs import RESULTS, ROOT, eval_series, md_table, read_run, run_up, smooth, step_series
 
 MODES = ("weaver", "majority", "average")
 WINDOW = 20

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 PARTS = ("streams", "records", "async", "e2e", "verifier", "weights")
 
-from common import progress  # noqa: E402
+from common import progress
 
 say = progress("bench")
 
