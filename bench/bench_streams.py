@@ -91,7 +91,7 @@ class Meter:
 
 
 def _fresh(r: redis.Redis, keys: Keys) -> None:
-    r.delete(keys.prompts, keys.rollouts, keys.stats, "bench:raw")
+    r.delete(keys.shard(0).prompts, keys.shard(0).rollouts, keys.shard(0).stats, "bench:raw")
 
 
 def _batches(n: int, size: int):
@@ -104,14 +104,14 @@ def _batches(n: int, size: int):
 
 def _pending_prompts(r: redis.Redis, keys: Keys, n: int, batch: int) -> list[list]:
     """``n`` prompt entries delivered to ``gen-0`` (in its pending list), in read batches."""
-    ensure_group(r, keys.prompts, GENERATORS_GROUP)
+    ensure_group(r, keys.shard(0).prompts, GENERATORS_GROUP)
     task = PromptTask(prompt_id="p", prompt=" 12+345=", prompt_ids=typical_group().prompt_ids[:12],
                       reference="357", issued_at=time.time()).encode()
     pipe = r.pipeline(transaction=False)
     for _ in range(n):
-        pipe.xadd(keys.prompts, {FIELD: task})
+        pipe.xadd(keys.shard(0).prompts, {FIELD: task})
     pipe.execute()
-    reader = GroupReader(r, keys.prompts, GENERATORS_GROUP, "gen-0", claim_idle_ms=0)
+    reader = GroupReader(r, keys.shard(0).prompts, GENERATORS_GROUP, "gen-0", claim_idle_ms=0)
     out = []
     for k in _batches(n, batch):
         out.append(reader.read_new(k, block_ms=1000))
@@ -125,15 +125,15 @@ def produce_pipeline(r: redis.Redis, keys: Keys, payload: bytes, n: int, batch: 
         for entries in held:
             pipe = r.pipeline(transaction=True)
             for e in entries:
-                pipe.xadd(keys.rollouts, {FIELD: payload})
+                pipe.xadd(keys.shard(0).rollouts, {FIELD: payload})
                 if not one_ack:
-                    pipe.xack(keys.prompts, GENERATORS_GROUP, e.id)
+                    pipe.xack(keys.shard(0).prompts, GENERATORS_GROUP, e.id)
             if one_ack:
-                pipe.xack(keys.prompts, GENERATORS_GROUP, *[e.id for e in entries])
-            incr_stats(pipe, keys, groups_generated_total=len(entries), tokens_generated_total=4000 * len(entries),
+                pipe.xack(keys.shard(0).prompts, GENERATORS_GROUP, *[e.id for e in entries])
+            incr_stats(pipe, keys.shard(0), groups_generated_total=len(entries), tokens_generated_total=4000 * len(entries),
                        generate_seconds_total=0.25)
             pipe.execute()
-    assert r.xlen(keys.rollouts) == n and r.xpending(keys.prompts, GENERATORS_GROUP)["pending"] == 0
+    assert r.xlen(keys.shard(0).rollouts) == n and r.xpending(keys.shard(0).prompts, GENERATORS_GROUP)["pending"] == 0
     return m.result()
 
 
@@ -164,9 +164,9 @@ def _fill(r: redis.Redis, stream: str, group: str, payload: bytes, n: int) -> No
 def consume_pipeline(r: redis.Redis, keys: Keys, payload: bytes, n: int, batch: int, *, decode=RolloutGroup.decode,
                      one_ack: bool = False) -> dict:
     """Records/s through the verifier's read: GroupReader.read, decode_entries, MULTI of XACKs."""
-    _fill(r, keys.rollouts, VERIFIERS_GROUP, payload, n)
+    _fill(r, keys.shard(0).rollouts, VERIFIERS_GROUP, payload, n)
     cfg = RunConfig().redis
-    reader = GroupReader(r, keys.rollouts, VERIFIERS_GROUP, "ver-0", claim_idle_ms=cfg.claim_idle_ms,
+    reader = GroupReader(r, keys.shard(0).rollouts, VERIFIERS_GROUP, "ver-0", claim_idle_ms=cfg.claim_idle_ms,
                          max_deliveries=cfg.max_deliveries)
     got = 0
     with Meter(r, n) as m:
@@ -177,13 +177,13 @@ def consume_pipeline(r: redis.Redis, keys: Keys, payload: bytes, n: int, batch: 
                 raise RuntimeError(f"benchmark payload refused: {bad[0][1]}")
             pipe = r.pipeline(transaction=True)
             if one_ack:
-                pipe.xack(keys.rollouts, VERIFIERS_GROUP, *[e.id for e, _ in good])
+                pipe.xack(keys.shard(0).rollouts, VERIFIERS_GROUP, *[e.id for e, _ in good])
             else:
                 for e, _ in good:
-                    pipe.xack(keys.rollouts, VERIFIERS_GROUP, e.id)
+                    pipe.xack(keys.shard(0).rollouts, VERIFIERS_GROUP, e.id)
             pipe.execute()
             got += len(good)
-    assert r.xpending(keys.rollouts, VERIFIERS_GROUP)["pending"] == 0
+    assert r.xpending(keys.shard(0).rollouts, VERIFIERS_GROUP)["pending"] == 0
     return m.result()
 
 

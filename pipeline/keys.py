@@ -1,65 +1,64 @@
-"""Every Redis key the pipeline uses, in one place.
+"""Every Redis key the pipeline uses, in one place: one layout, S shards (S = 1 the ordinary case).
 
-All keys live under the run's namespace ``ns`` so runs can share one server.
+All keys live under the run's namespace ``ns`` so runs can share one server. A run's
+streams are split into ``redis.shards = S`` shards; every stage reads, writes, acks and
+commits through ``Keys.shard(k)`` the same way whatever S is. Only the names differ:
+with one shard on one server they are plain (``ns:prompts``); with S > 1 or a Redis
+Cluster (``redis.cluster = true``) they carry hash tags, because Redis Cluster hashes
+only the first ``{...}`` of a key and a MULTI or a script must touch one slot:
 
-Unsharded layout (``redis.shards = 1``, ``redis.cluster = false``: one server, plain names)
--------------------------------------------------------------------------------------------
+  shard prefix   ``ns`` (plain)  or  ``{ns/k}`` (tagged), 0 <= k < S
+  global prefix  ``ns`` (plain)  or  ``{ns}``   (tagged)
 
-Streams (consumer groups, acked after the downstream write):
-  ns:prompts      stream   feeder -> generators (group "generators"). PromptTask records.
-  ns:rollouts     stream   generators -> verifiers (group "verifiers"). RolloutGroup records.
-  ns:scored       stream   verifiers -> trainer (group "trainer"). ScoredGroup records.
-  ns:dead         stream   any consumer -> humans. Fields: reason, stream, id, consumer, payload.
-  ns:versions     stream   trainer -> generators. One entry per published policy version
-                           (field ``version``); generators waiting for admission block on it.
+Per shard (``<shard>`` is the shard prefix; everything one stage's MULTI touches together):
 
-Hashes, counters and lists:
-  ns:weights      hash     trainer -> generators: ``version`` (latest), ``manifest`` (JSON).
-  ns:labelmodel   hash     verifier fitter -> verifiers: ``version``, ``params`` (msgpack).
-  ns:labelmodel:lock       string with TTL: which verifier replica is refitting.
-  ns:votes        list     verifiers' recent vote rows (msgpack), the label model's window.
-  ns:admitted     counter  groups admitted for generation, minus those dead-lettered before
-                           training (the staleness admission rule, DESIGN §3).
-  ns:ledger       hash     trainer: prompt id -> outcome ("trained:<step>", "stale:<step>",
-                           "nosignal:<step>"). HSETNX makes training idempotent.
-  ns:trainlog     stream   trainer -> auditors: one entry per group each committed step consumed
-                           (prompt_id, group_id, outcome, version), appended unconditionally, so
-                           a group trained twice would show up twice (``pipeline check``).
-  ns:stats        hash     counters any stage increments (dead letters, drops, tokens...).
-  ns:trainer      hash     trainer progress: step, version, reward, accuracies, state,
-                           ``committed_version`` (last step whose commit is final).
-  ns:workers      hash     worker id -> JSON heartbeat (stage, pid, state, last seen).
-  ns:stop         string   set by ``pipeline down`` / the cluster driver: every loop exits.
+  <shard>:prompts    stream  feeder -> generators (group "generators"). PromptTask records.
+  <shard>:rollouts   stream  generators -> verifiers (group "verifiers"). RolloutGroup records.
+  <shard>:scored     stream  verifiers -> trainer (group "trainer"). ScoredGroup records.
+  <shard>:dead       stream  any consumer -> humans. Fields: reason, stream, id, consumer,
+                             prompt_id, payload (the entry's record bytes), at (unix seconds).
+  <shard>:ledger     hash    trainer: prompt id -> outcome ("trained:<step>", "stale:<step>",
+                             "nosignal:<step>"). HSETNX makes training idempotent.
+  <shard>:trainlog   stream  trainer -> auditors: one entry per group each committed step
+                             consumed (prompt_id, group_id, outcome, version), appended
+                             unconditionally, so a group trained twice would show up twice.
+  <shard>:stats      hash    counters the stages increment with this shard's writes (dead
+                             letters, drops, tokens, seconds...); readers sum over shards,
+                             except ``prompts_issued`` (the feeder's position: the maximum).
+  <shard>:committed  string  the last trainer step whose commit is final in this shard.
 
-Sharded layout (``redis.shards = S > 1``, or ``redis.cluster = true``)
-----------------------------------------------------------------------
+Run-global (``<global>`` is the global prefix; one slot when tagged):
 
-Redis Cluster hashes only the first ``{...}`` of a key, and a MULTI or a script must
-touch one slot. So every key carries a hash tag: shard ``k`` (0 <= k < S) has the tag
-``{ns/k}`` and holds everything one stage's transaction touches together:
-
-  {ns/k}:prompts  {ns/k}:rollouts  {ns/k}:scored   the three streams of shard k
-  {ns/k}:dead                                      dead letters of shard k's entries
-  {ns/k}:ledger   {ns/k}:trainlog                  outcomes of the prompts routed to k
-  {ns/k}:stats                                     counters incremented with k's writes
-  {ns/k}:committed                                 last trainer step committed in shard k
-
-Run-global keys share the tag ``{ns}`` (one slot): ``{ns}:versions``, ``{ns}:weights``,
-``{ns}:labelmodel``, ``{ns}:labelmodel:lock``, ``{ns}:votes``, ``{ns}:admitted``,
-``{ns}:trainer``, ``{ns}:workers``, ``{ns}:stop``.
+  <global>:versions          stream   trainer -> generators: one entry per published policy
+                                      version (field ``version``); waiting generators block on it.
+  <global>:weights           hash     trainer -> generators: ``version`` (latest) and the
+                                      transport's fields (``manifest``, JSON; see pipeline.weights).
+  <global>:labelmodel        hash     verifier fitter -> verifiers: ``version``, ``params``
+                                      (MessagePack), ``rows`` (votes fitted on), ``new_groups``.
+  <global>:labelmodel:lock   string   with TTL: which verifier replica is refitting.
+  <global>:votes             list     the label model's window: one raw little-endian float32
+                                      blob per group, [G, m] votes (m verifiers, NaN = abstain).
+  <global>:admitted          counter  groups admitted for generation, minus those dead-lettered
+                                      before training (the staleness admission rule).
+  <global>:trainer           hash     trainer progress: ``version`` (published), ``steps``
+                                      (target), ``state``, ``reward_mean``, ``sample_accuracy``,
+                                      ``base_accuracy``, ``eval_accuracy``, ``eval_version``,
+                                      ``updated_at``, ``committed_version`` (every shard has it).
+  <global>:workers           hash     worker id -> JSON heartbeat (stage, pid, state, at, ...).
+  <global>:stop              string   set by ``pipeline down`` / the driver: every loop exits.
 
 Routing: prompt ``p`` lives in shard ``crc32(p) % S`` for its whole life (``shard_of``):
 the generator writes a prompt's rollout group to the shard it read the prompt from, the
 verifier the scored group likewise, so "write downstream + ack upstream + counters" is
-one single-slot MULTI per batch. Consumers read every shard (``streams.ShardedReader``);
+one single-slot MULTI per batch. Consumers read every shard (``bus.streams.ShardedReader``);
 readers of counters, depths and dead letters sum or merge over the shards.
 
-Admission stays global and exact: ``{ns}:admitted`` is one counter that the admission
+Admission stays global and exact: ``<global>:admitted`` is one counter that the admission
 script checks and increments atomically. Dead letters live in a shard's slot, so giving
-their admission slot back is a separate ``DECRBY`` sent right after the shard's MULTI.
-A crash between the two leaks those slots: the counter stays too high, so admission is
-stricter than ``(η + v + 1)·B`` by at most the dead letters of one batch per crash; it
-never admits more than the bound. (Unsharded, the release stays inside the MULTI.)
+their admission slot back is a ``DECRBY`` sent right after the shard's MULTI. A crash
+between the two leaks those slots: the counter stays too high, so admission is stricter
+than ``(η + v + 1)·B`` by at most the dead letters of one batch per crash; it never
+admits more than the bound.
 """
 
 from __future__ import annotations
@@ -78,7 +77,7 @@ class ShardKeys:
     """The keys of one shard: its three streams, dead letters, ledger, training log and counters."""
 
     prefix: str
-    """``ns`` unsharded; ``{ns/k}`` sharded."""
+    """``ns`` with plain names; ``{ns/k}`` tagged."""
     index: int = 0
 
     @property
@@ -142,20 +141,21 @@ class Keys:
         return cls(ns, shards=redis_cfg.shards, cluster=redis_cfg.cluster)
 
     @property
-    def sharded(self) -> bool:
-        """Whether keys carry hash tags (more than one shard, or a Redis Cluster)."""
+    def tagged(self) -> bool:
+        """Whether names carry hash tags (more than one shard, or a Redis Cluster). Only the
+        names depend on it: every stage reads, writes and commits the same way whatever S is."""
         return self.shards > 1 or self.cluster
 
     @property
     def _g(self) -> str:
-        return f"{{{self.ns}}}" if self.sharded else self.ns
+        return f"{{{self.ns}}}" if self.tagged else self.ns
 
     # ---------------------------------------------------------------- shards
 
     def shard(self, k: int) -> ShardKeys:
         if not 0 <= k < self.shards:
             raise IndexError(f"shard {k} of {self.shards}")
-        return ShardKeys(f"{{{self.ns}/{k}}}" if self.sharded else self.ns, k)
+        return ShardKeys(f"{{{self.ns}/{k}}}" if self.tagged else self.ns, k)
 
     def all_shards(self) -> list[ShardKeys]:
         return [self.shard(k) for k in range(self.shards)]
@@ -167,45 +167,6 @@ class Keys:
     def stream_keys(self, name: str) -> list[str]:
         """Every shard's key of stream ``name`` (prompts, rollouts, scored, dead)."""
         return [getattr(s, name) for s in self.all_shards()]
-
-    def _only(self) -> ShardKeys:
-        if self.shards != 1:
-            raise ValueError(f"run {self.ns!r} has {self.shards} shards: name one (Keys.shard(k))")
-        return self.shard(0)
-
-    # ------------------------------------------- the single shard (S == 1)
-
-    @property
-    def prompts(self) -> str:
-        return self._only().prompts
-
-    @property
-    def rollouts(self) -> str:
-        return self._only().rollouts
-
-    @property
-    def scored(self) -> str:
-        return self._only().scored
-
-    @property
-    def dead(self) -> str:
-        return self._only().dead
-
-    @property
-    def ledger(self) -> str:
-        return self._only().ledger
-
-    @property
-    def trainlog(self) -> str:
-        return self._only().trainlog
-
-    @property
-    def stats(self) -> str:
-        return self._only().stats
-
-    def streams(self) -> dict[str, tuple[str, str]]:
-        """Stream name -> (key, consumer group), in pipeline order (one shard only)."""
-        return self._only().streams()
 
     # ---------------------------------------------------------- run-global
 

@@ -24,21 +24,21 @@ def fill_streams(r: redis.Redis, keys: Keys, *, prompts: int = 12, rollouts: int
     """
     ensure_all_groups(r, keys)
     for i in range(prompts):
-        r.xadd(keys.prompts, {FIELD: make_prompt(prompt_id=f"p{i:08d}").encode()})
+        r.xadd(keys.shard(0).prompts, {FIELD: make_prompt(prompt_id=f"p{i:08d}").encode()})
     for i in range(rollouts):
-        r.xadd(keys.rollouts, {FIELD: make_rollout(prompt_id=f"p{i:08d}").encode()})
+        r.xadd(keys.shard(0).rollouts, {FIELD: make_rollout(prompt_id=f"p{i:08d}").encode()})
     for i in range(scored):
-        r.xadd(keys.scored, {FIELD: make_scored(prompt_id=f"p{i:08d}").encode()})
-    got = r.xreadgroup(GENERATORS_GROUP, "gen-0", {keys.prompts: ">"}, count=5)[0][1]
-    r.xack(keys.prompts, GENERATORS_GROUP, got[0][0], got[1][0])
-    r.xreadgroup(GENERATORS_GROUP, "gen-1", {keys.prompts: ">"}, count=2)
-    r.xreadgroup(GENERATORS_GROUP, "gen-1", {keys.prompts: "0"}, count=1)  # a redelivery
-    got = r.xreadgroup(VERIFIERS_GROUP, "ver-0", {keys.rollouts: ">"}, count=4)[0][1]
-    r.xack(keys.rollouts, VERIFIERS_GROUP, *[e[0] for e in got])
+        r.xadd(keys.shard(0).scored, {FIELD: make_scored(prompt_id=f"p{i:08d}").encode()})
+    got = r.xreadgroup(GENERATORS_GROUP, "gen-0", {keys.shard(0).prompts: ">"}, count=5)[0][1]
+    r.xack(keys.shard(0).prompts, GENERATORS_GROUP, got[0][0], got[1][0])
+    r.xreadgroup(GENERATORS_GROUP, "gen-1", {keys.shard(0).prompts: ">"}, count=2)
+    r.xreadgroup(GENERATORS_GROUP, "gen-1", {keys.shard(0).prompts: "0"}, count=1)  # a redelivery
+    got = r.xreadgroup(VERIFIERS_GROUP, "ver-0", {keys.shard(0).rollouts: ">"}, count=4)[0][1]
+    r.xack(keys.shard(0).rollouts, VERIFIERS_GROUP, *[e[0] for e in got])
     for reason in ("bad schema", "too long"):
-        r.xadd(keys.dead, {"reason": reason, "stream": keys.prompts, "id": "0-1", "payload": b""})
+        r.xadd(keys.shard(0).dead, {"reason": reason, "stream": keys.shard(0).prompts, "id": "0-1", "payload": b""})
     pipe = r.pipeline()
-    incr_stats(pipe, keys, dead_letters_total=2, dropped_stale_total=3, tokens_generated_total=1000,
+    incr_stats(pipe, keys.shard(0), dead_letters_total=2, dropped_stale_total=3, tokens_generated_total=1000,
                tokens_trained_total=640, groups_generated_total=9)
     pipe.hset(keys.trainer, mapping={"version": 4, "steps": 10, "reward_mean": 0.625, "sample_accuracy": 0.5,
                                      "eval_accuracy": 0.41, "base_accuracy": 0.3, "state": "training"})

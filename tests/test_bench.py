@@ -65,11 +65,11 @@ def test_stream_paths_move_every_record_and_ack_it(redis_client):
     payload = bench_records.embedded_group().encode()
     emit = bench_streams.produce_pipeline(redis_client, keys, payload, 40, 16)
     assert emit["rate"] > 0 and emit["cpu_rate"] > 0 and emit["server_cpu_us"] > 0
-    assert redis_client.xlen(keys.rollouts) == 40
+    assert redis_client.xlen(keys.shard(0).rollouts) == 40
     assert bench_streams.produce_raw(redis_client, payload, 40, 16)["rate"] > 0
-    redis_client.delete(keys.rollouts)
+    redis_client.delete(keys.shard(0).rollouts)
     assert bench_streams.consume_pipeline(redis_client, keys, payload, 40, 16)["rate"] > 0
-    assert redis_client.xpending(keys.rollouts, "verifiers")["pending"] == 0
+    assert redis_client.xpending(keys.shard(0).rollouts, "verifiers")["pending"] == 0
     redis_client.delete("bench:raw")
     assert bench_streams.consume_raw(redis_client, payload, 40, 16)["rate"] > 0
     assert redis_client.xinfo_groups("bench:raw")[0]["pending"] == 0

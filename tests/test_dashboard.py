@@ -67,13 +67,13 @@ def test_json_endpoint_matches_xinfo_and_keeps_samples(dashboard):
     r, keys, url = dashboard
     data = json.load(urllib.request.urlopen(f"{url}/api/snapshot", timeout=10))
     rows = {s["stream"]: s for s in data["snapshot"]["streams"]}
-    for name, (key, group) in keys.streams().items():
+    for name, (key, group) in keys.shard(0).streams().items():
         g = group_info(r, key, group)
         (got,) = rows[name]["groups"]
         assert (rows[name]["length"], got["lag"], got["pending"], got["consumers"]) == \
             (r.xlen(key), g["lag"], g["pending"], g["consumers"])
     assert data["samples"] and data["samples"][-1]["queues"]["prompts"] == {"length": 12, "lag": 5, "pending": 5}
-    r.xadd(keys.prompts, {"d": b"x"})
+    r.xadd(keys.shard(0).prompts, {"d": b"x"})
     again = json.load(urllib.request.urlopen(f"{url}/api/snapshot", timeout=10))
     assert again["samples"][-1]["queues"]["prompts"]["length"] == 13
     assert again["rates"]["in"]["prompts"] > 0
@@ -99,13 +99,13 @@ def test_the_page_rendered_by_headless_chromium_shows_the_servers_numbers(dashbo
                          capture_output=True, text=True, timeout=60).stdout
     cells = Cells()
     cells.feed(dom)
-    for name, (key, group) in keys.streams().items():
+    for name, (key, group) in keys.shard(0).streams().items():
         g = group_info(r, key, group)
         row = cells.rows[name]
         assert row["group"] == group
         assert [int(row[f]) for f in ("length", "lag", "pending", "consumers")] == \
             [r.xlen(key), g["lag"], g["pending"], g["consumers"]]
-    assert int(cells.rows["dead"]["length"]) == r.xlen(keys.dead) == 2
+    assert int(cells.rows["dead"]["length"]) == r.xlen(keys.shard(0).dead) == 2
     assert cells.rows["gen-0"]["state"] == "generating"
     s = cells.summary
     assert (s["version"], s["steps"], s["reward_mean"], s["eval_accuracy"], s["dead_letters_total"]) == \

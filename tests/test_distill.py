@@ -173,10 +173,10 @@ def test_the_verifier_stage_records_posteriors_and_can_reward_with_the_distilled
                                      "verifier.batch": 4, "verifier.min_fit_rows": 8})
         keys = Keys(run_id)
         for i in range(3):
-            redis_client.xadd(keys.rollouts, {FIELD: make_rollout(prompt_id=f"p{i:08d}").encode()})
+            redis_client.xadd(keys.shard(0).rollouts, {FIELD: make_rollout(prompt_id=f"p{i:08d}").encode()})
         log = setup_logging(tmp_path / "logs", stage="verifier", worker="ver-0")
         assert run_verifier(cfg, redis_client, keys, "ver-0", log, max_batches=1) == 3
-        scored = [ScoredGroup.decode(f[FIELD]) for _, f in redis_client.xrange(keys.scored)]
+        scored = [ScoredGroup.decode(f[FIELD]) for _, f in redis_client.xrange(keys.shard(0).scored)]
         # One file per verifier replica, read back through the run directory.
         assert [f.name for f in posterior_files(tmp_path / run_id)] == ["ver-0.jsonl"]
         lines = posterior_rows(tmp_path / run_id)

@@ -1,6 +1,12 @@
+import itertools
+import math
+
+import numpy as np
+import pytest
 import torch
 
-from pipeline.algo.losses import ADVANTAGES, LOSSES, LossSettings
+from pipeline.algo.losses import ADVANTAGES, LOSSES, LossSettings, advantages, objective
+from pipeline.config import TrainerConfig
 
 
 def test_grpo_advantages_are_standardised_within_the_group():
@@ -63,3 +69,191 @@ def test_token_level_aggregation_divides_by_valid_tokens_in_the_batch():
     loss, _ = LOSSES["tis"](logp, logp.detach(), logp.detach(), adv, mask, LossSettings())
     loss.backward()
     assert torch.allclose(logp.grad[mask.bool()], torch.full((5,), -1 / 5))
+
+
+# ----------------------------------------------------------------------------- the objective
+
+SETTINGS = dict(clip_eps=0.2, clip_eps_high=0.28, is_cap=1.5, kl_coef=0.1)
+GROUP_SIZES = (4, 3, 5, 2)
+
+
+def _random_batch(seed: int):
+    """Float64 inputs of one batch: rewards per group (one group without signal), ragged mask,
+    behaviour log-probs off the trainer's by up to ±1 (some weights above the cap)."""
+    g = torch.Generator().manual_seed(seed)
+    rewards = [torch.rand(k, generator=g, dtype=torch.float64).round() for k in GROUP_SIZES]
+    rewards[0] = torch.tensor([1.0, 0.0, 0.5, 0.25], dtype=torch.float64)
+    rewards[2] = torch.full((5,), 0.3, dtype=torch.float64)
+    n, t = sum(GROUP_SIZES), 7
+    lengths = torch.randint(1, t + 1, (n,), generator=g)
+    mask = (torch.arange(t)[None, :] < lengths[:, None]).double()
+    logp = -3 * torch.rand(n, t, generator=g, dtype=torch.float64)
+    behav = logp + 2 * torch.rand(n, t, generator=g, dtype=torch.float64) - 1
+    ref = logp + 0.6 * torch.rand(n, t, generator=g, dtype=torch.float64) - 0.3
+    entropy = 2 * torch.rand(n, t, generator=g, dtype=torch.float64)
+    return rewards, logp, behav, ref, entropy, mask
+
+
+def _reference_advantages(rewards, kind):
+    out = []
+    for r in rewards:
+        vals = [float(x) for x in r]
+        mean = sum(vals) / len(vals)
+        std = math.sqrt(sum((v - mean) ** 2 for v in vals) / len(vals))
+        for v in vals:
+            if kind == "drgrpo":
+                out.append(v - mean)
+            else:
+                out.append(0.0 if std < 1e-6 else (v - mean) / (std + 1e-6))
+    return out
+
+
+def _reference(rows, adv, loss_kind, *, kl_coef, clip_eps, clip_eps_high, is_cap, with_ref, norm):
+    """The objective written out token by token: ``rows`` are (logp, behav, ref, entropy, mask) per
+    completion, ``logp`` a float64 tensor with grad (the proximal policy is its detached value)."""
+    loss = torch.zeros((), dtype=torch.float64)
+    sums = dict.fromkeys(("entropy", "clip_frac", "ratio_mean", "mismatch_kl", "is_weight_mean",
+                          "is_truncated_frac", "kl_ref"), 0.0)
+    count = 0
+    high = clip_eps_high or clip_eps
+    for (logp, behav, ref, ent, mask), a in zip(rows, adv):
+        for j in range(len(mask)):
+            if not mask[j]:
+                continue
+            count += 1
+            lp, prox, b = logp[j], float(logp[j].detach()), float(behav[j])
+            raw = math.exp(prox - b)
+            if loss_kind == "decoupled_ppo":
+                ratio = torch.exp(lp - prox)
+                clipped = torch.clamp(ratio, 1 - clip_eps, 1 + high)
+                weight = min(raw, is_cap)
+                term = -weight * torch.minimum(ratio * a, clipped * a)
+                r, c = float(ratio.detach()), float(clipped.detach())
+                sums["clip_frac"] += float(abs(r - c) > 1e-6)
+                sums["ratio_mean"] += r
+            else:
+                weight = min(math.exp(prox - b), is_cap)
+                term = -weight * a * lp
+                sums["ratio_mean"] += 1.0
+            loss = loss + term / norm
+            sums["mismatch_kl"] += raw - 1 - (prox - b)
+            sums["is_weight_mean"] += weight
+            sums["is_truncated_frac"] += float(raw > weight + 1e-6)
+            sums["entropy"] += float(ent[j])
+            if with_ref:
+                d = ref[j] - lp
+                k3 = torch.exp(d) - 1 - d
+                loss = loss + kl_coef * k3 / norm
+                sums["kl_ref"] += float(k3.detach())
+    stats = {k: v / norm for k, v in sums.items()}
+    if not with_ref:
+        del stats["kl_ref"]
+    return loss, {"loss": float(loss.detach()), "tokens": count, **stats}
+
+
+def _run(rows_slice, batch, adv, s, *, with_ref, tokens=None):
+    rewards, logp, behav, ref, entropy, mask = batch
+    leaf = logp.clone().requires_grad_()
+    sl = rows_slice
+    loss, stats = objective(leaf[sl], behav[sl], mask[sl], adv[sl], s, ref_logp=ref[sl] if with_ref else None,
+                            entropy=entropy[sl], tokens=tokens)
+    loss.backward()
+    return float(loss.detach()), stats, leaf.grad
+
+
+@pytest.mark.parametrize("seed,loss_kind,adv_kind,with_ref", [
+    (seed, *case) for seed, case in enumerate(itertools.product(("decoupled_ppo", "tis"), ("grpo", "drgrpo"),
+                                                                (False, True)))])
+def test_objective_matches_a_token_by_token_reference(seed, loss_kind, adv_kind, with_ref):
+    batch = _random_batch(seed)
+    rewards, logp, behav, ref, entropy, mask = batch
+    s = LossSettings(advantage=adv_kind, loss=loss_kind, **SETTINGS)
+    adv = advantages(rewards, s.advantage)
+    assert adv.shape == (sum(GROUP_SIZES),)
+    assert adv.tolist() == pytest.approx(_reference_advantages(rewards, adv_kind), rel=1e-12, abs=1e-12)
+    if adv_kind == "grpo":
+        assert torch.all(adv[7:12] == 0), "a group without signal has exactly zero advantage"
+
+    loss, stats, grad = _run(slice(None), batch, adv, s, with_ref=with_ref)
+
+    leaf = logp.clone().requires_grad_()
+    rows = list(zip(leaf, behav, ref, entropy, mask))
+    want_loss, want_stats = _reference(rows, adv.tolist(), loss_kind, with_ref=with_ref, norm=float(mask.sum()),
+                                       **SETTINGS)
+    want_loss.backward()
+    assert loss == pytest.approx(float(want_loss.detach()), rel=1e-10, abs=1e-12)
+    torch.testing.assert_close(grad, leaf.grad, rtol=1e-10, atol=1e-12)
+    assert torch.all(grad[mask == 0] == 0)
+    assert set(stats) == {"loss", "entropy", "tokens", "clip_frac", "ratio_mean", "mismatch_kl", "is_weight_mean",
+                          "is_truncated_frac"} | ({"kl_ref"} if with_ref else set())
+    assert stats["tokens"] == want_stats["tokens"] == int(mask.sum())
+    for k, v in want_stats.items():
+        assert stats[k] == pytest.approx(v, rel=1e-10, abs=1e-12), k
+    # The inputs exercise the truncation: some weights capped, not all.
+    assert 0 < stats["is_truncated_frac"] < 1
+
+
+@pytest.mark.parametrize("loss_kind,with_ref", list(itertools.product(("decoupled_ppo", "tis"), (False, True))))
+def test_parts_normalised_by_the_whole_batch_sum_to_the_whole_batch(loss_kind, with_ref):
+    """What a data-parallel rank does: its completions, the global token count as normaliser."""
+    batch = _random_batch(seed=7)
+    rewards, logp, behav, ref, entropy, mask = batch
+    s = LossSettings(advantage="grpo", loss=loss_kind, **SETTINGS)
+    adv = advantages(rewards, s.advantage)
+    total = float(mask.sum())
+    full_loss, full_stats, full_grad = _run(slice(None), batch, adv, s, with_ref=with_ref)
+    half = len(adv) // 2
+    parts = [_run(sl, batch, adv, s, with_ref=with_ref, tokens=total) for sl in (slice(0, half), slice(half, None))]
+    # The normaliser really differs from each part's own token count.
+    assert all(0 < st["tokens"] < total for _, st, _ in parts)
+    assert sum(loss for loss, _, _ in parts) == pytest.approx(full_loss, rel=1e-12)
+    torch.testing.assert_close(parts[0][2] + parts[1][2], full_grad, rtol=1e-12, atol=1e-14)
+    assert list(parts[0][1]) == list(full_stats)
+    for k, v in full_stats.items():
+        assert parts[0][1][k] + parts[1][1][k] == pytest.approx(v, rel=1e-12, abs=1e-14), k
+    # And each part against the reference with the whole batch's normaliser.
+    leaf = logp.clone().requires_grad_()
+    rows = list(zip(leaf, behav, ref, entropy, mask))[:half]
+    want_loss, want_stats = _reference(rows, adv.tolist()[:half], loss_kind, with_ref=with_ref, norm=total,
+                                       **SETTINGS)
+    want_loss.backward()
+    assert parts[0][0] == pytest.approx(float(want_loss.detach()), rel=1e-10)
+    torch.testing.assert_close(parts[0][2], leaf.grad, rtol=1e-10, atol=1e-12)
+    for k, v in want_stats.items():
+        assert parts[0][1][k] == pytest.approx(v, rel=1e-10, abs=1e-12), k
+
+
+def test_a_part_without_tokens_contributes_nothing_but_keeps_the_graph():
+    batch = _random_batch(seed=3)
+    rewards, logp, behav, ref, entropy, mask = batch
+    s = LossSettings(**SETTINGS)
+    adv = advantages(rewards, s.advantage)
+    leaf = logp[:1].clone().requires_grad_()
+    loss, stats = objective(leaf, behav[:1], torch.zeros_like(mask[:1]), adv[:1], s, ref_logp=ref[:1],
+                            entropy=entropy[:1], tokens=float(mask.sum()))
+    loss.backward()
+    assert float(loss.detach()) == 0 and torch.all(leaf.grad == 0)
+    assert stats["tokens"] == 0 and all(v == 0 for v in stats.values())
+
+
+def test_advantages_accept_the_records_float32_arrays():
+    rewards = [np.array([1, 0, 1, 0], dtype=np.float32), np.array([0.5, 0.5], dtype=np.float32)]
+    adv = advantages(rewards, "grpo")
+    assert adv.dtype == torch.float32
+    assert torch.allclose(adv, torch.tensor([1.0, -1.0, 1.0, -1.0, 0.0, 0.0]), atol=1e-4)
+
+
+def test_settings_come_from_the_trainer_config_fields_of_the_same_name():
+    t = TrainerConfig(clip_eps=0.1, clip_eps_high=0.3, is_cap=3.0, kl_coef=0.02, advantage="drgrpo", loss="tis")
+    s = LossSettings.from_config(t)
+    assert s == LossSettings(clip_eps=0.1, clip_eps_high=0.3, is_cap=3.0, kl_coef=0.02, advantage="drgrpo",
+                             loss="tis")
+    # The defaults agree, so a setting means the same wherever it is read.
+    assert LossSettings.from_config(TrainerConfig()) == LossSettings()
+
+
+def test_unknown_variant_names_are_refused():
+    with pytest.raises(ValueError, match="unknown loss"):
+        LossSettings(loss="nope")
+    with pytest.raises(ValueError, match="unknown advantage"):
+        advantages([np.zeros(2, dtype=np.float32)], "nope")

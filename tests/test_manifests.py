@@ -206,7 +206,7 @@ def test_scaled_objects_match_the_keda_schema_and_scale_on_the_right_streams_and
     run_id = tomllib.loads(_run_config_text())["run_id"]
     keys = Keys(run_id)
     deployments = {d["metadata"]["name"] for d in _of_kind("Deployment")}
-    expected = {"rlpipe-generator": (keys.prompts, GENERATORS_GROUP), "rlpipe-verifier": (keys.rollouts, VERIFIERS_GROUP)}
+    expected = {"rlpipe-generator": (keys.shard(0).prompts, GENERATORS_GROUP), "rlpipe-verifier": (keys.shard(0).rollouts, VERIFIERS_GROUP)}
     scaled = _of_kind("ScaledObject")
     assert {s["spec"]["scaleTargetRef"]["name"] for s in scaled} == set(expected)
     for so in scaled:

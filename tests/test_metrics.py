@@ -47,7 +47,7 @@ def exporter(redis_client):
 def test_stream_metrics_equal_the_servers_xinfo_and_xpending(exporter):
     r, keys, port = exporter
     m = scrape(port)
-    for name, (key, group) in keys.streams().items():
+    for name, (key, group) in keys.shard(0).streams().items():
         g = group_info(r, key, group)
         lbl = (("group", group), ("stream", name))
         assert m[("pipeline_stream_length", (("stream", name),))] == r.xlen(key)
@@ -55,7 +55,7 @@ def test_stream_metrics_equal_the_servers_xinfo_and_xpending(exporter):
         assert m[("pipeline_stream_group_pending", lbl)] == g["pending"] == r.xpending(key, group)["pending"]
         assert m[("pipeline_stream_group_consumers", lbl)] == g["consumers"]
         assert m[("pipeline_stream_group_entries_read_total", lbl)] == (g["entries-read"] or 0)
-    assert m[("pipeline_stream_length", (("stream", "dead"),))] == r.xlen(keys.dead) == 2
+    assert m[("pipeline_stream_length", (("stream", "dead"),))] == r.xlen(keys.shard(0).dead) == 2
     # The fill left 12 prompts: 5 + 2 read, 2 acked -> lag 5, pending 5.
     assert m[("pipeline_stream_group_lag", (("group", GENERATORS_GROUP), ("stream", "prompts")))] == 5
     assert m[("pipeline_stream_group_pending", (("group", VERIFIERS_GROUP), ("stream", "rollouts")))] == 0
@@ -64,8 +64,8 @@ def test_stream_metrics_equal_the_servers_xinfo_and_xpending(exporter):
 def test_consumer_rows_and_delivery_histogram_match_xpending(exporter):
     r, keys, port = exporter
     m = scrape(port)
-    pend = r.xpending_range(keys.prompts, GENERATORS_GROUP, min="-", max="+", count=100)
-    per_consumer = {c["name"].decode(): c["pending"] for c in r.xpending(keys.prompts, GENERATORS_GROUP)["consumers"]}
+    pend = r.xpending_range(keys.shard(0).prompts, GENERATORS_GROUP, min="-", max="+", count=100)
+    per_consumer = {c["name"].decode(): c["pending"] for c in r.xpending(keys.shard(0).prompts, GENERATORS_GROUP)["consumers"]}
     for consumer, n in per_consumer.items():
         lbl = (("consumer", consumer), ("group", GENERATORS_GROUP), ("stream", "prompts"))
         assert m[("pipeline_stream_consumer_pending", lbl)] == n
@@ -79,7 +79,7 @@ def test_consumer_rows_and_delivery_histogram_match_xpending(exporter):
     assert m[("pipeline_stream_pending_delivery_count_bucket", with_le(lbl, "2.0"))] == 5
     # The oldest pending entry's age is the server clock minus the millisecond part of its id.
     sec, usec = r.time()
-    oldest_ms = int(r.xpending(keys.prompts, GENERATORS_GROUP)["min"].decode().split("-")[0])
+    oldest_ms = int(r.xpending(keys.shard(0).prompts, GENERATORS_GROUP)["min"].decode().split("-")[0])
     age = m[("pipeline_stream_oldest_pending_age_seconds", lbl)]
     assert 0 <= age <= (sec * 1000 + usec // 1000 - oldest_ms) / 1000 + 1e-3
 
@@ -97,7 +97,7 @@ def test_counters_trainer_gauges_goodput_and_heartbeats_come_from_redis(exporter
     assert m[("pipeline_worker_state", (("stage", "generator"), ("state", "generating"), ("worker", "gen-0")))] == 1
     assert 4 <= m[("pipeline_worker_heartbeat_age_seconds", (("stage", "trainer"), ("worker", "trainer")))] < 60
     # A new entry shows at the next scrape: the collector reads Redis at scrape time.
-    r.xadd(keys.scored, {"d": b"x"})
+    r.xadd(keys.shard(0).scored, {"d": b"x"})
     assert scrape(port)[("pipeline_stream_length", (("stream", "scored"),))] == 4
 
 

@@ -110,7 +110,7 @@ def test_all_stages_as_processes_train_account_and_respect_staleness(tmp_path, t
     assert shown["ok"] and shown["trained"] == acc["trained"]
     status = json.loads(subprocess.run([*cli, "status", "--config", str(path)], capture_output=True, text=True,
                                        check=True).stdout)
-    assert int(status["trainer"]["version"]) == STEPS and status["queues"]["scored"]["length"] == r.xlen(keys.scored)
+    assert int(status["trainer"]["version"]) == STEPS and status["queues"]["scored"]["length"] == r.xlen(keys.shard(0).scored)
 
 
 def test_a_malformed_rollout_is_dead_lettered_and_the_verifier_keeps_going(tmp_path, tiny_base_model, redis_url):
@@ -122,19 +122,19 @@ def test_a_malformed_rollout_is_dead_lettered_and_the_verifier_keeps_going(tmp_p
     from pipeline.bus.streams import ensure_all_groups
 
     ensure_all_groups(r, keys)
-    r.xadd(keys.rollouts, {"d": b"\x93not a record"})
-    r.xadd(keys.rollouts, {"d": make_rollout(prompt_id="p1", completions=("357", "358", "357", "1")).encode()})
-    r.xadd(keys.rollouts, {"other": b"no payload field"})
+    r.xadd(keys.shard(0).rollouts, {"d": b"\x93not a record"})
+    r.xadd(keys.shard(0).rollouts, {"d": make_rollout(prompt_id="p1", completions=("357", "358", "357", "1")).encode()})
+    r.xadd(keys.shard(0).rollouts, {"other": b"no payload field"})
     p = _spawn(path, "verify", "--worker-id", "ver-0", "--max-batches", "1", "--verifier.reward", "majority")
     out = p.communicate(timeout=120)[0].decode()
     assert p.returncode == 0, out
-    dead = r.xrange(keys.dead)
+    dead = r.xrange(keys.shard(0).dead)
     assert len(dead) == 2
     reasons = sorted(f[b"reason"].decode() for _, f in dead)
     assert any("not MessagePack" in x or "not a map" in x for x in reasons), reasons
     assert any("no payload" in x for x in reasons), reasons
-    assert r.xlen(keys.scored) == 1
-    info = {g["name"].decode(): g for g in r.xinfo_groups(keys.rollouts)}
+    assert r.xlen(keys.shard(0).scored) == 1
+    info = {g["name"].decode(): g for g in r.xinfo_groups(keys.shard(0).rollouts)}
     assert info["verifiers"]["pending"] == 0, "everything was acked: scored or dead-lettered"
 
 

@@ -33,9 +33,11 @@ def _slot(key: str) -> int:
 
 def test_unsharded_keys_keep_their_plain_names():
     k = Keys("run")
-    assert not k.sharded
-    assert (k.prompts, k.rollouts, k.scored, k.dead, k.ledger, k.trainlog, k.stats) == (
-        "run:prompts", "run:rollouts", "run:scored", "run:dead", "run:ledger", "run:trainlog", "run:stats")
+    assert not k.tagged
+    s = k.shard(0)
+    assert (s.prompts, s.rollouts, s.scored, s.dead, s.ledger, s.trainlog, s.stats, s.committed) == (
+        "run:prompts", "run:rollouts", "run:scored", "run:dead", "run:ledger", "run:trainlog", "run:stats",
+        "run:committed")
     assert (k.weights, k.versions, k.admitted, k.trainer, k.workers, k.stop, k.labelmodel_lock) == (
         "run:weights", "run:versions", "run:admitted", "run:trainer", "run:workers", "run:stop", "run:labelmodel:lock")
     assert k.all_shards() == [k.shard(0)] and k.shard_of("p00000007") == 0
@@ -57,11 +59,12 @@ def test_sharded_keys_put_each_shard_in_one_slot_and_the_globals_in_the_ns_slot(
     routed = [k.shard_of(f"p{i:08d}") for i in range(300)]
     assert set(routed) == {0, 1, 2} and min(routed.count(j) for j in range(3)) > 60, "crc32 routing spreads prompts"
     assert routed == [k.shard_of(f"p{i:08d}") for i in range(300)], "routing is deterministic"
-    with pytest.raises(ValueError, match="3 shards"):
-        _ = k.prompts  # a sharded run has no single prompts stream
+    with pytest.raises(IndexError, match="shard 3 of 3"):
+        k.shard(3)
+    assert not hasattr(k, "prompts"), "one layout: a stream's keys are always a shard's"
     # One shard on a cluster: hash tags all the same.
     one = Keys("run", cluster=True)
-    assert one.prompts == "{run/0}:prompts" and one.weights == "{run}:weights"
+    assert one.shard(0).prompts == "{run/0}:prompts" and one.weights == "{run}:weights"
 
 
 @pytest.fixture(scope="module")
@@ -124,14 +127,13 @@ def test_feeder_routes_by_prompt_id_and_resumes_exactly(tmp_path, cluster_client
     from pipeline.model.tokenizer import load_tokenizer
 
     r = cluster_client
-    cfg = RunConfig()
-    cfg.run_id, cfg.redis.cluster, cfg.redis.shards = "feed", True, 3
-    cfg.model.base_dir, cfg.feeder.backlog = str(tiny_base_model), 12
+    cfg = RunConfig().with_overrides({"run_id": "feed", "redis.cluster": True, "redis.shards": 3,
+                                      "model.base_dir": str(tiny_base_model), "feeder.backlog": 12})
     keys = Keys.of(cfg.run_id, cfg.redis)
     log = setup_logging(None, stage="feeder", worker="feeder")
     tok = load_tokenizer(cfg.model.base_dir)
     assert run_feeder(cfg, r, keys, log, tokenizer=tok, max_rounds=1) == 12
-    cfg.feeder.backlog = 20  # the generators took nothing: 8 more fit
+    cfg = cfg.replace("feeder.backlog", 20)  # the generators took nothing: 8 more fit
     assert run_feeder(cfg, r, keys, log, tokenizer=tok, max_rounds=1) == 8
     seen = []
     for s in keys.all_shards():

@@ -25,14 +25,14 @@ def test_once_prints_a_frame_whose_stream_rows_equal_xinfo(redis_client, redis_u
     out = subprocess.run([sys.executable, "-m", "pipeline.cli", "top", "--redis-url", redis_url, "--run-id", "obs",
                           "--runs_dir", str(tmp_path), "--once", "--interval", "0.1"],
                          capture_output=True, text=True, timeout=60, check=True).stdout
-    for name, (key, group) in keys.streams().items():
+    for name, (key, group) in keys.shard(0).streams().items():
         (row,) = table_rows(out, name)
         g = group_info(redis_client, key, group)
         assert row[1] == group
         assert [int(x) for x in row[2:5]] == [redis_client.xlen(key), g["lag"], g["pending"]]
         assert int(row[6]) == g["consumers"]
     (dead,) = table_rows(out, "dead")
-    assert int(dead[2]) == redis_client.xlen(keys.dead) == 2
+    assert int(dead[2]) == redis_client.xlen(keys.shard(0).dead) == 2
     (gen0,) = table_rows(out, "gen-0")
     assert gen0[1:3] == ["generator", "generating"]
     assert "policy version 4/10" in out and "reward 0.625" in out and "held-out 0.410 (base 0.300)" in out
@@ -44,9 +44,9 @@ def test_rates_count_entries_added_and_acked_between_snapshots(redis_client):
     fill_streams(redis_client, keys)
     before = snapshot(redis_client, keys)
     for _ in range(6):
-        redis_client.xadd(keys.prompts, {"d": b"x"})
-    got = redis_client.xreadgroup(GENERATORS_GROUP, "gen-2", {keys.prompts: ">"}, count=4)[0][1]
-    redis_client.xack(keys.prompts, GENERATORS_GROUP, *[e[0] for e in got])
+        redis_client.xadd(keys.shard(0).prompts, {"d": b"x"})
+    got = redis_client.xreadgroup(GENERATORS_GROUP, "gen-2", {keys.shard(0).prompts: ">"}, count=4)[0][1]
+    redis_client.xack(keys.shard(0).prompts, GENERATORS_GROUP, *[e[0] for e in got])
     time.sleep(0.05)
     after = snapshot(redis_client, keys)
     dt = after["time"] - before["time"]
@@ -107,5 +107,29 @@ def test_without_run_id_or_url_top_follows_the_cluster_pipeline_up_recorded(redi
     assert "run obs" in out and table_rows(out, "prompts")[0][2] == "12"
     (tmp_path / "cluster.json").unlink()
     done = subprocess.run([sys.executable, "-m", "pipeline.cli", "top", "--runs_dir", str(tmp_path), "--once"],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 2 and "run_id: required" in done.stderr
+
+
+def test_status_and_account_follow_the_cluster_pipeline_up_recorded_and_explicit_flags_win(redis_client, redis_url,
+                                                                                           tmp_path):
+    keys = Keys("obs")
+    fill_streams(redis_client, keys)
+    (tmp_path / "cluster.json").write_text(json.dumps({"run_id": "obs", "url": redis_url, "ns": "obs", "workers": {}}))
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+
+    def run(*args: str) -> dict:
+        out = subprocess.run([sys.executable, "-m", "pipeline.cli", *args, "--runs_dir", str(tmp_path)],
+                             capture_output=True, text=True, timeout=60, check=True, env=env).stdout
+        return json.loads(out)
+
+    followed = run("status")
+    assert followed["trainer"]["version"] == "4" and "gen-0" in followed["workers"]
+    assert followed["queues"] == run("status", "--run-id", "obs", "--redis-url", redis_url)["queues"]
+    assert run("account") == run("account", "--run-id", "obs", "--redis-url", redis_url)
+    other = run("status", "--run-id", "other")  # an explicit run id wins over the recorded one
+    assert other["trainer"] == {} and other["workers"] == {}
+    (tmp_path / "cluster.json").unlink()
+    done = subprocess.run([sys.executable, "-m", "pipeline.cli", "status", "--runs_dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 2 and "run_id: required" in done.stderr

@@ -271,12 +271,12 @@ def test_the_verifier_stage_keeps_scoring_when_a_verifier_hangs_or_raises(tmp_pa
         "verifier.timeouts": "hangs=0.3", "verifier.batch": 4})
     keys = Keys(cfg.run_id)
     for i in range(3):
-        redis_client.xadd(keys.rollouts, {FIELD: make_rollout(prompt_id=f"p{i:08d}").encode()})
+        redis_client.xadd(keys.shard(0).rollouts, {FIELD: make_rollout(prompt_id=f"p{i:08d}").encode()})
     log = setup_logging(tmp_path / "logs", stage="verifier", worker="ver-0")
     t0 = time.perf_counter()
     assert run_verifier(cfg, redis_client, keys, "ver-0", log, max_batches=1) == 3
     assert time.perf_counter() - t0 < 30
-    scored = [ScoredGroup.decode(f[FIELD]) for _, f in redis_client.xrange(keys.scored)]
+    scored = [ScoredGroup.decode(f[FIELD]) for _, f in redis_client.xrange(keys.shard(0).scored)]
     assert len(scored) == 3
     for g in scored:
         assert np.isnan(g.votes[:, 2:]).all() and not np.isnan(g.votes[:, 0]).any()

@@ -1,18 +1,23 @@
-"""GRPO advantages and off-policy-corrected policy losses (DESIGN §4).
+"""The GRPO objective (DESIGN §4): advantages, off-policy-corrected policy losses, KL to a reference.
 
 Variants are small pure functions in registries chosen by config
-(``trainer.advantage``, ``trainer.loss``), so a new one touches this file only.
+(``trainer.advantage``, ``trainer.loss``), so a new one touches this file only; a new
+setting is one field of :class:`LossSettings` and the field of the same name in the
+trainer config. The engines compute log-probabilities and call :func:`advantages` and
+:func:`objective`; every piece of loss arithmetic is here.
 
 Shapes: ``logp``, ``prox_logp``, ``behav_logp`` and ``mask`` are [N, T] (N completions,
 T completion tokens, padded); ``adv`` is [N]. Aggregation is token-level: the sum over
-valid tokens divided by the number of valid tokens in the batch.
+valid tokens divided by the number of valid tokens in the batch (or a given normaliser,
+see :func:`objective`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Iterable
 
+import numpy as np
 import torch
 
 NO_SIGNAL_STD = 1e-6
@@ -20,6 +25,8 @@ NO_SIGNAL_STD = 1e-6
 
 ADVANTAGES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
 LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] = {}
+"""``(logp, prox_logp, behav_logp, adv, mask, settings) -> (loss, stats)``: the loss and every
+statistic are token means over ``mask`` (what :func:`objective` rescales to its normaliser)."""
 
 
 def _register(table: dict, name: str):
@@ -48,12 +55,47 @@ def drgrpo_advantage(rewards: torch.Tensor) -> torch.Tensor:
     return rewards - rewards.mean()
 
 
+def advantages(rewards_per_group: Iterable[Any], kind: str) -> torch.Tensor:
+    """Per-completion advantages [N] of consecutive groups, each group's from its own rewards.
+
+    ``rewards_per_group``: one 1-D array or tensor per group (a :class:`ScoredGroup`'s
+    ``rewards``), in completion order; ``kind``: a name in :data:`ADVANTAGES`.
+    """
+    if kind not in ADVANTAGES:
+        raise ValueError(f"unknown advantage {kind!r} (known: {', '.join(sorted(ADVANTAGES))})")
+    per_group = [ADVANTAGES[kind](r.detach().clone() if isinstance(r, torch.Tensor) else torch.from_numpy(np.array(r)))
+                 for r in rewards_per_group]
+    if not per_group:
+        raise ValueError("advantages needs at least one group")
+    return torch.cat(per_group)
+
+
 @dataclass(frozen=True, kw_only=True)
 class LossSettings:
+    """Everything the objective is configured by. :meth:`from_config` reads each field from
+    the trainer config's field of the same name."""
+
+    advantage: str = "grpo"
+    """A name in :data:`ADVANTAGES`."""
+    loss: str = "decoupled_ppo"
+    """A name in :data:`LOSSES`."""
     clip_eps: float = 0.2
     clip_eps_high: float = 0.0
     """0: same as clip_eps."""
     is_cap: float = 2.0
+    kl_coef: float = 0.0
+    """Weight of the k3 KL to the reference policy (used when reference log-probs are given)."""
+
+    def __post_init__(self) -> None:
+        if self.advantage not in ADVANTAGES:
+            raise ValueError(f"unknown advantage {self.advantage!r} (known: {', '.join(sorted(ADVANTAGES))})")
+        if self.loss not in LOSSES:
+            raise ValueError(f"unknown loss {self.loss!r} (known: {', '.join(sorted(LOSSES))})")
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "LossSettings":
+        """The settings of a trainer config (any object with an attribute per field)."""
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -106,3 +148,49 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimate of KL(π_θ || π_ref) on samples from π_θ."""
     log_r = ref_logp - logp
     return torch.exp(log_r) - 1 - log_r
+
+
+def objective(logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor,
+              settings: LossSettings, *, ref_logp: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
+              tokens: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss to backpropagate for one optimizer step on a batch, and its statistics.
+
+    ``logp`` [N, T]: the trainer's log-probabilities of the completion tokens (with grad);
+    one optimizer step per batch, so the proximal policy is ``logp`` itself, detached.
+    ``behav_logp`` [N, T]: the behaviour policy's; ``mask`` [N, T]: 1 on valid tokens;
+    ``adv`` [N] (from :func:`advantages`). ``ref_logp`` [N, T]: the reference policy's, for
+    the k3 KL term weighted by ``settings.kl_coef``; ``entropy`` [N, T]: reported only.
+
+    ``tokens`` is the normaliser of every token sum (default: this batch's valid tokens, a
+    token mean). Parts of one batch given the whole batch's token count return losses,
+    gradients and statistics that sum to the whole batch's: a data-parallel rank passes the
+    global count and all-reduces (sums) the statistics.
+
+    Statistics: ``loss``, ``entropy`` (with ``entropy``), ``tokens`` (this part's valid
+    tokens), the loss variant's (``clip_frac``, ``ratio_mean``, ``mismatch_kl``,
+    ``is_weight_mean``, ``is_truncated_frac``) and ``kl_ref`` (with ``ref_logp``); all but
+    ``tokens`` are token sums over the normaliser.
+    """
+    local = float(mask.sum())
+    if tokens is None:
+        norm = max(local, 1.0)
+    elif tokens > 0:
+        norm = float(tokens)
+    else:
+        raise ValueError(f"tokens: the normaliser must be > 0; got {tokens!r}")
+    # The variants return token means over this part; ``share`` turns a mean into a sum over ``norm``.
+    share = local / norm
+    mean_loss, variant_stats = LOSSES[settings.loss](logp, logp.detach(), behav_logp, adv, mask, settings)
+    loss = mean_loss * share
+    kl = None
+    if ref_logp is not None:
+        kl = (kl_k3(logp, ref_logp) * mask).sum() / norm
+        loss = loss + settings.kl_coef * kl
+    stats: dict[str, float] = {"loss": float(loss.detach())}
+    if entropy is not None:
+        stats["entropy"] = float((entropy.detach() * mask).sum() / norm)
+    stats["tokens"] = int(local)
+    stats.update({k: v * share for k, v in variant_stats.items()})
+    if kl is not None:
+        stats["kl_ref"] = float(kl.detach())
+    return loss, stats

@@ -18,14 +18,14 @@ def heartbeat(r: redis.Redis, keys: Keys, worker_id: str, stage: str, state: str
         {"stage": stage, "pid": os.getpid(), "state": state, "at": time.time(), **extra}))
 
 
-def incr_stats(pipe: redis.Redis | redis.client.Pipeline, keys: Keys | ShardKeys, **counts: float) -> None:
-    """Add to the counters of ``keys`` (a shard's, so the increments join that shard's MULTI)."""
+def incr_stats(pipe: redis.Redis | redis.client.Pipeline, shard: ShardKeys, **counts: float) -> None:
+    """Add to the counters of ``shard`` (so the increments join that shard's MULTI)."""
     for name, n in counts.items():
         if n:
             if isinstance(n, float) and not n.is_integer():
-                pipe.hincrbyfloat(keys.stats, name, n)
+                pipe.hincrbyfloat(shard.stats, name, n)
             else:
-                pipe.hincrby(keys.stats, name, int(n))
+                pipe.hincrby(shard.stats, name, int(n))
 
 
 MAX_STATS = frozenset({"prompts_issued"})

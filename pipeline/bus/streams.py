@@ -256,11 +256,10 @@ def dead_letter(
 ) -> int:
     """Queue, on a MULTI pipeline, the move of one entry to its shard's dead letters and its ack.
 
-    ``release_admission`` returns the group's admission slot (DESIGN §3) when the
-    entry was admitted for generation but will never reach the trainer. Unsharded the
-    release is part of the MULTI and 0 is returned; sharded, ``{ns}:admitted`` is in
-    another slot, so the slots to give back are returned for ``release_admissions``
-    to send once the MULTI is done (``pipeline.keys`` says what a crash between costs).
+    Returns the admission slots to give back (``flow.release_admissions``, once the MULTI
+    is done): 1 with ``release_admission``, for an entry admitted for generation that will
+    never reach the trainer; ``{ns}:admitted`` lives outside the shard's slot
+    (``pipeline.keys`` says what a crash between the two costs).
     """
     shard = keys.shard(entry.shard)
     pipe.xadd(shard.dead, {
@@ -269,12 +268,7 @@ def dead_letter(
     })
     pipe.xack(stream, group, entry.id)
     pipe.hincrby(shard.stats, "dead_letters_total", 1)
-    if not release_admission:
-        return 0
-    if keys.sharded:
-        return 1
-    pipe.decr(keys.admitted)
-    return 0
+    return 1 if release_admission else 0
 
 
 LAG_COUNT_CAP = 100_000

@@ -12,9 +12,15 @@ Staleness is checked at consumption: a group with v − min_version > η is drop
 A restarted trainer resumes from its latest checkpoint (model, optimizer, schedule, RNG,
 version) and retrains only the groups no checkpoint holds; SIGTERM finishes the current
 step, checkpoints it and exits.
-With sharded streams the trainer reads every scored shard; a step's commit is one MULTI
-per shard (that shard's ledger, training log, acks), each recording the shard's committed
-version, so a commit re-applied after a crash skips the shards that already have it.
+The trainer reads every scored shard; a step's commit is one MULTI per shard (that
+shard's ledger, training log, acks), each recording the shard's committed version, so a
+commit re-applied after a crash skips the shards that already have it. After each commit
+the scored entries every group acked are trimmed.
+
+The loop (``Trainer.run``): collect B new groups (dead-lettering defects, acking
+duplicates) → classify each (stale: v − min_version > η; nosignal: equal rewards;
+trained) → one optimizer step on the groups with signal → version v+1 → checkpoint and
+commit every ``checkpoint_every`` steps → publish the weights → evaluate now and then.
 """
 
 from __future__ import annotations
@@ -24,18 +30,31 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.run import checkpoint
-from pipeline.engines import TrainEngine, make_train_engine
-from pipeline.run.checkpoint import StepRecord
+from enum import StrEnum
+
+from pipeline.algo.losses import NO_SIGNAL_STD
+from pipeline.bus.stats import incr_stats
+from pipeline.bus.streams import parse_ref
 from pipeline.config import RunConfig
+from pipeline.engines import TrainEngine, make_train_engine
 from pipeline.keys import TRAINER_GROUP, Keys
 from pipeline.observe.logs import MetricsFile
-from pipeline.algo.losses import NO_SIGNAL_STD
 from pipeline.records import ScoredGroup, check_token_ids
-from pipeline.bus.flow import release_admissions, stop_requested
-from pipeline.bus.stats import incr_stats
-from pipeline.bus.streams import dead_letter, decode_entries, ensure_all_groups, parse_ref, sharded_reader
+from pipeline.run import checkpoint
+from pipeline.run.checkpoint import StepRecord
+from pipeline.stage import Output, Stage
+from pipeline.tasks.registry import make_task
 from pipeline.weights import make_publisher, publisher_options
+
+
+class Outcome(StrEnum):
+    """What became of a consumed group (its ledger entry is ``<outcome>:<version>``)."""
+
+    TRAINED = "trained"
+    NOSIGNAL = "nosignal"
+    """All rewards equal: no GRPO gradient; counted toward the batch, not trained on."""
+    STALE = "stale"
+    """v − min_version > η: dropped by the staleness bound."""
 
 
 def check_scored(g: ScoredGroup, *, vocab_size: int) -> None:
@@ -44,44 +63,35 @@ def check_scored(g: ScoredGroup, *, vocab_size: int) -> None:
     check_token_ids("completion", g.rollout.completion_ids, vocab_size)
 
 
-def collect_batch(reader, r, keys: Keys, *, size: int, block_ms: int, log, vocab_size: int,
-                  held: set[str] = frozenset()):
+def collect_batch(stage: Stage, *, size: int, held: set[str] = frozenset()) -> list[tuple] | None:
     """Read until ``size`` new groups are in hand; None if a stop is requested first.
 
     Undecodable entries, and entries past their delivery limit, are dead-lettered; a
     prompt already in the ledger (trained or dropped before, e.g. redone by a generator
     after a crash) or ``held`` by a step not yet committed is acked and counted, never
-    trained twice.
+    trained twice. The groups returned stay unacked until their step commits.
     """
+    r, keys, log = stage.r, stage.keys, stage.log
     batch: list[tuple] = []
     seen: set[str] = set(held)
     while len(batch) < size:
-        if stop_requested(r, keys):
+        if stage.stopped():
             return None
-        entries = reader.read(size - len(batch), block_ms)
+        entries = stage.read(size - len(batch))
         if not entries:
             continue
-        shard = keys.shard(entries[0].shard)  # one read, one shard
-        pipe = r.pipeline(transaction=True)
-        decoded, bad = decode_entries(entries, ScoredGroup.decode, lambda g: check_scored(g, vocab_size=vocab_size),
-                                      reader=reader)
-        releases = 0
-        for e, reason in bad:
-            log.warning("dead_letter", id=e.id, reason=reason)
-            releases += dead_letter(pipe, keys, stream=shard.scored, group=TRAINER_GROUP, entry=e, reason=reason,
-                                    consumer="trainer", release_admission=True)
-        known = [ledger_outcome(r, keys, g.rollout.prompt_id) for _, g in decoded]
-        for (e, g), outcome in zip(decoded, known):
+        got = stage.take(entries)
+        known = [ledger_outcome(r, keys, g.rollout.prompt_id) for g in got.records]
+        duplicates = []
+        for (e, g), outcome in zip(got.good, known):
             if outcome is not None or g.rollout.prompt_id in seen:
                 log.warning("duplicate_skipped", prompt_id=g.rollout.prompt_id, group_id=g.rollout.group_id,
                             earlier=outcome.decode() if outcome else "a step not yet committed")
-                pipe.xack(shard.scored, TRAINER_GROUP, e.id)
-                pipe.hincrby(shard.stats, "duplicates_skipped_total", 1)
+                duplicates.append((e, None))
             else:
                 seen.add(g.rollout.prompt_id)
                 batch.append((e, g))
-        pipe.execute()
-        release_admissions(r, keys, releases)
+        stage.emit(got, Output(written=duplicates, counters={"duplicates_skipped_total": len(duplicates)}))
     return batch
 
 
@@ -95,10 +105,10 @@ def has_signal(g: ScoredGroup) -> bool:
     return float(np.std(g.rewards)) >= NO_SIGNAL_STD
 
 
-def classify(batch: list[tuple], *, version: int, max_staleness: int) -> list[str]:
-    """Each consumed group's outcome: ``stale`` (v − min_version > η), ``trained`` or ``nosignal``."""
-    return ["stale" if version - g.rollout.min_version > max_staleness else ("trained" if has_signal(g) else "nosignal")
-            for _, g in batch]
+def classify(batch: list[tuple], *, version: int, max_staleness: int) -> list[Outcome]:
+    """Each consumed group's outcome: stale (v − min_version > η), trained or nosignal."""
+    return [Outcome.STALE if version - g.rollout.min_version > max_staleness
+            else (Outcome.TRAINED if has_signal(g) else Outcome.NOSIGNAL) for _, g in batch]
 
 
 def step_metrics(batch, fresh, signal, *, version: int, stats: dict, wait_s: float, step_s: float) -> dict:
@@ -117,7 +127,7 @@ def step_metrics(batch, fresh, signal, *, version: int, stats: dict, wait_s: flo
     }
 
 
-def step_record(batch, kinds: list[str], *, version: int, row: dict) -> StepRecord:
+def step_record(batch, kinds: list[Outcome], *, version: int, row: dict) -> StepRecord:
     """What a step consumed, kept until a checkpoint holds the step and ``commit`` makes it final."""
     return StepRecord(
         version=version, entry_ids=[e.ref for e, _ in batch],
@@ -129,8 +139,6 @@ def step_record(batch, kinds: list[str], *, version: int, row: dict) -> StepReco
 
 def shard_committed(r, keys: Keys, k: int) -> int:
     """The last step whose commit is final in shard ``k``."""
-    if not keys.sharded:
-        return int(r.hget(keys.trainer, "committed_version") or 0)
     return int(r.get(keys.shard(k).committed) or 0)
 
 
@@ -164,13 +172,9 @@ def commit(r, keys: Keys, steps: list[StepRecord]) -> None:
                 pipe.xack(shard.scored, TRAINER_GROUP, *ids)
             if shard.index == 0:
                 incr_stats(pipe, shard, **s.counts)
-        if keys.sharded:
-            pipe.set(shard.committed, last)
-        else:
-            pipe.hset(keys.trainer, "committed_version", last)
+        pipe.set(shard.committed, last)
         pipe.execute()
-    if keys.sharded:
-        r.hset(keys.trainer, "committed_version", last)
+    r.hset(keys.trainer, "committed_version", last)
 
 
 def report_progress(r, keys: Keys, *, version: int, row: dict) -> None:
@@ -178,129 +182,160 @@ def report_progress(r, keys: Keys, *, version: int, row: dict) -> None:
                                   "sample_accuracy": row["sample_accuracy"], "updated_at": time.time()})
 
 
+class Trainer:
+    """The trainer process: its engine, held-out set, publisher, checkpoints and uncommitted steps."""
+
+    def __init__(self, cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = None,
+                 engine: TrainEngine | None = None) -> None:
+        self.cfg, self.r, self.keys, self.log = cfg, r, keys, log
+        self.engine = engine if engine is not None else make_train_engine(cfg)
+        self.task = make_task(cfg.task)
+        self.heldout = self.task.heldout()
+        self.heldout_ids = [np.asarray(self.engine.tokenizer.encode(item.prompt), dtype=np.int32)
+                            for item in self.heldout]
+        self.metrics = MetricsFile(run_dir / "metrics.jsonl" if run_dir else None)
+        self.run_dir = run_dir
+        self.ckpt_dir = run_dir / "checkpoints" if run_dir else None
+        # The only consumer of its group: nothing to reclaim from others, and its own
+        # uncommitted entries must not come back to it while it still holds them.
+        self.stage = Stage(r, keys, cfg, name="trainer", worker_id="trainer", log=log, source="scored",
+                           group=TRAINER_GROUP, decode=ScoredGroup.decode, claim=False,
+                           check=lambda g: check_scored(g, vocab_size=self.engine.vocab_size))
+        self.publisher = make_publisher(cfg.weights.transport, r, keys.weights, ns=keys.ns,
+                                        keep_versions=cfg.weights.keep_versions, **publisher_options(cfg.weights))
+        self.version = 0
+        self.evals: dict[int, float] = {}
+        self.uncommitted: list[StepRecord] = []
+        self.held: set[str] = set()
+        self.labelmodel_versions: set[int] = set()
+
+    def resume(self) -> Path | None:
+        """Restore the latest checkpoint and re-apply its commit; the checkpoint, or None for a fresh start."""
+        path = checkpoint.latest(self.ckpt_dir) if self.ckpt_dir is not None and self.cfg.trainer.resume else None
+        if path is None:
+            return None
+        r, keys = self.r, self.keys
+        state = checkpoint.load(path)
+        self.engine.load_state(path, state.engine)
+        committed = int(r.hget(keys.trainer, "committed_version") or 0)
+        reapply = [s for s in state.uncommitted if s.version > committed]
+        commit(r, keys, reapply)
+        self.version, self.evals = state.version, state.evals
+        self.labelmodel_versions.update(state.labelmodel_versions)
+        announced = int(r.hget(keys.trainer, "version") or 0)
+        if announced > self.version:
+            # Steps after the checkpoint published versions whose model died with the
+            # process. Versions only go up: the checkpoint's model becomes the next one.
+            self.log.warning("versions_lost_in_crash", checkpoint=self.version, announced=announced,
+                             resume_as=announced + 1)
+            self.version = announced + 1
+        self.log.info("trainer_resumed", checkpoint=str(path), version=self.version, reapplied_steps=len(reapply),
+                      committed_before=committed)
+        return path
+
+    def durable(self) -> None:
+        """Checkpoint, then make the checkpointed steps final (the order that loses nothing), then trim."""
+        if self.ckpt_dir is not None:
+            checkpoint.save(self.ckpt_dir, write=self.engine.save_state, keep=self.cfg.trainer.keep_checkpoints,
+                            state=checkpoint.TrainerState(
+                                version=self.version, evals=self.evals, uncommitted=list(self.uncommitted),
+                                labelmodel_versions=sorted(self.labelmodel_versions)))
+        commit(self.r, self.keys, self.uncommitted)
+        self.uncommitted.clear()
+        self.held.clear()
+        self.stage.trim()
+
+    def evaluate(self) -> float:
+        """Greedy accuracy of the current policy on the held-out set."""
+        t0 = time.perf_counter()
+        answers = self.engine.greedy(self.heldout_ids, max_new_tokens=self.task.eval_max_new_tokens)
+        acc = float(np.mean([self.task.correctness(item.reference, [a])[0] for item, a in zip(self.heldout, answers)]))
+        self.metrics.write("eval", version=self.version, heldout_accuracy=acc, n=len(self.heldout))
+        self.log.info("evaluated", version=self.version, heldout_accuracy=acc,
+                      seconds=round(time.perf_counter() - t0, 3))
+        self.r.hset(self.keys.trainer, mapping={"eval_accuracy": acc, "eval_version": self.version})
+        self.evals[self.version] = acc
+        return acc
+
+    def publish(self) -> None:
+        # publish() copies into the transport's buffer, and that copy is the snapshot:
+        # the live parameters can go in as they are.
+        self.publisher.publish(self.version, self.engine.weights())
+        self.r.xadd(self.keys.versions, {"version": self.version}, maxlen=10_000, approximate=True)
+        self.r.hset(self.keys.trainer, "version", self.version)
+
+    def step(self, batch: list[tuple], *, wait_s: float) -> dict:
+        """Classify the batch, train on the groups with signal, and record the step (not yet committed)."""
+        t = self.cfg.trainer
+        t_step = time.perf_counter()
+        kinds = classify(batch, version=self.version, max_staleness=t.max_staleness)
+        fresh = [g for (_, g), k in zip(batch, kinds) if k != Outcome.STALE]
+        signal = [g for (_, g), k in zip(batch, kinds) if k == Outcome.TRAINED]
+        if any(self.version - g.rollout.min_version > t.max_staleness for g in signal):
+            raise RuntimeError(f"staleness invariant violated at version {self.version}")
+        stats = self.engine.train_step(signal) if signal else {}
+        self.engine.lr_step()
+        self.version += 1
+        row = step_metrics(batch, fresh, signal, version=self.version, stats=stats, wait_s=wait_s,
+                           step_s=time.perf_counter() - t_step)
+        self.uncommitted.append(step_record(batch, kinds, version=self.version, row=row))
+        self.held.update(g.rollout.prompt_id for _, g in batch)
+        self.labelmodel_versions.update(g.labelmodel_version for g in fresh)
+        # The row first: a step redone after a crash rewrites its row (readers keep the last).
+        self.metrics.write("step", **row)
+        return row
+
+    def run(self) -> dict:
+        """Train until the policy reaches version ``trainer.steps`` (or a stop); returns a summary."""
+        t, r, keys = self.cfg.trainer, self.r, self.keys
+        resumed_from = self.resume()
+        self.publish()
+        if self.version not in self.evals:
+            self.evaluate()
+        if resumed_from is None:
+            r.hset(keys.trainer, "base_accuracy", self.evals[0])
+        r.hset(keys.trainer, mapping={"steps": t.steps, "state": "training"})
+        self.log.info("trainer_started", steps=t.steps, groups_per_step=t.groups_per_step,
+                      max_staleness=t.max_staleness, version=self.version, checkpoint_every=t.checkpoint_every)
+        while self.version < t.steps:
+            t_wait = time.perf_counter()
+            batch = collect_batch(self.stage, size=t.groups_per_step, held=self.held)
+            if batch is None:
+                self.log.info("stop_requested", version=self.version)
+                break
+            row = self.step(batch, wait_s=time.perf_counter() - t_wait)
+            if self.version % t.checkpoint_every == 0 or self.version >= t.steps:
+                self.durable()
+            self.publish()
+            report_progress(r, keys, version=self.version, row=row)
+            self.log.info("step", **{k: (round(v, 5) if isinstance(v, float) else v) for k, v in row.items()})
+            if self.version % t.eval_every == 0 or self.version == t.steps:
+                self.evaluate()
+        if self.uncommitted:
+            self.durable()
+        if self.run_dir is not None:
+            self.engine.export_hf(self.run_dir / "checkpoints" / "final")
+        r.hset(keys.trainer, "state", "finished" if self.version >= t.steps else "stopped")
+        return {"version": self.version, "evals": self.evals}
+
+    def close(self) -> None:
+        self.publisher.close()
+        self.engine.close()
+
+
 def run_trainer(cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = None,
                 engine: TrainEngine | None = None) -> dict:
     """Train until the policy reaches version ``trainer.steps`` (or a stop); returns a summary.
 
     ``engine`` does the tensor work (``trainer.backend``; on torchtitan this process is the
-    driver rank and the engine runs each operation on every rank); it is closed on return.
+    driver rank and the engine runs each operation on every rank); it is closed on return,
+    with the publisher's transport resources (shm files, a tcp server thread), however the
+    loop ends, an interrupt included.
     """
-    from pipeline.tasks.registry import make_task
-
-    t = cfg.trainer
-    if engine is None:
-        engine = make_train_engine(cfg)
-    tok = engine.tokenizer
-    the_task = make_task(cfg.task)
-    heldout = the_task.heldout()
-    heldout_ids = [np.asarray(tok.encode(item.prompt), dtype=np.int32) for item in heldout]
-    transport_opts = publisher_options(cfg.weights)
-    metrics = MetricsFile(run_dir / "metrics.jsonl" if run_dir else None)
-    ckpt_dir = run_dir / "checkpoints" if run_dir else None
-    ensure_all_groups(r, keys)
-    # The only consumer of its group: nothing to reclaim from others, and its own
-    # uncommitted entries must not come back to it while it still holds them.
-    reader = sharded_reader(r, keys, "scored", TRAINER_GROUP, "trainer", cfg.redis, claim=False)
-    uncommitted: list[StepRecord] = []
-    held: set[str] = set()
-    labelmodel_versions: set[int] = set()
-
-    version, evals = 0, {}
-    resumed_from = checkpoint.latest(ckpt_dir) if ckpt_dir is not None and t.resume else None
-    if resumed_from is not None:
-        state = checkpoint.load(resumed_from)
-        engine.load_state(resumed_from, state.engine)
-        committed = int(r.hget(keys.trainer, "committed_version") or 0)
-        reapply = [s for s in state.uncommitted if s.version > committed]
-        commit(r, keys, reapply)
-        version, evals = state.version, state.evals
-        labelmodel_versions.update(state.labelmodel_versions)
-        announced = int(r.hget(keys.trainer, "version") or 0)
-        if announced > version:
-            # Steps after the checkpoint published versions whose model died with the
-            # process. Versions only go up: the checkpoint's model becomes the next one.
-            log.warning("versions_lost_in_crash", checkpoint=version, announced=announced, resume_as=announced + 1)
-            version = announced + 1
-        log.info("trainer_resumed", checkpoint=str(resumed_from), version=version, reapplied_steps=len(reapply),
-                 committed_before=committed)
-
-    def durable() -> None:
-        """Checkpoint, then make the checkpointed steps final (the order that loses nothing)."""
-        if ckpt_dir is not None:
-            checkpoint.save(ckpt_dir, write=engine.save_state, keep=t.keep_checkpoints, state=checkpoint.TrainerState(
-                version=version, evals=evals,
-                uncommitted=list(uncommitted), labelmodel_versions=sorted(labelmodel_versions)))
-        commit(r, keys, uncommitted)
-        uncommitted.clear()
-        held.clear()
-
-    def evaluate(version: int) -> float:
-        t0 = time.perf_counter()
-        answers = engine.greedy(heldout_ids, max_new_tokens=the_task.eval_max_new_tokens)
-        acc = float(np.mean([the_task.correctness(item.reference, [a])[0] for item, a in zip(heldout, answers)]))
-        metrics.write("eval", version=version, heldout_accuracy=acc, n=len(heldout))
-        log.info("evaluated", version=version, heldout_accuracy=acc, seconds=round(time.perf_counter() - t0, 3))
-        r.hset(keys.trainer, mapping={"eval_accuracy": acc, "eval_version": version})
-        return acc
-
-    publisher = make_publisher(cfg.weights.transport, r, keys.weights, ns=keys.ns,
-                               keep_versions=cfg.weights.keep_versions, **transport_opts)
-
-    def publish(version: int) -> None:
-        # publish() copies into the transport's buffer, and that copy is the snapshot:
-        # the live parameters can go in as they are.
-        publisher.publish(version, engine.weights())
-        r.xadd(keys.versions, {"version": version}, maxlen=10_000, approximate=True)
-        r.hset(keys.trainer, "version", version)
-
-    # The publisher owns transport resources (shm files, a tcp server thread): release
-    # them however the loop ends, an interrupt included.
+    trainer = Trainer(cfg, r, keys, log, run_dir=run_dir, engine=engine)
     try:
-        publish(version)
-        if version not in evals:
-            evals[version] = evaluate(version)
-        if resumed_from is None:
-            r.hset(keys.trainer, "base_accuracy", evals[0])
-        r.hset(keys.trainer, mapping={"steps": t.steps, "state": "training"})
-        log.info("trainer_started", steps=t.steps, groups_per_step=t.groups_per_step, max_staleness=t.max_staleness,
-                 version=version, checkpoint_every=t.checkpoint_every)
-        while version < t.steps:
-            t_wait = time.perf_counter()
-            batch = collect_batch(reader, r, keys, size=t.groups_per_step, block_ms=cfg.redis.block_ms, log=log,
-                                  vocab_size=engine.vocab_size, held=held)
-            if batch is None:
-                log.info("stop_requested", version=version)
-                break
-            t_step = time.perf_counter()
-            kinds = classify(batch, version=version, max_staleness=t.max_staleness)
-            fresh = [g for (_, g), k in zip(batch, kinds) if k != "stale"]
-            signal = [g for (_, g), k in zip(batch, kinds) if k == "trained"]
-            if any(version - g.rollout.min_version > t.max_staleness for g in signal):
-                raise RuntimeError(f"staleness invariant violated at version {version}")
-            stats = engine.train_step(signal) if signal else {}
-            engine.lr_step()
-            version += 1
-            row = step_metrics(batch, fresh, signal, version=version, stats=stats, wait_s=t_step - t_wait,
-                               step_s=time.perf_counter() - t_step)
-            uncommitted.append(step_record(batch, kinds, version=version, row=row))
-            held.update(g.rollout.prompt_id for _, g in batch)
-            labelmodel_versions.update(g.labelmodel_version for g in fresh)
-            # The row first: a step redone after a crash rewrites its row (readers keep the last).
-            metrics.write("step", **row)
-            if version % t.checkpoint_every == 0 or version >= t.steps:
-                durable()
-            publish(version)
-            report_progress(r, keys, version=version, row=row)
-            log.info("step", **{k: (round(v, 5) if isinstance(v, float) else v) for k, v in row.items()})
-            if version % t.eval_every == 0 or version == t.steps:
-                evals[version] = evaluate(version)
-        if uncommitted:
-            durable()
-        if run_dir is not None:
-            engine.export_hf(run_dir / "checkpoints" / "final")
-        r.hset(keys.trainer, "state", "finished" if version >= t.steps else "stopped")
+        summary = trainer.run()
     finally:
-        publisher.close()
-        engine.close()
-    log.info("trainer_finished", version=version, evals=evals)
-    return {"version": version, "evals": evals}
+        trainer.close()
+    log.info("trainer_finished", version=summary["version"], evals=summary["evals"])
+    return summary

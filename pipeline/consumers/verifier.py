@@ -6,7 +6,12 @@ waits for:    rollout groups; on first start, a label model fitted by some repli
 unblocked by: generators
 Weak verifiers never see the reference answer; it is used only for the hidden accuracy
 logged beside the reward (and by the ``ground_truth`` reward mode for experiments).
-With sharded streams a batch comes from rollouts shard k and goes to scored shard k.
+A batch comes from rollouts shard k and goes to scored shard k.
+
+The loop (``Stage.run``): wait for room downstream → take rollout groups → score every
+completion with each weak verifier → add the votes to the label model's window and take
+its current version → aggregate votes into rewards → emit the scored groups and ack the
+rollouts in one MULTI → append the posteriors file.
 """
 
 from __future__ import annotations
@@ -17,22 +22,18 @@ import time
 import msgpack
 import numpy as np
 
+from pipeline.algo.labelmodel import LabelModel, fit_label_model
+from pipeline.algo.rewards import RewardMode, parse_reward_mode
 from pipeline.config import ConfigError, RunConfig, VerifierConfig
 from pipeline.keys import TRAINER_GROUP, VERIFIERS_GROUP, Keys
-from pipeline.algo.labelmodel import LabelModel, fit_label_model
-from pipeline.records import RolloutGroup, ScoredGroup, check_token_ids
-from pipeline.algo.rewards import RewardMode, parse_reward_mode
-from pipeline.bus.flow import release_admissions, stop_requested, wait_for_room
-from pipeline.bus.stats import heartbeat, incr_stats
-from pipeline.bus.streams import FIELD, dead_letter, decode_entries, ensure_all_groups, sharded_reader, trim_acked
-from pipeline.tasks.registry import make_task
 from pipeline.model.tokenizer import model_vocab_size
+from pipeline.records import RolloutGroup, ScoredGroup, check_token_ids
+from pipeline.stage import Batch, Output, Stage
+from pipeline.tasks.registry import make_task
 from pipeline.verifiers.base import SOUND
 from pipeline.verifiers.registry import Scorer, check_spec
 
 FIRST_MODEL_WAIT_S = 60.0
-TRIM_EVERY = 10
-"""Batches between trims of the acked rollouts."""
 LOCK_TTL_MS = 30_000
 
 
@@ -159,67 +160,70 @@ def score_batch(scorer: Scorer, groups: list[RolloutGroup], log) -> tuple[list[n
     return votes, failed
 
 
-def run_verifier(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batches: int | None = None) -> int:
-    """Score rollout groups until stopped (or ``max_batches`` non-empty reads); returns groups scored."""
-    v = cfg.verifier
-    mode = reward_mode(v)
-    ensure_all_groups(r, keys)
-    vocab_size = model_vocab_size(cfg.model.base_dir)
-    the_task = make_task(cfg.task)
-    shared = SharedLabelModel(r, keys, v, worker_id, log) if mode.needs_label_model else None
-    reader = sharded_reader(r, keys, "rollouts", VERIFIERS_GROUP, worker_id, cfg.redis)
-    posteriors_path = cfg.run_dir / POSTERIORS_DIR / f"{worker_id}.jsonl"
-    scorer = Scorer(v.verifiers, timeouts=v.timeout_map(), default_timeout_s=v.timeout_s)
-    batches, scored = 0, 0
-    log.info("verifier_started", reward=v.reward, verifiers=v.verifiers)
-    while not stop_requested(r, keys) and (max_batches is None or batches < max_batches):
-        # Backpressure before taking work: the trainer has not drained what we wrote.
-        wait_for_room(r, keys, keys.stream_keys("scored"), TRAINER_GROUP, bound=cfg.redis.max_stream_lag,
-                      worker_id=worker_id, stage="verifier", log=log)
-        entries = reader.read(v.batch, cfg.redis.block_ms)
-        if not entries:
-            heartbeat(r, keys, worker_id, "verifier", "idle")
-            continue
-        batches += 1
-        shard = keys.shard(entries[0].shard)  # one read, one shard
+class Verifier:
+    """One verifier process: the weak verifiers, the reward mode, the shared label model and the stage plumbing."""
+
+    def __init__(self, cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, scorer: Scorer | None = None) -> None:
+        v = cfg.verifier
+        self.cfg, self.worker_id, self.log = cfg, worker_id, log
+        self.mode = reward_mode(v)
+        vocab_size = model_vocab_size(cfg.model.base_dir)
+        self.task = make_task(cfg.task)
+        self.shared = SharedLabelModel(r, keys, v, worker_id, log) if self.mode.needs_label_model else None
+        self.scorer = scorer if scorer is not None else Scorer(v.verifiers, timeouts=v.timeout_map(),
+                                                                default_timeout_s=v.timeout_s)
+        self.posteriors_path = cfg.run_dir / POSTERIORS_DIR / f"{worker_id}.jsonl"
+        self.stage = Stage(r, keys, cfg, name="verifier", worker_id=worker_id, log=log, source="rollouts",
+                           group=VERIFIERS_GROUP, decode=RolloutGroup.decode, sink="scored", sink_group=TRAINER_GROUP,
+                           check=lambda g: check_tokens(g, vocab_size=vocab_size))
+        self.scored = 0
+
+    def step(self, batch: Batch) -> Output:
+        """Votes → label model → rewards for every group of the batch."""
+        v = self.cfg.verifier
         t0 = time.perf_counter()
-        good, bad = decode_entries(entries, RolloutGroup.decode, lambda g: check_tokens(g, vocab_size=vocab_size),
-                                   reader=reader)
-        votes, failed = score_batch(scorer, [g for _, g in good], log)
+        groups = batch.records
+        votes, failed = score_batch(self.scorer, groups, self.log)
         lm = None
-        if shared is not None and good:
-            shared.add_votes(votes)
-            lm = shared.current()
-        pipe = r.pipeline(transaction=True)
-        rows = []
-        for (e, g), vt in zip(good, votes):
-            truth = the_task.correctness(g.reference, g.completions)
-            rewards = mode(votes=vt, names=v.verifiers, completions=g.completions, label_model=lm, truth=truth,
-                           prompt=g.prompt, answer=the_task.answer)
+        if self.shared is not None:
+            self.shared.add_votes(votes)
+            lm = self.shared.current()
+        lm_version = self.shared.version if self.shared is not None else -1
+        written, rows = [], []
+        for (e, g), vt in zip(batch.good, votes):
+            truth = self.task.correctness(g.reference, g.completions)
+            rewards = self.mode(votes=vt, names=v.verifiers, completions=g.completions, label_model=lm, truth=truth,
+                                prompt=g.prompt, answer=self.task.answer)
             rows.append(posterior_row(g, vt, truth, lm, v.verifiers))
             rec = ScoredGroup(rollout=g, verifier_names=tuple(v.verifiers), votes=vt.astype(np.float32),
                               rewards=rewards.astype(np.float32), truth=truth.astype(np.float32),
-                              reward_mode=v.reward, labelmodel_version=shared.version if shared else -1,
-                              verifier_id=worker_id, scored_at=time.time())
-            pipe.xadd(shard.scored, {FIELD: rec.encode()})
-            pipe.xack(shard.rollouts, VERIFIERS_GROUP, e.id)
-        releases = 0
-        for e, reason in bad:
-            log.warning("dead_letter", id=e.id, reason=reason)
-            releases += dead_letter(pipe, keys, stream=shard.rollouts, group=VERIFIERS_GROUP, entry=e, reason=reason,
-                                    consumer=worker_id, release_admission=True)
-        incr_stats(pipe, shard, groups_scored_total=len(good), verifier_errors_total=failed["error"],
-                   verifier_timeouts_total=failed["timeout"], verify_seconds_total=time.perf_counter() - t0)
-        pipe.execute()
-        release_admissions(r, keys, releases)
-        append_posteriors(posteriors_path, rows)
-        scored += len(good)
-        if cfg.redis.trim_acked and batches % TRIM_EVERY == 0:
-            for key in keys.stream_keys("rollouts"):
-                trim_acked(r, key)
-        heartbeat(r, keys, worker_id, "verifier", "scored", groups=scored,
-                  abstained={n: st.abstained for n, st in scorer.stats.items()})
-        log.info("batch_scored", groups=len(good), dead=len(bad), labelmodel_version=shared.version if shared else -1,
-                 seconds=round(time.perf_counter() - t0, 4))
-    log.info("verifier_stopped", groups=scored)
-    return scored
+                              reward_mode=v.reward, labelmodel_version=lm_version,
+                              verifier_id=self.worker_id, scored_at=time.time())
+            written.append((e, rec.encode()))
+        self.scored += len(groups)
+        seconds = time.perf_counter() - t0
+
+        def after() -> None:
+            append_posteriors(self.posteriors_path, rows)
+            self.stage.heartbeat("scored", groups=self.scored,
+                                 abstained={n: st.abstained for n, st in self.scorer.stats.items()})
+            self.log.info("batch_scored", groups=len(groups), dead=len(batch.bad),
+                          labelmodel_version=lm_version, seconds=round(seconds, 4))
+
+        return Output(written=written, after=after,
+                      counters={"groups_scored_total": len(groups), "verifier_errors_total": failed["error"],
+                                "verifier_timeouts_total": failed["timeout"], "verify_seconds_total": seconds})
+
+
+def run_verifier(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batches: int | None = None,
+                 scorer: Scorer | None = None) -> int:
+    """Score rollout groups until stopped (or ``max_batches`` non-empty reads); returns groups scored.
+
+    ``scorer`` replaces the one ``verifier.verifiers`` names (benchmarks wrap it in a fake device).
+    """
+    ver = Verifier(cfg, r, keys, worker_id, log, scorer=scorer)
+    log.info("verifier_started", reward=cfg.verifier.reward, verifiers=cfg.verifier.verifiers)
+    ver.stage.run(ver.step, count=cfg.verifier.batch, idle=lambda: ver.stage.heartbeat("idle"),
+                  max_batches=max_batches)
+    log.info("verifier_stopped", groups=ver.scored)
+    return ver.scored

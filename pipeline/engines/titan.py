@@ -14,9 +14,10 @@ The command protocol (rank 0 -> all, ``torch.distributed.broadcast``, no pickle)
 
     TRAIN    payload: the ScoredGroup records' own MessagePack encodings. Every rank
              computes the advantages of all groups, takes its contiguous slice of the
-             completions, and scales its token-mean loss by local/global tokens; FSDP2
-             sums the gradients (division disabled), so the update equals one process
-             stepping on the whole batch. Statistics are token-weighted all-reduces.
+             completions, and normalises its token sums by the whole batch's token count
+             (``pipeline.algo.losses.objective``); FSDP2 sums the gradients (division
+             disabled), so the update equals one process stepping on the whole batch.
+             The statistics, normalised the same way, are summed by an all-reduce.
     LR_STEP  the warm-up schedule advances on every rank.
     WEIGHTS  full_tensor() of every sharded parameter, renamed to HF names by
              torchtitan's Qwen3 state-dict adapter; only rank 0 keeps the result.
@@ -51,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.config import RunConfig
-from pipeline.algo.losses import ADVANTAGES, LOSSES, LossSettings, kl_k3
+from pipeline.algo.losses import LossSettings, advantages, objective
 from pipeline.model.qwen import safetensors_files, token_logprobs
 from pipeline.records import ScoredGroup
 
@@ -321,54 +322,51 @@ class TitanEngine:
 
     def _train(self, groups: list[ScoredGroup]) -> dict:
         t = self.cfg.trainer
+        settings = LossSettings.from_config(t)
         pad_id = self.tokenizer.pad_id
-        rows = []  # (prompt ids, completion ids, behaviour log-probs, advantage) of every completion, in order
+        rows = []  # (prompt ids, completion ids, behaviour log-probs) of every completion, in order
         for g in groups:
             ro = g.rollout
-            adv = ADVANTAGES[t.advantage](torch.from_numpy(g.rewards.copy()))
             p = torch.from_numpy(ro.prompt_ids.astype(np.int64))
-            for k, (ids, lp) in enumerate(zip(ro.split(ro.completion_ids), ro.split(ro.behaviour_logprobs))):
-                rows.append((p, ids, lp, adv[k]))
+            for ids, lp in zip(ro.split(ro.completion_ids), ro.split(ro.behaviour_logprobs)):
+                rows.append((p, ids, lp))
         if not rows:
             raise ValueError("train_step needs at least one completion")
+        adv_all = advantages([g.rewards for g in groups], settings.advantage)
         global_tokens = sum(len(r[1]) for r in rows)
         n = len(rows)
-        mine = rows[self.rank * n // self.world: (self.rank + 1) * n // self.world]
+        lo, hi = self.rank * n // self.world, (self.rank + 1) * n // self.world
+        mine, adv = rows[lo:hi], adv_all[lo:hi]
         # A rank without completions still runs forward and backward (FSDP's collectives
         # must match), on a copy of the first row whose mask is all zero.
         empty = not mine
         if empty:
-            mine = rows[:1]
+            mine, adv = rows[:1], adv_all[:1]
         width = max(len(r[1]) for r in mine)
         ids = torch.full((len(mine), width), pad_id, dtype=torch.long)
         behav = torch.zeros((len(mine), width))
         mask = torch.zeros((len(mine), width))
-        for i, (_, c, b, _) in enumerate(mine):
+        for i, (_, c, b) in enumerate(mine):
             ids[i, : len(c)] = torch.from_numpy(c.astype(np.int64))
             behav[i, : len(b)] = torch.from_numpy(b.copy())
             mask[i, : len(c)] = 1
         if empty:
             mask.zero_()
-        adv = torch.stack([r[3] for r in mine]).float()
         prompts = [r[0].to(self.device) for r in mine]
-        ids, behav, mask, adv = (x.to(self.device) for x in (ids, behav, mask, adv))
-        local_tokens = float(mask.sum())
+        ids, behav, mask, adv = (x.to(self.device) for x in (ids, behav, mask, adv.float()))
 
         self.model.train()
         temp = self.cfg.generator.temperature
         logp, entropy = titan_completion_logprobs(self.model, prompts, ids, pad_id=pad_id, with_entropy=True,
                                                   temperature=temp)
-        settings = LossSettings(clip_eps=t.clip_eps, clip_eps_high=t.clip_eps_high, is_cap=t.is_cap)
-        local_loss, stats = LOSSES[t.loss](logp, logp.detach(), behav, adv, mask, settings)
-        # The loss is a token mean over this rank's tokens; re-weighted so that the summed
-        # gradients of all ranks are those of the token mean over the whole batch.
-        loss = local_loss * (local_tokens / global_tokens)
-        kl_sum = torch.zeros((), device=self.device)
+        ref_logp = None
         if self.ref_model is not None:
             with torch.no_grad():
                 ref_logp = titan_completion_logprobs(self.ref_model, prompts, ids, pad_id=pad_id, temperature=temp)
-            kl_sum = (kl_k3(logp, ref_logp) * mask).sum()
-            loss = loss + t.kl_coef * kl_sum / global_tokens
+        # Normalised by the whole batch's tokens: the summed gradients of all ranks are
+        # those of the token mean over the whole batch, and so are the summed statistics.
+        loss, stats = objective(logp, behav, mask, adv, settings, ref_logp=ref_logp, entropy=entropy,
+                                tokens=global_tokens)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         from torchtitan.distributed.utils import clip_grad_norm_
@@ -378,17 +376,13 @@ class TitanEngine:
         self._gathered = None
         self._local_fresh = False
 
-        keys = sorted(stats)
-        sums = torch.tensor([float(loss.detach()), float((entropy.detach() * mask).sum()), float(kl_sum.detach())]
-                            + [stats[k] * local_tokens for k in keys], dtype=torch.float64, device=self.device)
+        # Every rank holds the same keys in the same order.
+        sums = torch.tensor([float(v) for v in stats.values()], dtype=torch.float64, device=self.device)
         if self.world > 1:
             dist.all_reduce(sums)
-        sums = sums.cpu().tolist()
-        out = {"loss": sums[0], "grad_norm": float(grad_norm), "entropy": sums[1] / global_tokens,
-               "tokens": int(global_tokens), **{k: v / global_tokens for k, v in zip(keys, sums[3:])}}
-        if self.ref_model is not None:
-            out["kl_ref"] = sums[2] / global_tokens
-        return out
+        stats = dict(zip(stats, sums.cpu().tolist()))
+        stats["tokens"] = int(round(stats["tokens"]))
+        return {"loss": stats["loss"], "grad_norm": float(grad_norm), **stats}
 
     def _gather(self) -> dict[str, torch.Tensor] | None:
         from torch.distributed.tensor import DTensor

@@ -19,7 +19,7 @@ import torch
 from pipeline.run import checkpoint
 from pipeline.engines import Sampled
 from pipeline.config import RunConfig
-from pipeline.algo.losses import ADVANTAGES, LOSSES, LossSettings, kl_k3
+from pipeline.algo.losses import LossSettings, advantages, objective
 from pipeline.model.qwen import (load_checkpoint, load_state_tensors, ragged_completion_logprobs, sample,
                                  save_checkpoint)
 from pipeline.records import ScoredGroup
@@ -105,32 +105,27 @@ def pad_batch(groups: list[ScoredGroup], pad_id: int):
 
 
 def train_step(model, opt, groups: list[ScoredGroup], cfg: RunConfig, *, pad_id: int, ref_model=None) -> dict:
-    """One GRPO step (DESIGN §4) on ``groups``: advantages within each group, the configured
-    off-policy loss against the behaviour log-probs, optional k3 KL to the reference, clip, AdamW."""
-    t = cfg.trainer
+    """One GRPO step (DESIGN §4) on ``groups``: :func:`pipeline.algo.losses.objective` on the
+    model's log-probabilities (and the reference's, when kept), clip, AdamW."""
+    settings = LossSettings.from_config(cfg.trainer)
     prompts, comp_ids, behav, mask = pad_batch(groups, pad_id)
-    adv = torch.cat([ADVANTAGES[t.advantage](torch.from_numpy(g.rewards.copy())) for g in groups])
+    adv = advantages([g.rewards for g in groups], settings.advantage)
     model.train()
     # The policy being optimised is the one the generators sample: softmax(logits / temperature).
     temp = cfg.generator.temperature
     logp, entropy = ragged_completion_logprobs(model, prompts, comp_ids, pad_id=pad_id, with_entropy=True,
                                                temperature=temp)
-    settings = LossSettings(clip_eps=t.clip_eps, clip_eps_high=t.clip_eps_high, is_cap=t.is_cap)
-    # One optimizer step per batch: the proximal policy is the current one, detached.
-    loss, stats = LOSSES[t.loss](logp, logp.detach(), behav, adv, mask, settings)
+    ref_logp = None
     if ref_model is not None:
         with torch.no_grad():
             ref_logp = ragged_completion_logprobs(ref_model, prompts, comp_ids, pad_id=pad_id, temperature=temp)
-        kl = (kl_k3(logp, ref_logp) * mask).sum() / mask.sum()
-        loss = loss + t.kl_coef * kl
-        stats["kl_ref"] = float(kl.detach())
+    loss, stats = objective(logp, behav, mask, adv, settings, ref_logp=ref_logp, entropy=entropy)
     opt.zero_grad(set_to_none=True)
     loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
     opt.step()
     model.eval()
-    return {"loss": float(loss.detach()), "grad_norm": float(grad_norm),
-            "entropy": float((entropy.detach() * mask).sum() / mask.sum()), "tokens": int(mask.sum()), **stats}
+    return {"loss": stats["loss"], "grad_norm": float(grad_norm), **stats}
 
 
 def warmup_schedule(opt: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:

@@ -5,8 +5,12 @@ produces:     RolloutGroup records on {ns}:rollouts, with behaviour log-probs an
 waits for:    admission (DESIGN §3): groups admitted < (η + v + 1)·B; then for a prompt
 unblocked by: the trainer publishing version v+1 ({ns}:versions); the feeder adding prompts
 Weights swap only between generation batches, so no batch runs on half-written weights.
-With sharded streams a batch comes from one shard k and its groups go to rollouts shard k,
-so the xadd + xack + counters stay one single-slot MULTI.
+A batch comes from one shard k and its groups go to rollouts shard k, so the xadd + xack +
+counters stay one single-slot MULTI (``pipeline.stage``).
+
+The loop (``Stage.run``): swap in the newest weights → wait for room downstream → take
+admitted prompts (own or reclaimed first, else as many new ones as admission grants) →
+sample G completions per prompt → emit the groups and ack the prompts in one MULTI.
 """
 
 from __future__ import annotations
@@ -15,20 +19,16 @@ import time
 
 import numpy as np
 
-from pipeline.engines import GenerationBackend, Sampled, make_generation_backend
+from pipeline.bus.flow import Admission, VersionWatch
+from pipeline.bus.streams import Entry
 from pipeline.config import RunConfig
+from pipeline.engines import GenerationBackend, Sampled, make_generation_backend
 from pipeline.keys import GENERATORS_GROUP, VERIFIERS_GROUP, Keys
-from pipeline.records import PromptTask, RecordError, RolloutGroup, check_token_ids
-from pipeline.bus.flow import Admission, VersionWatch, release_admissions, stop_requested, wait_for_room
-from pipeline.bus.stats import heartbeat, incr_stats
-from pipeline.bus.streams import FIELD, dead_letter, decode_entries, ensure_all_groups, sharded_reader, trim_acked
-from pipeline.tasks.arithmetic import prompt_length
 from pipeline.model.tokenizer import model_context_length
+from pipeline.records import PromptTask, RecordError, RolloutGroup, check_token_ids
+from pipeline.stage import Batch, Output, Stage
+from pipeline.tasks.arithmetic import prompt_length
 from pipeline.weights import WeightsError, fetcher_options, make_fetcher
-
-
-TRIM_EVERY = 10
-"""Batches between trims of the acked prompts."""
 
 
 def swap_weights(fetcher, backend: GenerationBackend, version: int, log) -> int:
@@ -74,80 +74,79 @@ def to_groups(tasks: list[PromptTask], samples: list[Sampled], *, tok, worker_id
     return out
 
 
-def run_generator(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batches: int | None = None) -> int:
-    """Generate until stopped (or ``max_batches`` batches); returns groups produced."""
-    g = cfg.generator
-    backend = make_generation_backend(cfg, worker_id=worker_id)
-    ensure_all_groups(r, keys)
-    fetcher = make_fetcher(cfg.weights.transport, r, keys.weights, **fetcher_options(cfg.weights))
-    admission = Admission(r, keys, max_staleness=cfg.trainer.max_staleness, groups_per_step=cfg.trainer.groups_per_step)
-    watch = VersionWatch(r, keys)
-    reader = sharded_reader(r, keys, "prompts", GENERATORS_GROUP, worker_id, cfg.redis)
-    plen = prompt_length(cfg.task.digits) if cfg.task.kind == "arithmetic" else None
-    max_len = model_context_length(cfg.model.base_dir) - cfg.task.max_new_tokens
-    log.info("generator_started", group_size=g.group_size, transport=cfg.weights.transport, backend=g.backend)
+class Generator:
+    """One generator process: its engine, weight fetcher, admission and stage plumbing."""
+
+    def __init__(self, cfg: RunConfig, r, keys: Keys, worker_id: str, log, *,
+                 backend: GenerationBackend | None = None) -> None:
+        self.cfg, self.r, self.keys, self.worker_id, self.log = cfg, r, keys, worker_id, log
+        self.backend = backend if backend is not None else make_generation_backend(cfg, worker_id=worker_id)
+        self.fetcher = make_fetcher(cfg.weights.transport, r, keys.weights, **fetcher_options(cfg.weights))
+        self.admission = Admission(r, keys, max_staleness=cfg.trainer.max_staleness,
+                                   groups_per_step=cfg.trainer.groups_per_step)
+        self.watch = VersionWatch(r, keys)
+        plen = prompt_length(cfg.task.digits) if cfg.task.kind == "arithmetic" else None
+        max_len = model_context_length(cfg.model.base_dir) - cfg.task.max_new_tokens
+        self.stage = Stage(r, keys, cfg, name="generator", worker_id=worker_id, log=log, source="prompts",
+                           group=GENERATORS_GROUP, decode=PromptTask.decode, sink="rollouts",
+                           sink_group=VERIFIERS_GROUP,
+                           check=lambda t: check_prompt(t, prompt_len=plen, max_len=max_len,
+                                                        vocab_size=self.backend.vocab_size))
+        self.version, self.produced = 0, 0
+
+    def swap_weights(self) -> None:
+        self.version = swap_weights(self.fetcher, self.backend, self.version, self.log)
+
+    def read_admitted(self, count: int) -> list[Entry]:
+        """Prompts already admitted (own or a dead generator's), else as many new ones as admission grants."""
+        entries = self.stage.reader.read_owned(count)
+        if entries:
+            return entries
+        granted = self.admission.admit(count, self.version)
+        if not granted:
+            self.stage.heartbeat("waiting_admission", version=self.version, groups=self.produced)
+            self.watch.wait(self.cfg.redis.block_ms)
+            return []
+        entries = self.stage.reader.read_new(granted, self.cfg.redis.block_ms)
+        self.admission.release(granted - len(entries))
+        return entries
+
+    def step(self, batch: Batch) -> Output:
+        """G completions of every prompt, as one RolloutGroup each."""
+        g = self.cfg.generator
+        tasks = batch.records
+        self.stage.heartbeat("generating", version=self.version, groups=self.produced)
+        t0 = time.perf_counter()
+        samples = self.backend.generate([t.prompt_ids for t in tasks], n=g.group_size,
+                                        max_new_tokens=self.cfg.task.max_new_tokens, temperature=g.temperature)
+        groups = to_groups(tasks, samples, tok=self.backend.tokenizer, worker_id=self.worker_id,
+                           batch=self.stage.batches + 1, version=self.version)
+        seconds = time.perf_counter() - t0
+        n_tokens = int(sum(int(s.lengths.sum()) for s in samples))
+        self.produced += len(groups)
+        self.log.info("batch_generated", groups=len(groups), version=self.version, seconds=round(seconds, 4),
+                      tokens=n_tokens, prompt_ids=[t.prompt_id for t in tasks])
+        return Output(written=[(e, grp.encode()) for (e, _), grp in zip(batch.good, groups)],
+                      counters={"groups_generated_total": len(groups), "tokens_generated_total": n_tokens,
+                                "generate_seconds_total": seconds})
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def run_generator(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batches: int | None = None,
+                  backend: GenerationBackend | None = None) -> int:
+    """Generate until stopped (or ``max_batches`` reads); returns groups produced.
+
+    ``backend`` replaces the engine ``generator.backend`` names (benchmarks pass a fake one).
+    """
+    gen = Generator(cfg, r, keys, worker_id, log, backend=backend)
+    log.info("generator_started", group_size=cfg.generator.group_size, transport=cfg.weights.transport,
+             backend=cfg.generator.backend)
     try:
-        produced = _generate_loop(cfg, r, keys, worker_id, log, backend=backend, fetcher=fetcher,
-                                  admission=admission, watch=watch, reader=reader, plen=plen, max_len=max_len,
-                                  max_batches=max_batches)
+        gen.stage.run(gen.step, count=cfg.generator.prompts_per_batch, read=gen.read_admitted,
+                      before=gen.swap_weights, max_batches=max_batches)
     finally:
-        backend.close()
-    return produced
-
-
-def _generate_loop(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, backend: GenerationBackend, fetcher,
-                   admission, watch, reader, plen: int | None, max_len: int, max_batches: int | None) -> int:
-    g = cfg.generator
-    tok = backend.tokenizer
-    version, batches, produced = 0, 0, 0
-    while not stop_requested(r, keys) and (max_batches is None or batches < max_batches):
-        version = swap_weights(fetcher, backend, version, log)
-        # Backpressure before taking work: the verifiers have not drained what we wrote.
-        wait_for_room(r, keys, keys.stream_keys("rollouts"), VERIFIERS_GROUP, bound=cfg.redis.max_stream_lag,
-                      worker_id=worker_id, stage="generator", log=log)
-        # Already admitted: own entries left from before a restart, or a dead generator's.
-        entries = reader.read_owned(g.prompts_per_batch)
-        if not entries:
-            granted = admission.admit(g.prompts_per_batch, version)
-            if not granted:
-                heartbeat(r, keys, worker_id, "generator", "waiting_admission", version=version, groups=produced)
-                watch.wait(cfg.redis.block_ms)
-                continue
-            entries = reader.read_new(granted, cfg.redis.block_ms)
-            admission.release(granted - len(entries))
-        good, bad = decode_entries(entries, PromptTask.decode,
-                                   lambda t: check_prompt(t, prompt_len=plen, max_len=max_len,
-                                                          vocab_size=backend.vocab_size), reader=reader)
-        if not entries:
-            continue
-        shard = keys.shard(entries[0].shard)  # one read, one shard
-        pipe = r.pipeline(transaction=True)
-        releases = 0
-        for e, reason in bad:
-            log.warning("dead_letter", id=e.id, reason=reason)
-            releases += dead_letter(pipe, keys, stream=shard.prompts, group=GENERATORS_GROUP, entry=e, reason=reason,
-                                    consumer=worker_id, release_admission=True)
-        if good:
-            batches += 1
-            heartbeat(r, keys, worker_id, "generator", "generating", version=version, groups=produced)
-            t0 = time.perf_counter()
-            samples = backend.generate([t.prompt_ids for _, t in good], n=g.group_size,
-                                       max_new_tokens=cfg.task.max_new_tokens, temperature=g.temperature)
-            n_tokens = int(sum(int(s.lengths.sum()) for s in samples))
-            for (e, _), rec in zip(good, to_groups([t for _, t in good], samples, tok=tok, worker_id=worker_id,
-                                                    batch=batches, version=version)):
-                pipe.xadd(shard.rollouts, {FIELD: rec.encode()})
-                pipe.xack(shard.prompts, GENERATORS_GROUP, e.id)
-            incr_stats(pipe, shard, groups_generated_total=len(good), tokens_generated_total=n_tokens,
-                       generate_seconds_total=time.perf_counter() - t0)
-            produced += len(good)
-            log.info("batch_generated", groups=len(good), version=version, seconds=round(time.perf_counter() - t0, 4),
-                     tokens=n_tokens,
-                     prompt_ids=[t.prompt_id for _, t in good])
-        pipe.execute()
-        release_admissions(r, keys, releases)
-        if cfg.redis.trim_acked and batches % TRIM_EVERY == 0:
-            for key in keys.stream_keys("prompts"):
-                trim_acked(r, key)
-    log.info("generator_stopped", groups=produced, version=version)
-    return produced
+        gen.close()
+    log.info("generator_stopped", groups=gen.produced, version=gen.version)
+    return gen.produced

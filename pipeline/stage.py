@@ -1,0 +1,169 @@
+"""The one loop every stream stage runs: claim, process, emit + ack, trim.
+
+A stage reads one stream (every shard of it) as a consumer of its group and, per read:
+
+1. **claim**: its own unacked entries first (left from before a restart), then entries a
+   dead consumer held for ``redis.claim_idle_ms``, then new ones (``bus.streams``);
+2. **decode and check**: each entry becomes a record, or a defect with its reason
+   (undecodable, refused by the stage's own check, delivered too often);
+3. **process**: the stage's own step turns the records into outputs;
+4. **emit + ack**: ONE MULTI, in the read shard's slot, writes the outputs downstream,
+   acks their inputs, dead-letters the defects and adds the counters, so an output is
+   never written without its input acked, nor an input acked without its output;
+   admission slots of dead-lettered groups are given back right after;
+5. **trim**: every ``TRIM_EVERY`` batches, what every group of the input stream acked.
+
+Before each read the stage waits while its output stream holds more than
+``redis.max_stream_lag`` unacked entries (backpressure). Stage files
+(``producers/``, ``consumers/``) are a step function plugged into :meth:`Stage.run`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.bus.flow import release_admissions, stop_requested, wait_for_room
+from pipeline.bus.stats import heartbeat, incr_stats
+from pipeline.bus.streams import FIELD, Entry, dead_letter, decode_entries, ensure_all_groups, sharded_reader, \
+    trim_acked
+from pipeline.keys import Keys, ShardKeys
+
+TRIM_EVERY = 10
+"""Batches between trims of the acked input entries."""
+
+
+@dataclass
+class Batch:
+    """One read: entries of one shard, split into decoded records and defects."""
+
+    shard: ShardKeys
+    good: list[tuple[Entry, Any]]
+    bad: list[tuple[Entry, str]]
+
+    @property
+    def records(self) -> list[Any]:
+        return [rec for _, rec in self.good]
+
+
+@dataclass
+class Output:
+    """What a step returns for one batch.
+
+    ``written`` pairs each input entry to ack with the encoded record to write downstream
+    for it (None: ack only). A good entry of the batch that is not listed stays unacked
+    (the trainer holds its inputs until a checkpoint has the step). ``after`` runs once
+    the MULTI has been applied.
+    """
+
+    written: Sequence[tuple[Entry, bytes | None]] = ()
+    counters: dict[str, float] = field(default_factory=dict)
+    after: Callable[[], None] | None = None
+
+
+class Stage:
+    """The plumbing of one stage process: its reader, its output stream, its MULTI and its trims."""
+
+    def __init__(self, r, keys: Keys, cfg, *, name: str, worker_id: str, log, source: str, group: str,
+                 decode: Callable[[bytes], Any], check: Callable[[Any], None] | None = None,
+                 sink: str | None = None, sink_group: str | None = None, claim: bool = True,
+                 release_admission: bool = True) -> None:
+        self.r, self.keys, self.cfg, self.log = r, keys, cfg, log
+        self.name, self.worker_id = name, worker_id
+        self.source, self.group = source, group
+        self.sink, self.sink_group = sink, sink_group
+        self.decode, self.check = decode, check
+        self.release_admission = release_admission
+        ensure_all_groups(r, keys)
+        self.reader = sharded_reader(r, keys, source, group, worker_id, cfg.redis, claim=claim)
+        self.batches = 0
+
+    # ------------------------------------------------------------------ the steps of the loop
+
+    def stopped(self) -> bool:
+        return stop_requested(self.r, self.keys)
+
+    def wait_for_room(self) -> float:
+        """Backpressure: block while the output stream holds more than ``redis.max_stream_lag`` unacked."""
+        if self.sink is None:
+            return 0.0
+        return wait_for_room(self.r, self.keys, self.keys.stream_keys(self.sink), self.sink_group,
+                             bound=self.cfg.redis.max_stream_lag, worker_id=self.worker_id, stage=self.name,
+                             log=self.log)
+
+    def read(self, count: int) -> list[Entry]:
+        """Own pending entries, then reclaimed ones, then new ones (blocking ``redis.block_ms``)."""
+        return self.reader.read(count, self.cfg.redis.block_ms)
+
+    def take(self, entries: list[Entry]) -> Batch:
+        """Decode and check one read (entries of one shard)."""
+        good, bad = decode_entries(entries, self.decode, self.check, reader=self.reader)
+        return Batch(shard=self.keys.shard(entries[0].shard), good=good, bad=bad)
+
+    def emit(self, batch: Batch, out: Output) -> None:
+        """Write, ack, dead-letter and count in one MULTI of the batch's shard; then trim now and then."""
+        shard = batch.shard
+        src = getattr(shard, self.source)
+        pipe = self.r.pipeline(transaction=True)
+        releases = 0
+        for e, reason in batch.bad:
+            self.log.warning("dead_letter", id=e.id, reason=reason)
+            releases += dead_letter(pipe, self.keys, stream=src, group=self.group, entry=e, reason=reason,
+                                    consumer=self.worker_id, release_admission=self.release_admission)
+        dst = getattr(shard, self.sink) if self.sink is not None else None
+        for e, payload in out.written:
+            if payload is not None:
+                pipe.xadd(dst, {FIELD: payload})
+            pipe.xack(src, self.group, e.id)
+        incr_stats(pipe, shard, **out.counters)
+        pipe.execute()
+        release_admissions(self.r, self.keys, releases)
+        if out.after is not None:
+            out.after()
+        self.batches += 1
+        if self.batches % TRIM_EVERY == 0:
+            self.trim()
+
+    def trim(self) -> None:
+        """Remove the input entries every group has acked (``redis.trim_acked``)."""
+        if self.cfg.redis.trim_acked:
+            for key in self.keys.stream_keys(self.source):
+                trim_acked(self.r, key)
+
+    def heartbeat(self, state: str, **extra) -> None:
+        heartbeat(self.r, self.keys, self.worker_id, self.name, state, **extra)
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self, step: Callable[[Batch], Output], *, count: int, read: Callable[[int], list[Entry]] | None = None,
+            before: Callable[[], None] | None = None, idle: Callable[[], None] | None = None,
+            max_batches: int | None = None) -> int:
+        """Claim → process → emit + ack until stopped (or ``max_batches`` reads with entries); returns reads done.
+
+        ``read(count)`` replaces the plain read (the generator's admission); ``before``
+        runs at the top of every turn (the generator's weight swap); ``idle`` when a read
+        found nothing. ``step`` sees only batches with at least one good record.
+        """
+        done = 0
+        while not self.stopped() and (max_batches is None or done < max_batches):
+            if before is not None:
+                before()
+            self.wait_for_room()
+            entries = (read or self.read)(count)
+            if not entries:
+                if idle is not None:
+                    idle()
+                continue
+            batch = self.take(entries)
+            self.emit(batch, step(batch) if batch.good else Output())
+            done += 1
+        return done
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """``fn()`` and the seconds it took."""
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
