@@ -146,14 +146,14 @@ class SleepEngine:
 
 
 def bench_config(*, runs_dir: Path, run_id: str, url: str, eta: int, batch: int, group_size: int, steps: int,
-                 model_dir: Path):
-    """The run's config: the defaults of a real run, with the bench's sizes."""
+                 model_dir: Path, overrides: dict | None = None):
+    """The run's config: the defaults of a real run, with the bench's sizes (then ``overrides``)."""
     return load_config(overrides={
         "runs_dir": str(runs_dir), "run_id": run_id, "redis.url": url, "redis.block_ms": BLOCK_MS,
         "model.base_dir": str(model_dir), "trainer.max_staleness": eta, "trainer.groups_per_step": batch,
         "trainer.steps": steps, "trainer.eval_every": steps, "trainer.checkpoint_every": steps,
         "generator.group_size": group_size, "generator.prompts_per_batch": batch, "verifier.batch": batch,
-        "task.heldout_size": 8, "weights.transport": "shm", "feeder.backlog": 4 * batch})
+        "task.heldout_size": 8, "weights.transport": "shm", "feeder.backlog": 4 * batch, **(overrides or {})})
 
 
 def run_role(role: str, cfg, *, gen_s: float, verify_s: float, train_s: float) -> None:
@@ -186,8 +186,14 @@ def run_role(role: str, cfg, *, gen_s: float, verify_s: float, train_s: float) -
 
 
 def run_harness(url: str, *, eta: int, steps: int = 20, warmup: int = 3, gen_s: float = 0.3, verify_s: float = 0.1,
-                train_s: float = 0.2, batch: int = 32, group_size: int = 8, timeout_s: float | None = None) -> dict:
-    """One run of the four stage processes for ``steps`` steps; returns the steady-state timing."""
+                train_s: float = 0.2, batch: int = 32, group_size: int = 8, timeout_s: float | None = None,
+                overrides: dict | None = None, watch_lengths: bool = False) -> dict:
+    """One run of the four stage processes for ``steps`` steps; returns the steady-state timing.
+
+    ``overrides`` are config overrides for every stage; with ``watch_lengths`` the length of
+    every stream of the run is sampled while it runs and the maxima are returned
+    (``max_lengths``: stream name -> entries, summed over shards; ``length_samples``).
+    """
     if steps <= warmup or warmup < 1:
         raise ValueError(f"steps ({steps}) must exceed warmup ({warmup}), and warmup must be >= 1")
     if min(gen_s, verify_s, train_s) < 0 or eta < 0 or batch < 1:
@@ -196,15 +202,20 @@ def run_harness(url: str, *, eta: int, steps: int = 20, warmup: int = 3, gen_s: 
     run_id = f"benchasync-{uuid.uuid4().hex[:8]}"
     model_dir = write_model_dir(tmp / "model")
     cfg = bench_config(runs_dir=tmp / "runs", run_id=run_id, url=url, eta=eta, batch=batch, group_size=group_size,
-                       steps=steps, model_dir=model_dir)
+                       steps=steps, model_dir=model_dir, overrides=overrides)
     keys = Keys.of(cfg.run_id, cfg.redis)
     r = connect(url, name="bench-async")
     ensure_all_groups(r, keys)
     common = [sys.executable, str(Path(__file__).resolve()), "--role", "", "--url", url, "--ns", run_id,
               "--runs-dir", str(tmp / "runs"), "--model-dir", str(model_dir), "--eta", str(eta),
               "--batch", str(batch), "--group-size", str(group_size), "--steps", str(steps),
-              "--gen-s", str(gen_s), "--verify-s", str(verify_s), "--train-s", str(train_s)]
+              "--gen-s", str(gen_s), "--verify-s", str(verify_s), "--train-s", str(train_s),
+              "--overrides", json.dumps(overrides or {})]
     procs: dict[str, tuple[subprocess.Popen, object]] = {}
+    watched = {name: keys.stream_keys(name) for name in ("prompts", "rollouts", "scored", "dead", "trainlog")}
+    watched["versions"] = [keys.versions]
+    max_lengths = {name: 0 for name in watched}
+    samples = 0
     limit = timeout_s or 60 + 5 * steps * (gen_s + verify_s + train_s)
     try:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -225,6 +236,15 @@ def run_harness(url: str, *, eta: int, steps: int = 20, warmup: int = 3, gen_s: 
             check_alive()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"eta={eta}: {steps} steps did not finish in {limit:.0f} s")
+            if watch_lengths:
+                pipe = r.pipeline(transaction=False)
+                for ks in watched.values():
+                    for k in ks:
+                        pipe.xlen(k)
+                got = iter(pipe.execute())
+                for name, ks in watched.items():
+                    max_lengths[name] = max(max_lengths[name], sum(next(got) for _ in ks))
+                samples += 1
             time.sleep(0.05)
         check_alive()
         rows = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -256,7 +276,8 @@ def run_harness(url: str, *, eta: int, steps: int = 20, warmup: int = 3, gen_s: 
     return {"eta": eta, "steps": steps, "warmup": warmup, "step_s": steady, "ideal_step_s": ideal,
             "share_of_ideal": ideal / steady, "first_step_s": times[0] - start,
             "trainer_idle_fraction": sum(waits) / (steady * (steps - warmup)),
-            "stale_dropped": sum(x["groups_stale"] for x in rows), "staleness_hist": hist.tolist()}
+            "stale_dropped": sum(x["groups_stale"] for x in rows), "staleness_hist": hist.tolist(),
+            **({"max_lengths": max_lengths, "length_samples": samples} if watch_lengths else {})}
 
 
 def measure(url: str, *, etas: list[int], steps: int, warmup: int, scale: float, gen_s: float, verify_s: float,
@@ -290,6 +311,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--ns", default="", help=argparse.SUPPRESS)
     p.add_argument("--runs-dir", default="", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", default="", help=argparse.SUPPRESS)
+    p.add_argument("--overrides", default="{}", help=argparse.SUPPRESS)
     p.add_argument("--eta", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--group-size", type=int, default=8, help=argparse.SUPPRESS)
     p.add_argument("--etas", default="0,1,2", help="staleness bounds to run (0 = synchronous)")
@@ -304,7 +326,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     a = p.parse_args(argv)
     if a.role:
         cfg = bench_config(runs_dir=Path(a.runs_dir), run_id=a.ns, url=a.url, eta=a.eta, batch=a.batch,
-                           group_size=a.group_size, steps=a.steps, model_dir=Path(a.model_dir))
+                           group_size=a.group_size, steps=a.steps, model_dir=Path(a.model_dir),
+                           overrides=json.loads(a.overrides))
         run_role(a.role, cfg, gen_s=a.gen_s, verify_s=a.verify_s, train_s=a.train_s)
         return None
     try:

@@ -25,77 +25,313 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config import ConfigError, RunConfig, load_config
 
-STAGES = {
-    "feed": "feeder: stream training prompts into {ns}:prompts",
-    "generate": "generator: sample G completions per prompt with the current policy",
-    "verify": "verifier: score completions with weak verifiers, aggregate into rewards",
-    "train": "trainer: GRPO on bounded-staleness batches, publish each new version",
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: its help line, its handler, and the arguments it adds to its parser."""
+
+    help: str
+    run: Callable[[argparse.Namespace, RunConfig], int]
+    arguments: Callable[[argparse.ArgumentParser], None] = lambda sp: None
+    config: bool = True
+    """Takes ``--config``, ``--run-id`` and ``--redis-url`` (every command takes dotted overrides)."""
+    description: str | None = None
+
+
+# ----------------------------------------------------------------------------- handlers
+
+
+def _config(args: argparse.Namespace, cfg: RunConfig) -> int:
+    from pipeline.config import documented_toml
+
+    print(documented_toml(cfg), end="")
+    return 0
+
+
+def _up(args: argparse.Namespace, cfg: RunConfig) -> int:
+    from pipeline.run.launch import up
+
+    return up(cfg, chaos=args.command == "chaos")
+
+
+def _down(args: argparse.Namespace, cfg: RunConfig) -> int:
+    from pipeline.run.launch import down
+
+    return down(Path(args.runs_dir))
+
+
+def _pretrain(args: argparse.Namespace, cfg: RunConfig) -> int:
+    from pipeline.run.launch import ensure_base_model
+
+    ensure_base_model(cfg, force=args.force)
+    return 0
+
+
+def _make_math_data(args: argparse.Namespace, cfg: RunConfig) -> int:
+    from pipeline.model.init_model import synthetic_math_rows, write_rows
+
+    print(write_rows(synthetic_math_rows(args.n, seed=args.seed), args.out))
+    return 0
+
+
+def _init_model(args: argparse.Namespace, cfg: RunConfig) -> int:
+    from pipeline.model.init_model import corpus, init_model
+    from pipeline.tasks.math import read_rows
+
+    rows = read_rows(args.data)
+    texts = corpus(rows) if rows and "problem" in rows[0] else [json.dumps(r) for r in rows]
+    summary = init_model(args.out, preset=args.preset, texts=texts, tokenizer_vocab=args.tokenizer_vocab,
+                         seed=args.seed)
+    if args.warmup_steps:
+        from pipeline.model.init_model import warm_up
+
+        def progress(step: int, steps: int, loss: float) -> None:
+            if step == 1 or step % 25 == 0 or step == steps:
+                print(f"warm-up step {step}/{steps} loss {loss:.4f}", flush=True)
+
+        summary.update(warm_up(args.out, rows, template=args.template, steps=args.warmup_steps, seed=args.seed,
+                               progress=progress))
+        Path(args.out, "init.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _report(args: argparse.Namespace, cfg: RunConfig) -> int:
+    from pipeline.observe.report import write_report
+
+    print(write_report(Path(args.run_path))["markdown"])
+    return 0
+
+
+def _distill(args: argparse.Namespace, cfg: RunConfig) -> int:
+    from pipeline.algo.distill import DistillConfig, distill_run, resolve_run
+
+    dcfg = DistillConfig(epochs=args.epochs, init=args.init)
+    try:
+        dcfg.validate()
+        run_dir = resolve_run(args.run, cfg.runs_dir)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(str(e)) from None
+    print(json.dumps(distill_run(run_dir, dcfg, out=args.out), indent=2))
+    return 0
+
+
+def follow_cluster(cfg: RunConfig) -> tuple[RunConfig, str]:
+    """The run to look at and its server's URL, for the commands that only read a run.
+
+    Explicit flags win; without ``--run-id``, the cluster ``pipeline up`` is running (its
+    ``<runs_dir>/cluster.json``); the URL is ``--redis-url``, else ``$REDIS_URL``, else the
+    recorded cluster's. Following the recorded run also takes its key layout
+    (``redis.cluster``, ``redis.shards``) unless those are set.
+    """
+    path = Path(cfg.runs_dir) / "cluster.json"
+    running = json.loads(path.read_text()) if path.exists() else {}
+    run_id = cfg.run_id or running.get("run_id", "")
+    if not run_id:
+        raise ConfigError(f"run_id: required (--run-id NAME); no cluster is recorded in {cfg.runs_dir}/cluster.json")
+    url = cfg.redis.url or os.environ.get("REDIS_URL", "") or running.get("url", "")
+    if not url:
+        raise ConfigError("redis.url: empty and $REDIS_URL is unset; pass --redis-url")
+    layout = {}
+    if running and run_id == running.get("run_id"):
+        layout = {f"redis.{k}": running[key] for k, key in (("cluster", "redis_cluster"), ("shards", "shards"))
+                  if key in running and f"redis.{k}" not in cfg.explicit}
+    return cfg.with_overrides({"run_id": run_id, **layout}), url
+
+
+def _view(args: argparse.Namespace, cfg: RunConfig) -> int:
+    from pipeline.bus.connection import connect
+    from pipeline.keys import Keys
+
+    cfg, url = follow_cluster(cfg)
+    r, keys = connect(url, name=f"{cfg.run_id}:{args.command}", redis_cfg=cfg.redis), Keys.of(cfg.run_id, cfg.redis)
+    if args.command == "top":
+        from pipeline.observe.top import run_top
+
+        return run_top(r, keys, run_dir=cfg.run_dir, once=args.once, interval=args.interval)
+    from pipeline.observe.dashboard import serve_dashboard
+
+    return serve_dashboard(r, keys, run_dir=cfg.run_dir, host=args.host, port=args.port, interval=args.interval)
+
+
+def _inspect(args: argparse.Namespace, cfg: RunConfig) -> int:
+    from pipeline.bus.stats import queue_depths, read_stats
+    from pipeline.run.accounting import account
+
+    cfg, url = follow_cluster(cfg)
+    r, keys, _ = _worker_context(cfg.replace("redis.url", url), args.command, args.command)
+    if args.command == "account":
+        out = account(r, keys)
+    else:
+        out = {"queues": queue_depths(r, keys), "stats": read_stats(r, keys),
+               "trainer": {k.decode(): v.decode() for k, v in r.hgetall(keys.trainer).items()},
+               "workers": {k.decode(): json.loads(v) for k, v in r.hgetall(keys.workers).items()}}
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+def _exporter(args: argparse.Namespace, cfg: RunConfig) -> int:
+    from pipeline.observe.metrics import run_exporter
+
+    _sigterm_exits()
+    r, keys, log = _worker_context(cfg, "exporter", "exporter")
+    run_exporter(cfg, r, keys, log, run_dir=cfg.run_dir)
+    return 0
+
+
+def _feed(args: argparse.Namespace, cfg: RunConfig) -> int:
+    from pipeline.model.tokenizer import load_tokenizer
+    from pipeline.producers.feeder import run_feeder
+
+    _sigterm_exits()
+    r, keys, log = _worker_context(cfg, "feeder", "feeder")
+    run_feeder(cfg, r, keys, log, tokenizer=load_tokenizer(cfg.model.base_dir))
+    return 0
+
+
+def _generate(args: argparse.Namespace, cfg: RunConfig) -> int:
+    from pipeline.producers.generator import run_generator
+
+    _sigterm_exits()
+    r, keys, log = _worker_context(cfg, "generator", args.worker_id)
+    run_generator(cfg, r, keys, args.worker_id, log, max_batches=args.max_batches)
+    return 0
+
+
+def _verify(args: argparse.Namespace, cfg: RunConfig) -> int:
+    from pipeline.consumers.verifier import run_verifier
+
+    _sigterm_exits()
+    r, keys, log = _worker_context(cfg, "verifier", args.worker_id)
+    run_verifier(cfg, r, keys, args.worker_id, log, max_batches=args.max_batches)
+    return 0
+
+
+def _train(args: argparse.Namespace, cfg: RunConfig) -> int:
+    from pipeline.consumers.trainer import run_trainer
+
+    _sigterm_exits()
+    if cfg.trainer.backend == "torchtitan" and int(os.environ.get("RANK", "0")) != 0:
+        # torchrun's other ranks: no Redis, no logs of their own; they run what rank 0 asks.
+        from pipeline.engines.titan import follow
+
+        follow(cfg)
+        return 0
+    r, keys, log = _worker_context(cfg, "trainer", "trainer")
+    run_trainer(cfg, r, keys, log, run_dir=cfg.run_dir)
+    return 0
+
+
+# ----------------------------------------------------------------------------- arguments
+
+
+def _force(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--force", action="store_true", help="rebuild even if the checkpoint exists")
+
+
+def _runs_dir(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--runs-dir", default="runs")
+
+
+def _worker(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--worker-id", required=True, help="unique consumer name, e.g. gen-0")
+    sp.add_argument("--max-batches", type=int, help="stop after this many batches (tests, debugging)")
+
+
+def _top_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--once", action="store_true", help="print one frame and exit")
+    sp.add_argument("--interval", type=float, default=1.0, help="seconds between frames (and between --once's two reads)")
+
+
+def _dashboard_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--port", type=int, default=8765, help="port of the page (0: any free port)")
+    sp.add_argument("--host", default="127.0.0.1", help="address to bind (loopback by default)")
+    sp.add_argument("--interval", type=float, default=1.0, help="seconds between samples of the charts")
+
+
+def _report_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("run_path", metavar="RUN_DIR", help="the run directory, e.g. runs/<id>")
+
+
+def _distill_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--run", required=True, help="run directory or run id")
+    sp.add_argument("--out", help="output directory (default: <run>/distilled)")
+    sp.add_argument("--epochs", type=float, default=3.0, help="passes over the training rows (default 3)")
+    sp.add_argument("--init", choices=["base", "scratch"], default="base",
+                    help="start from the run's base policy (default) or a fresh tiny model")
+
+
+def _init_model_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--out", required=True, help="checkpoint directory to write")
+    sp.add_argument("--preset", default="tiny", help="tiny (~0.2M parameters) or qwen3-0.6b")
+    sp.add_argument("--data", required=True, help=".jsonl/.parquet prompt file whose text trains the tokenizer")
+    sp.add_argument("--tokenizer-vocab", type=int, default=512, help="BPE vocabulary to train (default 512)")
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--warmup-steps", type=int, default=0,
+                    help="then a supervised warm-up on the data's answers, this many steps (default 0: none)")
+    sp.add_argument("--template", default="{problem}", help="prompt template of the warm-up (as task.template)")
+
+
+def _math_data_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--out", required=True, help="file to write, .jsonl or .parquet")
+    sp.add_argument("--n", type=int, default=2000, help="problems (default 2000)")
+    sp.add_argument("--seed", type=int, default=0)
+
+
+COMMANDS: dict[str, Command] = {
+    "up": Command("start a whole cluster on this machine, train, and write the run summary", _up),
+    "chaos": Command("pipeline up while killing workers and Redis (see [chaos]); then check every prompt was "
+                     "trained, dropped or dead-lettered exactly once", _up),
+    "down": Command("stop a cluster that `pipeline up` left running", _down, _runs_dir, config=False),
+    "pretrain": Command("build the tiny base model and warm it up on the task (skipped if it exists)", _pretrain,
+                        _force),
+    "feed": Command("feeder: stream training prompts into {ns}:prompts", _feed),
+    "generate": Command("generator: sample G completions per prompt with the current policy", _generate, _worker),
+    "verify": Command("verifier: score completions with weak verifiers, aggregate into rewards", _verify, _worker),
+    "train": Command("trainer: GRPO on bounded-staleness batches, publish each new version", _train),
+    "status": Command("print queue depths, worker heartbeats and trainer progress as JSON", _inspect),
+    "account": Command("print the end-to-end accounting of every prompt as JSON", _inspect),
+    "config": Command("print the resolved config as documented TOML (pipeline config > configs/default.toml)", _config),
+    "top": Command("live terminal view of a run: streams, groups, workers, policy version, reward and accuracy", _view,
+                   _top_args),
+    "dashboard": Command("serve the live view and its charts over time as a local web page", _view, _dashboard_args),
+    "exporter": Command("serve stream-level Prometheus metrics and sample queue depths into the run directory",
+                        _exporter),
+    "report": Command("write PNG plots and report.md for a run directory", _report, _report_args, config=False),
+    "distill": Command("train a distilled verifier (cross-encoder) on a run's Weaver posteriors", _distill,
+                       _distill_args, config=False,
+                       description="Train a small cross-encoder on the Weaver posteriors a run recorded "
+                                   "(runs/<id>/posteriors/<verifier>.jsonl), report its selection-accuracy retention "
+                                   "and throughput against the ensemble, save it for the distilled:<dir> reward mode."),
+    "init-model": Command("write a randomly initialised Qwen3 checkpoint with a BPE tokenizer trained on local text "
+                          "(no hub needed)", _init_model, _init_model_args, config=False),
+    "make-math-data": Command("write synthetic math problems with LaTeX answers (.jsonl or .parquet)", _make_math_data,
+                              _math_data_args, config=False),
 }
+"""Every subcommand, in the order ``pipeline --help`` lists them."""
+
+STAGES = {name: COMMANDS[name].help for name in ("feed", "generate", "verify", "train")}
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pipeline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-
-    def add(name: str, help_: str) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help_, description=help_ + ". Any config field can be set as --section.field VALUE.")
-        sp.add_argument("--config", help="TOML config file (see configs/default.toml)")
-        sp.add_argument("--run-id", dest="run_id", help="run id = Redis namespace (same as --run_id)")
-        sp.add_argument("--redis-url", dest="redis_url", help="Redis URL (same as --redis.url; default $REDIS_URL)")
-        return sp
-
-    add("up", "start a whole cluster on this machine, train, and write the run summary")
-    add("chaos", "pipeline up while killing workers and Redis (see [chaos]); then check every prompt was "
-                 "trained, dropped or dead-lettered exactly once")
-    down = sub.add_parser("down", help="stop a cluster that `pipeline up` left running")
-    down.add_argument("--runs-dir", default="runs")
-    add("pretrain", "build the tiny base model and warm it up on the task (skipped if it exists)").add_argument(
-        "--force", action="store_true", help="rebuild even if the checkpoint exists")
-    for name, help_ in STAGES.items():
-        sp = add(name, help_)
-        if name in ("generate", "verify"):
-            sp.add_argument("--worker-id", required=True, help="unique consumer name, e.g. gen-0")
-            sp.add_argument("--max-batches", type=int, help="stop after this many batches (tests, debugging)")
-    add("status", "print queue depths, worker heartbeats and trainer progress as JSON")
-    add("account", "print the end-to-end accounting of every prompt as JSON")
-    add("config", "print the resolved config as documented TOML (pipeline config > configs/default.toml)")
-    top = add("top", "live terminal view of a run: streams, groups, workers, policy version, reward and accuracy")
-    top.add_argument("--once", action="store_true", help="print one frame and exit")
-    top.add_argument("--interval", type=float, default=1.0, help="seconds between frames (and between --once's two reads)")
-    dash = add("dashboard", "serve the live view and its charts over time as a local web page")
-    dash.add_argument("--port", type=int, default=8765, help="port of the page (0: any free port)")
-    dash.add_argument("--host", default="127.0.0.1", help="address to bind (loopback by default)")
-    dash.add_argument("--interval", type=float, default=1.0, help="seconds between samples of the charts")
-    add("exporter", "serve stream-level Prometheus metrics and sample queue depths into the run directory")
-    report = sub.add_parser("report", help="write PNG plots and report.md for a run directory")
-    report.add_argument("run_path", metavar="RUN_DIR", help="the run directory, e.g. runs/<id>")
-    dist = sub.add_parser("distill", help="train a distilled verifier (cross-encoder) on a run's Weaver posteriors",
-                          description="Train a small cross-encoder on the Weaver posteriors a run recorded "
-                                      "(runs/<id>/posteriors/<verifier>.jsonl), report its selection-accuracy retention and "
-                                      "throughput against the ensemble, save it for the distilled:<dir> reward mode.")
-    dist.add_argument("--run", required=True, help="run directory or run id")
-    dist.add_argument("--out", help="output directory (default: <run>/distilled)")
-    dist.add_argument("--epochs", type=float, default=3.0, help="passes over the training rows (default 3)")
-    dist.add_argument("--init", choices=["base", "scratch"], default="base",
-                      help="start from the run's base policy (default) or a fresh tiny model")
-    init = sub.add_parser("init-model", help="write a randomly initialised Qwen3 checkpoint with a BPE tokenizer "
-                                             "trained on local text (no hub needed)")
-    init.add_argument("--out", required=True, help="checkpoint directory to write")
-    init.add_argument("--preset", default="tiny", help="tiny (~0.2M parameters) or qwen3-0.6b")
-    init.add_argument("--data", required=True, help=".jsonl/.parquet prompt file whose text trains the tokenizer")
-    init.add_argument("--tokenizer-vocab", type=int, default=512, help="BPE vocabulary to train (default 512)")
-    init.add_argument("--seed", type=int, default=0)
-    init.add_argument("--warmup-steps", type=int, default=0,
-                      help="then a supervised warm-up on the data's answers, this many steps (default 0: none)")
-    init.add_argument("--template", default="{problem}", help="prompt template of the warm-up (as task.template)")
-    mk = sub.add_parser("make-math-data", help="write synthetic math problems with LaTeX answers (.jsonl or .parquet)")
-    mk.add_argument("--out", required=True, help="file to write, .jsonl or .parquet")
-    mk.add_argument("--n", type=int, default=2000, help="problems (default 2000)")
-    mk.add_argument("--seed", type=int, default=0)
+    for name, c in COMMANDS.items():
+        if c.config:
+            sp = sub.add_parser(name, help=c.help, description=(c.description or c.help)
+                                + ". Any config field can be set as --section.field VALUE.")
+            sp.add_argument("--config", help="TOML config file (see configs/default.toml)")
+            sp.add_argument("--run-id", dest="run_id", help="run id = Redis namespace (same as --run_id)")
+            sp.add_argument("--redis-url", dest="redis_url", help="Redis URL (same as --redis.url; default $REDIS_URL)")
+        else:
+            sp = sub.add_parser(name, help=c.help, description=c.description)
+        c.arguments(sp)
     return p
 
 
@@ -161,11 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args, cfg = parse(argv)
-    except ConfigError as e:
-        print(f"pipeline: config error: {e}", file=sys.stderr)
-        return 2
-    try:
-        return _dispatch(args, cfg)
+        return COMMANDS[args.command].run(args, cfg)
     except ConfigError as e:
         print(f"pipeline: config error: {e}", file=sys.stderr)
         return 2
@@ -178,138 +410,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pipeline: {e}", file=sys.stderr)
             return 3
         raise
-
-
-def _dispatch(args: argparse.Namespace, cfg: RunConfig) -> int:
-    cmd = args.command
-    if cmd == "config":
-        from pipeline.config import documented_toml
-
-        print(documented_toml(cfg), end="")
-        return 0
-    if cmd in ("up", "chaos"):
-        from pipeline.run.launch import up
-
-        return up(cfg, chaos=cmd == "chaos")
-    if cmd == "down":
-        from pipeline.run.launch import down
-
-        return down(Path(args.runs_dir))
-    if cmd == "pretrain":
-        from pipeline.run.launch import ensure_base_model
-
-        ensure_base_model(cfg, force=args.force)
-        return 0
-    if cmd == "make-math-data":
-        from pipeline.model.init_model import synthetic_math_rows, write_rows
-
-        print(write_rows(synthetic_math_rows(args.n, seed=args.seed), args.out))
-        return 0
-    if cmd == "init-model":
-        from pipeline.model.init_model import corpus, init_model
-        from pipeline.tasks.math import read_rows
-
-        rows = read_rows(args.data)
-        texts = corpus(rows) if rows and "problem" in rows[0] else [json.dumps(r) for r in rows]
-        summary = init_model(args.out, preset=args.preset, texts=texts, tokenizer_vocab=args.tokenizer_vocab,
-                             seed=args.seed)
-        if args.warmup_steps:
-            from pipeline.model.init_model import warm_up
-
-            def progress(step: int, steps: int, loss: float) -> None:
-                if step == 1 or step % 25 == 0 or step == steps:
-                    print(f"warm-up step {step}/{steps} loss {loss:.4f}", flush=True)
-
-            summary.update(warm_up(args.out, rows, template=args.template, steps=args.warmup_steps, seed=args.seed,
-                                   progress=progress))
-            Path(args.out, "init.json").write_text(json.dumps(summary, indent=2) + "\n")
-        print(json.dumps(summary, indent=2))
-        return 0
-    if cmd == "report":
-        from pipeline.observe.report import write_report
-
-        print(write_report(Path(args.run_path))["markdown"])
-        return 0
-    if cmd in ("top", "dashboard"):
-        from pipeline.keys import Keys
-        from pipeline.bus.connection import connect
-
-        # Without --run-id / --redis-url: the cluster `pipeline up` is running (<runs_dir>/cluster.json).
-        running = Path(cfg.runs_dir) / "cluster.json"
-        running = json.loads(running.read_text()) if running.exists() else {}
-        cfg.run_id = cfg.run_id or running.get("run_id", "")
-        if not cfg.run_id:
-            raise ConfigError(f"run_id: required (--run-id NAME); no cluster is recorded in {cfg.runs_dir}/cluster.json")
-        url = cfg.redis.url or os.environ.get("REDIS_URL", "") or running.get("url", "")
-        if not url:
-            raise ConfigError("redis.url: empty and $REDIS_URL is unset; pass --redis-url")
-        r, keys = connect(url, name=f"{cfg.run_id}:{cmd}", redis_cfg=cfg.redis), Keys.of(cfg.run_id, cfg.redis)
-        if cmd == "top":
-            from pipeline.observe.top import run_top
-
-            return run_top(r, keys, run_dir=cfg.run_dir, once=args.once, interval=args.interval)
-        from pipeline.observe.dashboard import serve_dashboard
-
-        return serve_dashboard(r, keys, run_dir=cfg.run_dir, host=args.host, port=args.port, interval=args.interval)
-    if cmd == "distill":
-        from pipeline.algo.distill import DistillConfig, distill_run, resolve_run
-
-        dcfg = DistillConfig(epochs=args.epochs, init=args.init)
-        try:
-            dcfg.validate()
-            run_dir = resolve_run(args.run, cfg.runs_dir)
-        except (ValueError, FileNotFoundError) as e:
-            raise ConfigError(str(e)) from None
-        print(json.dumps(distill_run(run_dir, dcfg, out=args.out), indent=2))
-        return 0
-    if cmd in ("status", "account"):
-        from pipeline.run.accounting import account
-        from pipeline.bus.stats import queue_depths, read_stats
-
-        r, keys, _ = _worker_context(cfg, cmd, cmd)
-        if cmd == "account":
-            out = account(r, keys)
-        else:
-            out = {"queues": queue_depths(r, keys), "stats": read_stats(r, keys),
-                   "trainer": {k.decode(): v.decode() for k, v in r.hgetall(keys.trainer).items()},
-                   "workers": {k.decode(): json.loads(v) for k, v in r.hgetall(keys.workers).items()}}
-        print(json.dumps(out, indent=2))
-        return 0
-    _sigterm_exits()
-    if cmd == "exporter":
-        from pipeline.observe.metrics import run_exporter
-
-        r, keys, log = _worker_context(cfg, "exporter", "exporter")
-        run_exporter(cfg, r, keys, log, run_dir=cfg.run_dir)
-        return 0
-    if cmd == "feed":
-        from pipeline.producers.feeder import run_feeder
-        from pipeline.model.tokenizer import load_tokenizer
-
-        r, keys, log = _worker_context(cfg, "feeder", "feeder")
-        run_feeder(cfg, r, keys, log, tokenizer=load_tokenizer(cfg.model.base_dir))
-    elif cmd == "generate":
-        from pipeline.producers.generator import run_generator
-
-        r, keys, log = _worker_context(cfg, "generator", args.worker_id)
-        run_generator(cfg, r, keys, args.worker_id, log, max_batches=args.max_batches)
-    elif cmd == "verify":
-        from pipeline.consumers.verifier import run_verifier
-
-        r, keys, log = _worker_context(cfg, "verifier", args.worker_id)
-        run_verifier(cfg, r, keys, args.worker_id, log, max_batches=args.max_batches)
-    elif cmd == "train":
-        from pipeline.consumers.trainer import run_trainer
-
-        if cfg.trainer.backend == "torchtitan" and int(os.environ.get("RANK", "0")) != 0:
-            # torchrun's other ranks: no Redis, no logs of their own; they run what rank 0 asks.
-            from pipeline.engines.titan import follow
-
-            follow(cfg)
-            return 0
-        r, keys, log = _worker_context(cfg, "trainer", "trainer")
-        run_trainer(cfg, r, keys, log, run_dir=cfg.run_dir)
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,19 +1,24 @@
-"""Run configuration: one small dataclass per component under one root.
+"""Run configuration: one small frozen dataclass per component under one root.
 
 Loaded from TOML (``--config run.toml``) and overridden by dotted CLI flags
 (``--trainer.lr 3e-4``). Every field is validated with a ``ValueError`` that names
-the field and what it allows. This module imports neither torch nor redis, so every
-CLI can parse and check its config before paying for heavy imports.
+the field and what it allows. A loaded config cannot be changed: code that needs a
+different one derives it (``cfg.replace("redis.url", url)``, ``cfg.with_overrides({...})``),
+validated again. A field with a fixed set of values is typed with a ``Literal``, which
+is the one list of what it allows. This module imports neither torch nor redis, so
+every CLI can parse and check its config before paying for heavy imports.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import tomllib
 import typing
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 
 class ConfigError(ValueError):
@@ -25,11 +30,76 @@ def _check(ok: bool, name: str, allowed: str, value: Any) -> None:
         raise ConfigError(f"{name}: must be {allowed}; got {value!r}")
 
 
-@dataclass(kw_only=True)
-class RedisConfig:
+# The fixed choices. Each Literal is the only list of the values its field allows; the
+# registries that implement them (tests/test_config.py ties each to its registry) must
+# name the same ones.
+Appendfsync = Literal["always", "everysec", "no"]
+TaskKind = Literal["arithmetic", "math"]
+"""Implemented by ``pipeline.tasks.registry.TASKS``."""
+Op = Literal["+", "*"]
+GenerationBackendName = Literal["torch", "vllm"]
+"""Implemented by ``pipeline.engines.make_generation_backend``."""
+VllmDtype = Literal["auto", "float32", "bfloat16", "float16"]
+Dependence = Literal["drop", "merge"]
+"""Implemented by ``pipeline.algo.labelmodel.DEPENDENCE_POLICIES``."""
+TrainBackendName = Literal["torch", "torchtitan"]
+"""Implemented by ``pipeline.engines.make_train_engine``."""
+TrainDevice = Literal["auto", "cpu", "cuda"]
+Advantage = Literal["grpo", "drgrpo"]
+"""Implemented by ``pipeline.algo.losses.ADVANTAGES``."""
+Loss = Literal["decoupled_ppo", "tis"]
+"""Implemented by ``pipeline.algo.losses.LOSSES``."""
+Transport = Literal["shm", "tcp", "ucx"]
+"""Implemented by ``pipeline.weights.TRANSPORTS``."""
+StageKind = Literal["generator", "verifier", "trainer", "feeder"]
+
+DEFAULT_VERIFIERS: tuple[str, ...] = ("format", "units_digit", "mod9", "magnitude", "majority", "leading_digit")
+"""The weak-verifier ensemble unless configured otherwise (``pipeline.verifiers.registry.DEFAULT_VERIFIERS``)."""
+
+
+def choices(hint: Any) -> tuple[str, ...]:
+    """The values a ``Literal`` choice type allows, in order."""
+    if typing.get_origin(hint) is not Literal:
+        raise TypeError(f"not a Literal: {hint!r}")
+    return typing.get_args(hint)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+@functools.cache
+def _choice_fields(cls: type) -> dict[str, tuple[tuple[str, ...], bool]]:
+    """Fields typed ``Literal[...]`` or ``tuple[Literal[...], ...]``: name -> (allowed values, is a list)."""
+    out = {}
+    for name, hint in _hints(cls).items():
+        many = typing.get_origin(hint) is tuple
+        item = typing.get_args(hint)[0] if many else hint
+        if typing.get_origin(item) is Literal:
+            out[name] = (typing.get_args(item), many)
+    return out
+
+
+class _Section:
+    """A config section: its choice fields are checked against their Literals, then ``_validate``."""
+
+    def validate(self, p: str) -> None:
+        for name, (allowed, many) in _choice_fields(type(self)).items():
+            value = getattr(self, name)
+            ok = all(v in allowed for v in value) if many else value in allowed
+            _check(ok, f"{p}.{name}", ("a list of " if many else "") + "|".join(allowed), value)
+        self._validate(p)
+
+    def _validate(self, p: str) -> None:
+        pass
+
+
+@dataclass(frozen=True, kw_only=True)
+class RedisConfig(_Section):
     url: str = ""
     """Redis URL (``redis://``, ``rediss://``). Empty: ``$REDIS_URL``, else a local server started for the run."""
-    appendfsync: str = "everysec"
+    appendfsync: Appendfsync = "everysec"
     """AOF fsync policy of a server we start: ``everysec`` (loses <= ~1 s on a crash) or ``always``."""
     block_ms: int = 1000
     """Longest a blocking stream read waits before the loop re-checks its stop conditions, ms."""
@@ -66,8 +136,7 @@ class RedisConfig:
     keys then carry hash tags so each shard's keys share one slot. ``pipeline up`` without a
     URL starts a local three-master cluster for the run."""
 
-    def validate(self, p: str) -> None:
-        _check(self.appendfsync in ("always", "everysec", "no"), f"{p}.appendfsync", "always|everysec|no", self.appendfsync)
+    def _validate(self, p: str) -> None:
         _check(10 <= self.block_ms <= 60_000, f"{p}.block_ms", "in [10, 60000]", self.block_ms)
         _check(self.claim_idle_ms == 0 or self.claim_idle_ms >= 100, f"{p}.claim_idle_ms",
                "0 (off) or >= 100", self.claim_idle_ms)
@@ -83,8 +152,8 @@ class RedisConfig:
                "a redis:// or rediss:// URL of one cluster node when redis.cluster is on", self.url)
 
 
-@dataclass(kw_only=True)
-class ModelConfig:
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig(_Section):
     base_dir: str = "artifacts/base-model"
     """Directory of the base checkpoint (HF layout, safetensors). Built by ``pipeline pretrain`` if absent."""
     hidden_size: int = 128
@@ -111,7 +180,7 @@ class ModelConfig:
     seed: int = 2
     """Seed of the model's initialisation and warm-up data."""
 
-    def validate(self, p: str) -> None:
+    def _validate(self, p: str) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "pretrain_batch_size"):
             _check(getattr(self, name) >= 1, f"{p}.{name}", ">= 1", getattr(self, name))
         _check(self.hidden_size % self.num_heads == 0, f"{p}.hidden_size", "a multiple of num_heads", self.hidden_size)
@@ -121,9 +190,9 @@ class ModelConfig:
         _check(self.pretrain_stop_loss >= 0, f"{p}.pretrain_stop_loss", ">= 0", self.pretrain_stop_loss)
 
 
-@dataclass(kw_only=True)
-class TaskConfig:
-    kind: str = "arithmetic"
+@dataclass(frozen=True, kw_only=True)
+class TaskConfig(_Section):
+    kind: TaskKind = "arithmetic"
     """``arithmetic``: the embedded integer task (generated, fixed-width prompts, the
     arithmetic weak verifiers). ``math``: prompts and reference answers from a local
     JSONL or Parquet file (``dataset``), answers judged by ``math-verify`` (``math`` extra)."""
@@ -137,7 +206,7 @@ class TaskConfig:
     """``math``: how a row becomes the prompt, with ``{problem}`` for the problem text."""
     digits: int = 3
     """Operand width in digits."""
-    ops: list[str] = field(default_factory=lambda: ["+"])
+    ops: tuple[Op, ...] = ("+",)
     """Operators drawn from, any of ``+`` and ``*``."""
     heldout_size: int = 1000
     """Held-out problems for greedy evaluation (>= 1000 gives ~±1.5 points of standard error)."""
@@ -146,8 +215,7 @@ class TaskConfig:
     max_new_tokens: int = 6
     """Longest completion sampled, tokens (answer digits plus end-of-sequence)."""
 
-    def validate(self, p: str) -> None:
-        _check(self.kind in ("arithmetic", "math"), f"{p}.kind", "arithmetic|math", self.kind)
+    def _validate(self, p: str) -> None:
         _check(1 <= self.max_new_tokens <= 32768, f"{p}.max_new_tokens", "in [1, 32768]", self.max_new_tokens)
         if self.kind == "math":
             _check(self.dataset.endswith((".jsonl", ".parquet")) and Path(self.dataset).is_file(), f"{p}.dataset",
@@ -156,7 +224,7 @@ class TaskConfig:
             _check(self.heldout_size >= 1, f"{p}.heldout_size", ">= 1", self.heldout_size)
             return
         _check(1 <= self.digits <= 6, f"{p}.digits", "in [1, 6]", self.digits)
-        _check(bool(self.ops) and all(o in ("+", "*") for o in self.ops), f"{p}.ops", "a non-empty list of '+' and '*'", self.ops)
+        _check(bool(self.ops), f"{p}.ops", "a non-empty list of " + " and ".join(map(repr, choices(Op))), self.ops)
         # At most half of all distinct problems (pipeline.tasks.arithmetic.problem_count),
         # so training never runs out of fresh ones.
         limit = (10**self.digits) ** 2 * len(set(self.ops)) // 2
@@ -164,8 +232,8 @@ class TaskConfig:
                self.heldout_size)
 
 
-@dataclass(kw_only=True)
-class FeederConfig:
+@dataclass(frozen=True, kw_only=True)
+class FeederConfig(_Section):
     backlog: int = 256
     """Prompts kept waiting in ``{ns}:prompts`` beyond what generators have taken."""
     seed: int = 0
@@ -173,14 +241,14 @@ class FeederConfig:
     max_prompts: int = 0
     """Stop after issuing this many prompts (0: until stopped)."""
 
-    def validate(self, p: str) -> None:
+    def _validate(self, p: str) -> None:
         _check(self.backlog >= 1, f"{p}.backlog", ">= 1", self.backlog)
         _check(self.max_prompts >= 0, f"{p}.max_prompts", ">= 0", self.max_prompts)
 
 
-@dataclass(kw_only=True)
-class GeneratorConfig:
-    backend: str = "torch"
+@dataclass(frozen=True, kw_only=True)
+class GeneratorConfig(_Section):
+    backend: GenerationBackendName = "torch"
     """Inference engine: ``torch`` (the embedded CPU default) or ``vllm`` (vLLM's offline
     engine; the ``vllm-cpu`` or ``gpu`` requirement set, see pipeline/engines)."""
     group_size: int = 8
@@ -193,7 +261,7 @@ class GeneratorConfig:
     """torch intra-op threads per generator process."""
     seed: int = 0
     """Sampling seed, mixed with the worker id so replicas draw different samples."""
-    vllm_dtype: str = "auto"
+    vllm_dtype: VllmDtype = "auto"
     """vllm: weight and activation dtype (``auto``: the checkpoint's; ``float32``, ``bfloat16``, ``float16``)."""
     vllm_gpu_memory_utilization: float = 0.5
     """vllm on GPU: share of GPU memory the engine may take (weights plus KV cache)."""
@@ -206,10 +274,7 @@ class GeneratorConfig:
     vllm_enforce_eager: bool = True
     """vllm: skip CUDA-graph capture and compilation (fast start; set false for peak GPU throughput)."""
 
-    def validate(self, p: str) -> None:
-        _check(self.backend in ("torch", "vllm"), f"{p}.backend", "torch|vllm", self.backend)
-        _check(self.vllm_dtype in ("auto", "float32", "bfloat16", "float16"), f"{p}.vllm_dtype",
-               "auto|float32|bfloat16|float16", self.vllm_dtype)
+    def _validate(self, p: str) -> None:
         _check(0 < self.vllm_gpu_memory_utilization <= 1, f"{p}.vllm_gpu_memory_utilization", "in (0, 1]",
                self.vllm_gpu_memory_utilization)
         _check(self.vllm_kv_cache_gib > 0, f"{p}.vllm_kv_cache_gib", "> 0", self.vllm_kv_cache_gib)
@@ -222,17 +287,15 @@ class GeneratorConfig:
         _check(self.threads >= 1, f"{p}.threads", ">= 1", self.threads)
 
 
-@dataclass(kw_only=True)
-class VerifierConfig:
+@dataclass(frozen=True, kw_only=True)
+class VerifierConfig(_Section):
     reward: str = "weaver"
     """Reward mode: ``weaver`` (soft Weaver posterior), ``weaver-hard`` (1[posterior > 0.5]),
     ``single:<verifier>`` (one verifier, 1[s >= 0.5]), ``majority`` (the group's most frequent
     answer), ``average`` (plain mean of the verifiers' scores, no label model),
     ``distilled:<dir>`` (a cross-encoder trained on a run's posteriors by ``pipeline distill``),
     ``ground_truth`` (the hidden answers; an upper bound for experiments only)."""
-    verifiers: list[str] = field(
-        default_factory=lambda: ["format", "units_digit", "mod9", "magnitude", "majority", "leading_digit"]
-    )
+    verifiers: tuple[str, ...] = DEFAULT_VERIFIERS
     """Weak verifiers in the ensemble, by registry name or kind spec (``math_equiv``,
     ``reward_model:<dir>``, ``lm_judge[:<dir>]``, ``code_exec``). None sees the reference answer."""
     batch: int = 16
@@ -246,9 +309,9 @@ class VerifierConfig:
     timeout_s: float = 10.0
     """Seconds a verifier may spend on one group; past it the verifier abstains for that group
     (counted per verifier). Rule-based checks run inline, the other kinds in a worker thread."""
-    timeouts: list[str] = field(default_factory=list)
+    timeouts: tuple[str, ...] = ()
     """Per-verifier deadlines overriding timeout_s, as ``name=seconds`` (e.g. ``code_exec=30``)."""
-    dependence: str = "drop"
+    dependence: Dependence = "drop"
     """Label model: the weaker verifier of a dependent pair is dropped (``drop``) or averaged
     into the other (``merge``)."""
     sound_checks: bool = True
@@ -261,13 +324,12 @@ class VerifierConfig:
     fails mod 9 keeps a posterior of ~0.6, and RL with the weaver reward ends below RL
     with mod 9 alone."""
 
-    def validate(self, p: str) -> None:
+    def _validate(self, p: str) -> None:
         _check(len(self.verifiers) >= 1, f"{p}.verifiers", "a non-empty list", self.verifiers)
         _check(self.batch >= 1, f"{p}.batch", ">= 1", self.batch)
         _check(self.window >= self.min_fit_rows >= 8, f"{p}.window", ">= min_fit_rows >= 8", (self.window, self.min_fit_rows))
         _check(self.refit_every >= 1, f"{p}.refit_every", ">= 1", self.refit_every)
         _check(self.timeout_s > 0, f"{p}.timeout_s", "> 0", self.timeout_s)
-        _check(self.dependence in ("drop", "merge"), f"{p}.dependence", "drop|merge", self.dependence)
         self.timeout_map(p)
 
     def timeout_map(self, p: str = "verifier") -> dict[str, float]:
@@ -285,15 +347,15 @@ class VerifierConfig:
         return out
 
 
-@dataclass(kw_only=True)
-class TrainerConfig:
-    backend: str = "torch"
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig(_Section):
+    backend: TrainBackendName = "torch"
     """Training engine: ``torch`` (one process, the embedded CPU default) or ``torchtitan``
     (torchtitan's Qwen3 under FSDP2, ``nproc`` ranks launched by ``torchrun``; the
     ``titan-cpu`` or ``gpu`` requirement set, see pipeline/engines)."""
     nproc: int = 1
     """torchtitan: ranks (processes) ``torchrun`` starts on this node; FSDP2 shards over them."""
-    device: str = "auto"
+    device: TrainDevice = "auto"
     """torchtitan: ``cpu`` (gloo), ``cuda`` (NCCL, one GPU per rank) or ``auto`` (cuda when available)."""
     steps: int = 200
     """Optimizer steps to run (the policy version reaches this number)."""
@@ -314,9 +376,9 @@ class TrainerConfig:
     """PPO ratio clip range ε (lower side, and upper side unless clip_eps_high is set)."""
     clip_eps_high: float = 0.0
     """Upper clip range (DAPO-style); 0 means the same as clip_eps."""
-    advantage: str = "grpo"
+    advantage: Advantage = "grpo"
     """Advantage estimator: ``grpo`` (mean/std within group) or ``drgrpo`` (no std division)."""
-    loss: str = "decoupled_ppo"
+    loss: Loss = "decoupled_ppo"
     """Policy loss: ``decoupled_ppo`` (AReaL) or ``tis`` (truncated importance sampling)."""
     is_cap: float = 2.0
     """Cap on the behaviour importance weight π_prox/π_behav."""
@@ -340,12 +402,10 @@ class TrainerConfig:
     resume: bool = True
     """Resume from the run's latest checkpoint if there is one."""
 
-    def validate(self, p: str) -> None:
-        _check(self.backend in ("torch", "torchtitan"), f"{p}.backend", "torch|torchtitan", self.backend)
+    def _validate(self, p: str) -> None:
         _check(self.nproc >= 1, f"{p}.nproc", ">= 1", self.nproc)
         _check(self.nproc == 1 or self.backend == "torchtitan", f"{p}.nproc", "1 unless backend is torchtitan",
                self.nproc)
-        _check(self.device in ("auto", "cpu", "cuda"), f"{p}.device", "auto|cpu|cuda", self.device)
         _check(self.steps >= 1, f"{p}.steps", ">= 1", self.steps)
         _check(self.checkpoint_every >= 1, f"{p}.checkpoint_every", ">= 1", self.checkpoint_every)
         _check(self.keep_checkpoints >= 1, f"{p}.keep_checkpoints", ">= 1", self.keep_checkpoints)
@@ -355,17 +415,15 @@ class TrainerConfig:
         _check(self.warmup_steps >= 0, f"{p}.warmup_steps", ">= 0", self.warmup_steps)
         _check(0 < self.clip_eps < 1, f"{p}.clip_eps", "in (0, 1)", self.clip_eps)
         _check(0 <= self.clip_eps_high < 1, f"{p}.clip_eps_high", "in [0, 1)", self.clip_eps_high)
-        _check(self.advantage in ("grpo", "drgrpo"), f"{p}.advantage", "grpo|drgrpo", self.advantage)
-        _check(self.loss in ("decoupled_ppo", "tis"), f"{p}.loss", "decoupled_ppo|tis", self.loss)
         _check(self.is_cap >= 1, f"{p}.is_cap", ">= 1", self.is_cap)
         _check(self.kl_coef >= 0, f"{p}.kl_coef", ">= 0", self.kl_coef)
         _check(self.eval_every >= 1, f"{p}.eval_every", ">= 1", self.eval_every)
         _check(self.threads >= 1, f"{p}.threads", ">= 1", self.threads)
 
 
-@dataclass(kw_only=True)
-class WeightsConfig:
-    transport: str = "shm"
+@dataclass(frozen=True, kw_only=True)
+class WeightsConfig(_Section):
+    transport: Transport = "shm"
     """How generators fetch new versions: ``shm`` (same host), ``tcp`` (ZeroMQ) or ``ucx``
     (ucxx; needs the ``ucx`` extra). See docs/weights.md."""
     keep_versions: int = 3
@@ -388,8 +446,7 @@ class WeightsConfig:
     """ucx: the ``UCX_TLS`` transport list (e.g. ``cma,self`` or ``tcp``); empty: the
     ``UCX_TLS`` environment variable, else UCX's default (``all``)."""
 
-    def validate(self, p: str) -> None:
-        _check(self.transport in ("shm", "tcp", "ucx"), f"{p}.transport", "shm|tcp|ucx", self.transport)
+    def _validate(self, p: str) -> None:
         _check(self.keep_versions >= 1, f"{p}.keep_versions", ">= 1", self.keep_versions)
         _check(self.fetch_timeout_s > 0, f"{p}.fetch_timeout_s", "> 0", self.fetch_timeout_s)
         for name in ("tcp_port", "announce_port"):
@@ -401,8 +458,8 @@ class WeightsConfig:
         _check(" " not in self.ucx_tls, f"{p}.ucx_tls", "a comma-separated list without spaces", self.ucx_tls)
 
 
-@dataclass(kw_only=True)
-class ClusterConfig:
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig(_Section):
     generators: int = 2
     """Generator processes ``pipeline up`` starts."""
     verifiers: int = 2
@@ -412,24 +469,24 @@ class ClusterConfig:
     timeout_s: float = 1800.0
     """Give up (and stop everything) if the trainer has not finished by then."""
 
-    def validate(self, p: str) -> None:
+    def _validate(self, p: str) -> None:
         _check(self.generators >= 1, f"{p}.generators", ">= 1", self.generators)
         _check(self.verifiers >= 1, f"{p}.verifiers", ">= 1", self.verifiers)
         _check(self.progress_every_s > 0, f"{p}.progress_every_s", "> 0", self.progress_every_s)
         _check(self.timeout_s > 0, f"{p}.timeout_s", "> 0", self.timeout_s)
 
 
-@dataclass(kw_only=True)
-class ChaosConfig:
+@dataclass(frozen=True, kw_only=True)
+class ChaosConfig(_Section):
     """Fault injection by ``pipeline chaos`` / ``make chaos`` (``pipeline up`` leaves it off)."""
 
     kill_every_s: float = 10.0
     """Mean seconds between two random faults (exponential gaps, from the first training step)."""
-    schedule: list[str] = field(default_factory=list)
+    schedule: tuple[str, ...] = ()
     """Fixed fault sequence instead of random picks: worker names (``gen-0``, ``ver-1``,
     ``trainer``, ``feeder``) and ``redis``. Fault k of n comes once the policy reaches
     version k·steps/(n+2), so the faults land mid-run however fast the machine is."""
-    targets: list[str] = field(default_factory=lambda: ["generator", "verifier", "trainer"])
+    targets: tuple[StageKind, ...] = ("generator", "verifier", "trainer")
     """Stage kinds random faults pick from (``generator``, ``verifier``, ``trainer``,
     ``feeder``): a kind uniformly, then one of its live workers."""
     redis_restarts: int = 2
@@ -442,11 +499,9 @@ class ChaosConfig:
     max_faults: int = 0
     """Stop injecting after this many faults (0: until the trainer finishes)."""
 
-    def validate(self, p: str) -> None:
+    def _validate(self, p: str) -> None:
         _check(self.kill_every_s > 0, f"{p}.kill_every_s", "> 0", self.kill_every_s)
-        kinds = {"generator", "verifier", "trainer", "feeder"}
-        _check(set(self.targets) <= kinds and bool(self.targets), f"{p}.targets",
-               f"a non-empty subset of {sorted(kinds)}", self.targets)
+        _check(bool(self.targets), f"{p}.targets", f"a non-empty subset of {sorted(choices(StageKind))}", self.targets)
         _check(all(x == "redis" or x in ("trainer", "feeder") or x.startswith(("gen-", "ver-"))
                    for x in self.schedule), f"{p}.schedule", "worker names (gen-N, ver-N, trainer, feeder) or redis",
                self.schedule)
@@ -455,8 +510,8 @@ class ChaosConfig:
         _check(self.max_faults >= 0, f"{p}.max_faults", ">= 0", self.max_faults)
 
 
-@dataclass(kw_only=True)
-class MetricsConfig:
+@dataclass(frozen=True, kw_only=True)
+class MetricsConfig(_Section):
     base_port: int = 0
     """Prometheus: ``pipeline up``'s workers serve ``/metrics`` on this port + a fixed offset
     each (exporter, trainer, feeder, generators, verifiers; see runs/<id>/ports.json).
@@ -468,14 +523,14 @@ class MetricsConfig:
     sample_every_s: float = 1.0
     """Seconds between the exporter's queue-depth samples (runs/<id>/queues.jsonl)."""
 
-    def validate(self, p: str) -> None:
+    def _validate(self, p: str) -> None:
         for name in ("base_port", "port"):
             v = getattr(self, name)
             _check(v == 0 or 1024 <= v <= 65000, f"{p}.{name}", "0 (off) or in [1024, 65000]", v)
         _check(self.sample_every_s > 0, f"{p}.sample_every_s", "> 0", self.sample_every_s)
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     run_id: str = ""
     """Run id; also the Redis key namespace. Empty: ``pipeline up`` makes one from the time."""
@@ -511,17 +566,47 @@ class RunConfig:
     def run_dir(self) -> Path:
         return Path(self.runs_dir) / self.run_id
 
+    @property
+    def explicit(self) -> frozenset[str]:
+        """Dotted names of the fields the user set when this config was loaded: every
+        override, and every TOML value that differs from the default. A config derived by
+        ``with_overrides`` keeps its origin's set: what code derives, the user did not set."""
+        return self.__dict__.get("_explicit", frozenset())
+
+    def with_overrides(self, overrides: Mapping[str, Any]) -> "RunConfig":
+        """A new config: this one with dotted overrides (``{"redis.url": url}``), coerced
+        like command-line values and validated again."""
+        cfg = _build(RunConfig, _merge(config_to_dict(self), _nest(overrides)), "").validate()
+        object.__setattr__(cfg, "_explicit", self.explicit)
+        return cfg
+
+    def replace(self, dotted: str, value: Any) -> "RunConfig":
+        """A new config with one field changed (``cfg.replace("redis.appendfsync", "always")``)."""
+        return self.with_overrides({dotted: value})
+
+    def get(self, dotted: str) -> Any:
+        """The value of a dotted field name (``cfg.get("trainer.lr")``)."""
+        value: Any = self
+        for part in dotted.split("."):
+            value = getattr(value, part)
+        return value
+
 
 def _coerce(value: Any, hint: Any, name: str) -> Any:
     """Convert a TOML or command-line value to the field's declared type."""
     origin = typing.get_origin(hint)
-    if origin is list:
+    if origin is tuple:
         if isinstance(value, str):
             value = [v for v in value.split(",") if v]
-        if not isinstance(value, list):
+        if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{name}: must be a list; got {value!r}")
-        (item,) = typing.get_args(hint)
-        return [_coerce(v, item, name) for v in value]
+        item = typing.get_args(hint)[0]
+        return tuple(_coerce(v, item, name) for v in value)
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        if not (isinstance(value, str) and value in allowed):
+            raise ConfigError(f"{name}: must be {'|'.join(allowed)}; got {value!r}")
+        return value
     try:
         if hint is bool:
             if isinstance(value, str):
@@ -536,40 +621,198 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
         raise ConfigError(f"{name}: must be {hint.__name__}; got {value!r}") from None
 
 
-def _apply(obj: Any, values: dict[str, Any], prefix: str) -> None:
-    hints = typing.get_type_hints(type(obj))
-    names = {f.name for f in dataclasses.fields(obj)}
+def _build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
+    """An instance of the config class ``cls`` from a (nested) table of raw values; fields
+    not named keep their default. Unknown names and unconvertible values raise, naming the field."""
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs: dict[str, Any] = {}
     for key, value in values.items():
         name = f"{prefix}{key}"
         if key not in names:
             raise ConfigError(f"{name}: unknown field; allowed: {', '.join(sorted(names))}")
-        current = getattr(obj, key)
-        if dataclasses.is_dataclass(current):
-            if not isinstance(value, dict):
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, Mapping):
                 raise ConfigError(f"{name}: must be a table of fields; got {value!r}")
-            _apply(current, value, f"{name}.")
+            kwargs[key] = _build(hint, value, f"{name}.")
         else:
-            setattr(obj, key, _coerce(value, hints[key], name))
+            kwargs[key] = _coerce(value, hint, name)
+    return cls(**kwargs)
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """Defaults, then the TOML file, then dotted overrides (``{"trainer.lr": "3e-4"}``), validated."""
-    cfg = RunConfig()
+def _nest(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"trainer.lr": v}`` -> ``{"trainer": {"lr": v}}``."""
+    nested: dict[str, Any] = {}
+    for dotted, value in overrides.items():
+        *parents, leaf = dotted.split(".")
+        node = nested
+        for part in parents:
+            if not isinstance(node.setdefault(part, {}), dict):
+                raise ConfigError(f"{dotted}: {part} is a field, not a table of fields")
+            node = node[part]
+        node[leaf] = value
+    return nested
+
+
+def _merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``extra`` laid over it, table by table."""
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _leaves(table: Mapping[str, Any], prefix: str = "") -> Iterator[str]:
+    """Dotted names of the values (not the sub-tables) of a nested table."""
+    for key, value in table.items():
+        if isinstance(value, Mapping):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}"
+
+
+def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> RunConfig:
+    """Defaults, then the TOML file, then dotted overrides (``{"trainer.lr": "3e-4"}``), validated.
+
+    The result is frozen; ``explicit`` names the fields set here (see ``RunConfig.explicit``).
+    """
+    data: dict[str, Any] = {}
+    explicit: set[str] = set()
     if path:
         try:
             data = tomllib.loads(Path(path).read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML: {e}") from None
-        _apply(cfg, data, "")
-    for dotted, value in (overrides or {}).items():
-        nested: dict[str, Any] = {}
-        node = nested
-        *parents, leaf = dotted.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-        _apply(cfg, nested, "")
-    return cfg.validate()
+        from_file, default = _build(RunConfig, data, ""), RunConfig()
+        explicit.update(n for n in _leaves(data) if from_file.get(n) != default.get(n))
+    nested = _nest(overrides or {})
+    explicit.update(_leaves(nested))
+    cfg = _build(RunConfig, _merge(data, nested), "").validate()
+    object.__setattr__(cfg, "_explicit", frozenset(explicit))
+    return cfg
+
+
+# ----------------------------------------------------------------------------- fields without effect
+
+
+@dataclass(frozen=True, kw_only=True)
+class Situation:
+    """What, beside the config itself, decides whether a field can take effect in a run."""
+
+    command: Literal["up", "chaos"] = "up"
+    """The command starting the run."""
+    redis_url: str = ""
+    """The server the run will use (``redis.url``, else ``$REDIS_URL``); empty: one the run starts."""
+    base_model: Mapping[str, Any] | None = None
+    """What ``model.base_dir``'s pretrained checkpoint records (its ``pretrain.json``) when
+    one is there, so the base model will not be built again; None when it will be."""
+
+
+PRETRAIN_FIELDS: dict[str, tuple[str, ...]] = {
+    "model.hidden_size": ("shape", "hidden_size"),
+    "model.num_layers": ("shape", "num_layers"),
+    "model.num_heads": ("shape", "num_heads"),
+    "model.num_kv_heads": ("shape", "num_kv_heads"),
+    "model.intermediate_size": ("shape", "intermediate_size"),
+    "model.pretrain_steps": ("max_steps",),
+    "model.pretrain_stop_loss": ("stop_loss",),
+    "model.pretrain_batch_size": ("batch_size",),
+    "model.pretrain_lr": ("lr",),
+    "model.seed": ("seed",),
+}
+"""The fields that only shape and warm up a base model being built, each with where the
+checkpoint's ``pretrain.json`` records the value it was built with."""
+
+LABEL_MODEL_FIELDS = ("verifier.window", "verifier.refit_every", "verifier.min_fit_rows", "verifier.dependence",
+                      "verifier.sound_checks")
+VLLM_FIELDS = tuple(f"generator.{f.name}" for f in dataclasses.fields(GeneratorConfig) if f.name.startswith("vllm_"))
+
+
+def _recorded(record: Mapping[str, Any], path: tuple[str, ...]) -> Any:
+    value: Any = record
+    for part in path:
+        if not isinstance(value, Mapping) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def inert_fields(cfg: RunConfig, s: Situation) -> dict[str, str]:
+    """Every field whose value cannot take effect in a run of ``cfg`` in situation ``s``, with why."""
+    out: dict[str, str] = {}
+
+    def inert(names, why: str) -> None:
+        for n in names:
+            out.setdefault(n, why)
+
+    if cfg.task.kind != "arithmetic":
+        inert(PRETRAIN_FIELDS, f"only task.kind 'arithmetic' builds its base model; with {cfg.task.kind!r} the "
+                               "checkpoint in model.base_dir is used as it is")
+    elif s.base_model is not None:
+        # A value the checkpoint was built with did take effect: re-running a config is fine.
+        inert([n for n, at in PRETRAIN_FIELDS.items() if (_recorded(s.base_model, at) or 0) != (cfg.get(n) or 0)],
+              f"model.base_dir {cfg.model.base_dir!r} already holds a pretrained checkpoint (pretrain.json), which is "
+              "used as it is: remove it, or point model.base_dir elsewhere to build a new one")
+    if s.command != "chaos":
+        inert([f"chaos.{f.name}" for f in dataclasses.fields(ChaosConfig)],
+              "only `pipeline chaos` injects faults; `pipeline up` leaves [chaos] off")
+    if s.redis_url:
+        inert(["redis.appendfsync"], f"it sets the fsync policy of a server the run starts, and this run uses the "
+                                     f"running server {s.redis_url}")
+    elif s.command == "chaos" and cfg.redis.appendfsync != "always":
+        inert(["redis.appendfsync"], "`pipeline chaos` starts its server with appendfsync = always, so that a "
+                                     "killed server loses nothing it acknowledged")
+    if not s.redis_url.startswith("rediss://"):
+        inert(["redis.tls_ca_file", "redis.tls_cert_file", "redis.tls_key_file"],
+              f"only a rediss:// URL uses TLS, and this run's server is {s.redis_url or 'a local one it starts'}")
+    if cfg.generator.backend != "vllm":
+        inert(VLLM_FIELDS, f"only generator.backend 'vllm' reads it; the backend is {cfg.generator.backend!r}")
+    if cfg.trainer.backend != "torchtitan":
+        inert(["trainer.device"], f"only trainer.backend 'torchtitan' reads it; the backend is {cfg.trainer.backend!r}")
+    if cfg.trainer.loss != "decoupled_ppo":
+        inert(["trainer.clip_eps", "trainer.clip_eps_high"],
+              f"only trainer.loss 'decoupled_ppo' clips the ratio; the loss is {cfg.trainer.loss!r}")
+    if cfg.task.kind != "math":
+        inert(["task.dataset", "task.prompt_field", "task.answer_field", "task.template"],
+              f"only task.kind 'math' reads a dataset; the task is {cfg.task.kind!r}")
+    if cfg.task.kind != "arithmetic":
+        inert(["task.digits", "task.ops"], f"only task.kind 'arithmetic' generates problems; the task is {cfg.task.kind!r}")
+    if cfg.weights.transport == "shm":
+        inert(["weights.tcp_port", "weights.fetch_timeout_s"],
+              "only weights.transport 'tcp' and 'ucx' serve and fetch over a socket; the transport is 'shm'")
+    if cfg.weights.transport != "ucx":
+        inert(["weights.ucx_tls"], f"only weights.transport 'ucx' reads it; the transport is {cfg.weights.transport!r}")
+    if not (cfg.metrics.base_port or cfg.metrics.port):
+        inert(["metrics.host"], "no metrics endpoint is served (metrics.base_port and metrics.port are 0)")
+    if not _uses_label_model(cfg.verifier.reward):
+        inert(LABEL_MODEL_FIELDS, f"they tune the label model, which reward {cfg.verifier.reward!r} does not use "
+                                  "(only 'weaver' and 'weaver-hard' do)")
+    return out
+
+
+def _uses_label_model(reward: str) -> bool:
+    # Imported on use: this module stays free of numpy, scipy and the registries.
+    from pipeline.algo.rewards import parse_reward_mode
+
+    try:
+        return parse_reward_mode(reward).needs_label_model
+    except ValueError as e:
+        raise ConfigError(f"verifier.reward: {e}") from None
+
+
+def refuse_inert(cfg: RunConfig, s: Situation) -> None:
+    """ConfigError naming every field the user set (``cfg.explicit``) that cannot take effect, and why."""
+    by_reason: dict[str, list[str]] = {}
+    for name, why in inert_fields(cfg, s).items():
+        if name in cfg.explicit:
+            by_reason.setdefault(why, []).append(name)
+    if by_reason:
+        raise ConfigError("; ".join(f"{', '.join(f'{n} = {cfg.get(n)!r}' for n in names)}: set, but cannot take "
+                                    f"effect: {why}" for why, names in by_reason.items()))
 
 
 def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
@@ -594,7 +837,7 @@ def _toml_value(v: Any) -> str:
         return "true" if v else "false"
     if isinstance(v, str):
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, list):
+    if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     return repr(v)
 

@@ -48,6 +48,16 @@ def test_up_starts_its_own_server_trains_and_writes_an_accounted_summary(tmp_pat
     assert not (tmp_path / "runs" / "cluster.json").exists()
 
 
+def test_up_refuses_a_model_field_the_existing_checkpoint_ignores_before_starting_anything(tmp_path, tiny_base_model):
+    p = _up(tmp_path, tiny_base_model, "--model.hidden_size", "64", "--model.seed", "0")
+    out = p.communicate(timeout=120)[0].decode()
+    assert p.returncode == 2, out
+    assert "config error: model.hidden_size = 64: set, but cannot take effect" in out, out
+    assert "already holds a pretrained checkpoint" in out and "point model.base_dir elsewhere" in out
+    assert "model.seed" not in out, "the checkpoint was built with seed 0: that value did take effect"
+    assert not (tmp_path / "runs").exists(), "nothing was started"
+
+
 def test_down_stops_a_running_cluster_and_its_summary_still_accounts_for_everything(tmp_path, tiny_base_model):
     p = _up(tmp_path, tiny_base_model, "--run-id", "long", "--trainer.steps", "100000")
     info_file = tmp_path / "runs" / "cluster.json"

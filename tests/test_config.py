@@ -1,9 +1,13 @@
+import ast
+import dataclasses
+import json
 import tomllib
 from pathlib import Path
 
 import pytest
 
-from pipeline.config import ConfigError, RunConfig, documented_toml, load_config, to_toml
+from pipeline import config as C
+from pipeline.config import ConfigError, RunConfig, Situation, documented_toml, load_config, refuse_inert, to_toml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,7 +29,7 @@ def test_dotted_overrides_are_coerced_to_the_field_type():
     cfg = load_config(overrides={"trainer.lr": "3e-4", "trainer.max_staleness": "0",
                                  "verifier.verifiers": "format,mod9"})
     assert cfg.trainer.lr == 3e-4 and cfg.trainer.max_staleness == 0
-    assert cfg.verifier.verifiers == ["format", "mod9"]
+    assert cfg.verifier.verifiers == ("format", "mod9")
 
 
 @pytest.mark.parametrize("overrides, field", [
@@ -54,10 +58,193 @@ def test_config_module_imports_neither_torch_nor_redis():
     import subprocess
     import sys
 
-    code = "import sys, pipeline.config; print('torch' in sys.modules, 'redis' in sys.modules)"
+    code = ("import sys, pipeline.config; print('torch' in sys.modules, 'redis' in sys.modules, "
+            "sorted(m for m in sys.modules if m.startswith('pipeline.') and m != 'pipeline.config'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["False", "False"]
+    assert out.split() == ["False", "False", "[]"], "pipeline.config imports no other module of the project"
 
 
 def test_toml_output_is_valid_toml():
     assert tomllib.loads(to_toml(RunConfig()))["trainer"]["steps"] == RunConfig().trainer.steps
+
+
+# ----------------------------------------------------------------------------- frozen
+
+
+def test_a_loaded_config_and_each_of_its_sections_cannot_be_changed():
+    cfg = load_config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.run_id = "x"
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(section):
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                setattr(section, dataclasses.fields(section)[0].name, None)
+    # The lists are tuples: nothing inside a config changes either.
+    assert isinstance(cfg.verifier.verifiers, tuple) and isinstance(cfg.task.ops, tuple)
+    assert hash(cfg) == hash(load_config())
+
+
+def test_a_derived_config_is_a_new_validated_one_and_the_original_is_untouched():
+    cfg = load_config(overrides={"trainer.lr": "3e-4"})
+    new = cfg.replace("redis.appendfsync", "always").with_overrides({"run_id": "r1", "trainer.steps": "7",
+                                                                     "verifier.verifiers": ["format"]})
+    assert (new.redis.appendfsync, new.run_id, new.trainer.steps, new.verifier.verifiers) == ("always", "r1", 7, ("format",))
+    assert new.trainer.lr == 3e-4 and new.get("trainer.lr") == 3e-4
+    assert (cfg.redis.appendfsync, cfg.run_id, cfg.trainer.steps) == ("everysec", "", 200)
+    assert new.explicit == cfg.explicit == {"trainer.lr"}, "what code derives is not what the user set"
+    with pytest.raises(ConfigError, match=r"redis\.appendfsync: must be always\|everysec\|no"):
+        cfg.replace("redis.appendfsync", "sometimes")
+    with pytest.raises(ConfigError, match=r"task\.heldout_size"):
+        cfg.replace("task.digits", 1)  # validated again, across fields
+    with pytest.raises(ConfigError, match=r"trainer\.nope: unknown field"):
+        cfg.with_overrides({"trainer.nope": 1})
+
+
+def test_explicit_names_every_override_and_each_toml_value_that_differs_from_the_default(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[trainer]\nlr = 3e-4\nsteps = 200\n[model]\nhidden_size = 64\n')
+    cfg = load_config(path, {"generator.temperature": "1.0", "run_id": "a"})
+    assert cfg.explicit == {"trainer.lr", "model.hidden_size", "generator.temperature", "run_id"}
+    assert load_config(ROOT / "configs" / "default.toml").explicit == frozenset()
+
+
+# ----------------------------------------------------------------------------- choices and their registries
+
+
+def _backends(function: str) -> tuple[str, ...]:
+    """The backend names ``pipeline.engines.<function>`` dispatches on (``if kind == "..."``)."""
+    tree = ast.parse((ROOT / "pipeline" / "engines" / "__init__.py").read_text())
+    (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function]
+    return tuple(n.comparators[0].value for n in ast.walk(fn)
+                 if isinstance(n, ast.Compare) and isinstance(n.left, ast.Name) and n.left.id == "kind"
+                 and isinstance(n.ops[0], ast.Eq) and isinstance(n.comparators[0], ast.Constant))
+
+
+def test_each_choice_field_allows_exactly_what_its_registry_implements():
+    from pipeline.algo import labelmodel, losses
+    from pipeline.tasks.registry import TASKS
+    from pipeline.verifiers.registry import DEFAULT_VERIFIERS
+    from pipeline.weights import TRANSPORTS
+
+    hints = {cls: C._hints(cls) for cls in (C.TrainerConfig, C.TaskConfig, C.WeightsConfig, C.VerifierConfig,
+                                            C.GeneratorConfig)}
+    pairs = {
+        "trainer.advantage": (hints[C.TrainerConfig]["advantage"], tuple(losses.ADVANTAGES)),
+        "trainer.loss": (hints[C.TrainerConfig]["loss"], tuple(losses.LOSSES)),
+        "task.kind": (hints[C.TaskConfig]["kind"], tuple(TASKS)),
+        "weights.transport": (hints[C.WeightsConfig]["transport"], tuple(TRANSPORTS)),
+        "verifier.dependence": (hints[C.VerifierConfig]["dependence"], tuple(labelmodel.DEPENDENCE_POLICIES)),
+        "generator.backend": (hints[C.GeneratorConfig]["backend"], _backends("make_generation_backend")),
+        "trainer.backend": (hints[C.TrainerConfig]["backend"], _backends("make_train_engine")),
+    }
+    for name, (hint, registry) in pairs.items():
+        assert registry, f"{name}: no names found in its registry"
+        assert sorted(C.choices(hint)) == sorted(registry), name
+    assert C.DEFAULT_VERIFIERS == C.VerifierConfig().verifiers == tuple(DEFAULT_VERIFIERS)
+
+
+def test_every_fixed_choice_field_is_a_literal_and_its_validation_allows_its_values_only(tmp_path):
+    (tmp_path / "p.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n')
+    needs = {"math": {"task.dataset": str(tmp_path / "p.jsonl")}}
+    cfg = RunConfig()
+    found = set()
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        if not dataclasses.is_dataclass(section):
+            continue
+        for name, (allowed, many) in C._choice_fields(type(section)).items():
+            found.add(f"{f.name}.{name}")
+            for value in allowed:
+                got = load_config(overrides={f"{f.name}.{name}": value, **needs.get(value, {})}).get(f"{f.name}.{name}")
+                assert got == ((value,) if many else value)
+            with pytest.raises(ConfigError, match=rf"{f.name}\.{name}: must be .*{allowed[0]}"):
+                load_config(overrides={f"{f.name}.{name}": "no-such-choice"})
+    assert found == {"redis.appendfsync", "task.kind", "task.ops", "generator.backend", "generator.vllm_dtype",
+                     "verifier.dependence", "trainer.backend", "trainer.device", "trainer.advantage", "trainer.loss",
+                     "weights.transport", "chaos.targets"}
+    # A section built directly, not loaded, is refused the same way.
+    with pytest.raises(ConfigError, match=r"trainer\.loss: must be decoupled_ppo\|tis"):
+        dataclasses.replace(cfg, trainer=C.TrainerConfig(loss="ppo2")).validate()
+
+
+# ----------------------------------------------------------------------------- fields that cannot take effect
+
+
+def _built(base: Path, **record) -> Path:
+    base.mkdir(parents=True, exist_ok=True)
+    shape = {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 512}
+    (base / "pretrain.json").write_text(json.dumps({"shape": shape, "max_steps": 1000, "stop_loss": 0.45,
+                                                    "batch_size": 128, "lr": 2e-3, "seed": 2, **record}))
+    return base
+
+
+@pytest.mark.parametrize("field, value", [
+    ("model.hidden_size", "64"), ("model.num_layers", "2"), ("model.pretrain_steps", "10"),
+    ("model.pretrain_lr", "1e-3"), ("model.seed", "5"), ("model.pretrain_stop_loss", "0"),
+])
+def test_a_model_field_set_while_the_base_dir_holds_a_checkpoint_is_refused_by_name(tmp_path, field, value):
+    from pipeline.run.launch import check_settings
+
+    base = _built(tmp_path / "base")
+    cfg = load_config(overrides={"model.base_dir": str(base), field: value})
+    with pytest.raises(ConfigError, match=rf"^{field.replace('.', chr(92) + '.')} = .*already holds a pretrained "
+                                          r"checkpoint.*remove it, or point model\.base_dir elsewhere"):
+        check_settings(cfg)
+    # No checkpoint yet: the value builds the new one.
+    check_settings(load_config(overrides={"model.base_dir": str(tmp_path / "empty"), field: value}))
+    # The value the checkpoint was built with took effect: re-running the same config is fine.
+    check_settings(load_config(overrides={"model.base_dir": str(base), "model.hidden_size": "128", "model.seed": "2"}))
+
+
+def test_a_toml_value_differing_from_the_default_counts_as_set(tmp_path):
+    from pipeline.run.launch import check_settings
+
+    base = _built(tmp_path / "base")
+    path = tmp_path / "run.toml"
+    path.write_text(to_toml(load_config(overrides={"model.base_dir": str(base)})))  # every field, at its default
+    check_settings(load_config(path))
+    path.write_text(path.read_text().replace("num_heads = 4", "num_heads = 8"))
+    with pytest.raises(ConfigError, match=r"model\.num_heads = 8"):
+        check_settings(load_config(path))
+
+
+@pytest.mark.parametrize("overrides, situation, field", [
+    ({"task.kind": "math", "model.num_layers": "2"}, {}, "model.num_layers"),
+    ({"chaos.kill_every_s": "3"}, {}, "chaos.kill_every_s"),
+    ({"redis.appendfsync": "always"}, {"redis_url": "redis://elsewhere:6379/0"}, "redis.appendfsync"),
+    ({"redis.appendfsync": "no"}, {"command": "chaos"}, "redis.appendfsync"),
+    ({"redis.tls_ca_file": str(ROOT / "pyproject.toml")}, {"redis_url": "redis://x:6379/0"}, "redis.tls_ca_file"),
+    ({"generator.vllm_dtype": "float16"}, {}, "generator.vllm_dtype"),
+    ({"trainer.device": "cuda"}, {}, "trainer.device"),
+    ({"trainer.loss": "tis", "trainer.clip_eps": "0.1"}, {}, "trainer.clip_eps"),
+    ({"task.template": "Q: {problem}"}, {}, "task.template"),
+    ({"weights.tcp_port": "5555"}, {}, "weights.tcp_port"),
+    ({"weights.transport": "tcp", "weights.ucx_tls": "tcp"}, {}, "weights.ucx_tls"),
+    ({"metrics.host": "0.0.0.0"}, {}, "metrics.host"),
+    ({"verifier.reward": "single:mod9", "verifier.window": "512"}, {}, "verifier.window"),
+    ({"verifier.reward": "majority", "verifier.dependence": "merge"}, {}, "verifier.dependence"),
+])
+def test_a_field_another_setting_makes_inert_is_refused_by_name(overrides, situation, field, tmp_path):
+    if overrides.get("task.kind") == "math":
+        (tmp_path / "p.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n')
+        overrides = {**overrides, "task.dataset": str(tmp_path / "p.jsonl")}
+    cfg = load_config(overrides=overrides)
+    with pytest.raises(ConfigError, match=rf"^{field.replace('.', chr(92) + '.')} = .*cannot take effect"):
+        refuse_inert(cfg, Situation(**situation))
+    # The same value under the setting that reads it is fine; so is an unset field.
+    refuse_inert(load_config(), Situation(**situation))
+
+
+@pytest.mark.parametrize("overrides, situation", [
+    ({"chaos.kill_every_s": "3", "redis.appendfsync": "always"}, {"command": "chaos"}),
+    ({"redis.tls_ca_file": str(ROOT / "pyproject.toml")}, {"redis_url": "rediss://x:6380/0"}),
+    ({"generator.backend": "vllm", "generator.vllm_dtype": "float16"}, {}),
+    ({"trainer.backend": "torchtitan", "trainer.device": "cuda"}, {}),
+    ({"weights.transport": "tcp", "weights.tcp_port": "5555"}, {}),
+    ({"weights.transport": "ucx", "weights.ucx_tls": "tcp"}, {}),
+    ({"metrics.base_port": "9400", "metrics.host": "0.0.0.0"}, {}),
+    ({"verifier.reward": "weaver-hard", "verifier.window": "512"}, {}),
+])
+def test_the_same_fields_are_accepted_where_they_take_effect(overrides, situation):
+    refuse_inert(load_config(overrides=overrides), Situation(**situation))

