@@ -1,4 +1,4 @@
-"""The generation–verification gap experiment (DESIGN §5, §7), on the real pipeline.
+"""The generation–verification gap experiment (docs/design.md §5, §7), on the real pipeline.
 
 From the same base model, seed and budget, train three times with `pipeline up`:
 

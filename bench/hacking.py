@@ -1,4 +1,4 @@
-"""The reward-hacking experiment (DESIGN §5, §7), on the real pipeline.
+"""The reward-hacking experiment (docs/design.md §5, §7), on the real pipeline.
 
 At a learning rate high enough for a policy to exploit its reward (3e-4 by default),
 train with ``weaver``, ``majority`` and ``average`` (the plain mean of the weak

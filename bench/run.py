@@ -251,7 +251,7 @@ def streams_findings(res: dict, records: dict | None) -> list[str]:
             causes, cpu = [], p["consume_cpu_ratio"]
             if p["consume_plumbing_cpu_ratio"] - cpu >= 0.1:
                 causes.append(f"the validation of every record{dec}, which the raw baseline does not do and which "
-                              f"keeps poison records out (DESIGN §2)")
+                              f"keeps poison records out (docs/design.md §2)")
             if p["consume_one_ack_cpu_ratio"] - cpu >= 0.1:
                 causes.append("one `XACK` per entry inside `MULTI` instead of one for the batch")
             if p["consume_plumbing_cpu_ratio"] < aim:

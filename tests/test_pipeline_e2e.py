@@ -98,7 +98,7 @@ def test_all_stages_as_processes_train_account_and_respect_staleness(tmp_path, t
         versions = [e["version"] for e in _events(cfg, g) if e["event"] == "batch_generated"]
         assert versions == sorted(versions) and all(v <= STEPS for v in versions)
 
-    # Admission (DESIGN §3): never more than (η + v + 1)·B groups admitted.
+    # Admission (docs/design.md §3): never more than (η + v + 1)·B groups admitted.
     assert int(r.get(keys.admitted)) <= (eta + STEPS + 1) * B
     # The final checkpoint loads through safetensors.
     assert (cfg.run_dir / "checkpoints" / "final" / "model.safetensors").exists()

@@ -1,4 +1,4 @@
-"""Distilled verifier: a small cross-encoder trained on the Weaver posteriors (DESIGN §5).
+"""Distilled verifier: a small cross-encoder trained on the Weaver posteriors (docs/design.md §5).
 
 Weaver's last step replaces the whole weak-verifier ensemble plus label model with one
 learned scorer: (prompt, completion) -> P(correct), trained on the ensemble's soft
@@ -15,7 +15,7 @@ a modest accuracy) and scores it as its log-likelihood of the completion plus a 
 on the last hidden state (``CrossEncoder``). It is trained with binary cross-entropy
 against the soft posterior. Measured on this task, the base-initialised scorer kept more
 than the ensemble's selection accuracy, while a small model from scratch learned nothing
-useful in the same budget (README, bench/results/distill.md).
+useful in the same budget (docs/experiments.md, bench/results/distill.md).
 Measured on held-out groups (split by prompt): selection accuracy (pick the top-scored
 completion of each group; ties averaged) against the ensemble's, the retention ratio,
 and scoring throughput (rows/s) against running the ensemble + label model.

@@ -1,4 +1,4 @@
-"""Weaver label model: combine weak verifiers into P(correct) without labels (DESIGN §5).
+"""Weaver label model: combine weak verifiers into P(correct) without labels (docs/design.md §5).
 
 Input: a pooled window of verifier votes, float [N, m], NaN where a verifier
 abstained (rows are completions from many groups; the majority pseudo-verifier of

@@ -1,4 +1,4 @@
-"""The GRPO objective (DESIGN §4): advantages, off-policy-corrected policy losses, KL to a reference.
+"""The GRPO objective (docs/design.md §4): advantages, off-policy-corrected policy losses, KL to a reference.
 
 Variants are small pure functions in registries chosen by config
 (``trainer.advantage``, ``trainer.loss``), so a new one touches this file only; a new

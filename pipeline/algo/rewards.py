@@ -1,4 +1,4 @@
-"""Reward modes: turn one group's verifier votes into per-completion rewards (DESIGN §5, §7).
+"""Reward modes: turn one group's verifier votes into per-completion rewards (docs/design.md §5, §7).
 
 A mode is chosen by a spec string in the config (``verifier.reward``):
 

@@ -20,7 +20,7 @@ def release_admissions(r: redis.Redis, keys: Keys, n: int) -> None:
         r.decrby(keys.admitted, n)
 
 
-# Admission (DESIGN §3, AReaL's rule): groups admitted so far must stay below
+# Admission (docs/design.md §3, AReaL's rule): groups admitted so far must stay below
 # (η + v + 1)·B. Granting and counting happen in one script so concurrent
 # generators never overshoot.
 _ADMIT = """

@@ -101,7 +101,7 @@ def ledger_outcome(r, keys: Keys, prompt_id: str) -> bytes | None:
 
 
 def has_signal(g: ScoredGroup) -> bool:
-    """Whether a group's rewards differ enough to give a GRPO gradient (DESIGN §3: count, skip the rest)."""
+    """Whether a group's rewards differ enough to give a GRPO gradient (docs/design.md §3: count, skip the rest)."""
     return float(np.std(g.rewards)) >= NO_SIGNAL_STD
 
 

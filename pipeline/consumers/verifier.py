@@ -38,7 +38,7 @@ LOCK_TTL_MS = 30_000
 
 
 class SharedLabelModel:
-    """The label model all verifier replicas score with (DESIGN §5 step 8).
+    """The label model all verifier replicas score with (docs/design.md §5, "Online").
 
     Each replica appends its groups' votes to the ``{ns}:votes`` window; whichever
     replica takes ``{ns}:labelmodel:lock`` refits on the window and stores the result

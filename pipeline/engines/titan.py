@@ -32,7 +32,7 @@ The command protocol (rank 0 -> all, ``torch.distributed.broadcast``, no pickle)
     STOP     the followers leave :func:`follow`.
 
 The model is built from the ``config.json`` of ``model.base_dir`` (SDPA attention, which
-runs on CPU; DESIGN §9) and loaded from its safetensors through the adapter's
+runs on CPU; docs/design.md §9) and loaded from its safetensors through the adapter's
 ``from_hf``. On CPU the process group is gloo, which has no averaging reduce-scatter, so
 FSDP2 is told to reduce by sum (``set_force_sum_reduction_for_comms``); on CUDA it is NCCL.
 """

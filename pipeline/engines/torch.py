@@ -105,7 +105,7 @@ def pad_batch(groups: list[ScoredGroup], pad_id: int):
 
 
 def train_step(model, opt, groups: list[ScoredGroup], cfg: RunConfig, *, pad_id: int, ref_model=None) -> dict:
-    """One GRPO step (DESIGN §4) on ``groups``: :func:`pipeline.algo.losses.objective` on the
+    """One GRPO step (docs/design.md §4) on ``groups``: :func:`pipeline.algo.losses.objective` on the
     model's log-probabilities (and the reference's, when kept), clip, AdamW."""
     settings = LossSettings.from_config(cfg.trainer)
     prompts, comp_ids, behav, mask = pad_batch(groups, pad_id)

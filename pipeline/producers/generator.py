@@ -2,7 +2,7 @@
 
 consumes:     PromptTask records from {ns}:prompts (group "generators"), acked with the output
 produces:     RolloutGroup records on {ns}:rollouts, with behaviour log-probs and policy version
-waits for:    admission (DESIGN §3): groups admitted < (η + v + 1)·B; then for a prompt
+waits for:    admission (docs/design.md §3): groups admitted < (η + v + 1)·B; then for a prompt
 unblocked by: the trainer publishing version v+1 ({ns}:versions); the feeder adding prompts
 Weights swap only between generation batches, so no batch runs on half-written weights.
 A batch comes from one shard k and its groups go to rollouts shard k, so the xadd + xack +

