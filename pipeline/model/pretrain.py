@@ -1,17 +1,26 @@
-"""Supervised warm-up of the base policy on the arithmetic task.
+"""Supervised warm-up of the base policy on the arithmetic task, and the shipped base.
 
 RL needs a base model that already emits well-formed answers and is right some of
 the time, but far from always: ``pretrain`` teacher-forces ``prompt + answer + eos``
-for a *fixed* number of steps chosen so that the default run lands at a modest
-held-out greedy accuracy (roughly 30-50% on 3-digit addition), leaving RL a clear
-margin to improve on. The step count is deliberately not adaptive: the learning
-curve jumps steeply, and a fixed budget keeps runs reproducible and comparable.
+until the mean training loss of the last 20 steps falls below ``stop_loss`` (the
+default run: 0.45, capped at 1000 steps), which lands at a modest held-out greedy
+accuracy (roughly 40% on 3-digit addition), leaving RL a clear margin to improve on.
+With ``stop_loss`` None it runs exactly ``steps`` steps.
+
+Training is deterministic on one machine (same bytes for the same seed, with 1 or 2
+threads), but not across machines: float rounding differs between CPUs (vector
+widths, BLAS kernels), and the loss rule turns a last-bit difference into another
+stopping step (600 on one 2-core machine, 585 on another) and so another base. The
+default base is therefore shipped in the package (``SHIPPED``, with the ``recipe``
+that built it): a run whose config asks for exactly that recipe starts from those
+bytes on any machine (``install_shipped``); any other recipe is trained here.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
@@ -48,6 +57,35 @@ some seeds, so after warm-up the lr is kept constant."""
 WARMUP_STEPS = 50
 LOSS_WINDOW = 20
 """Steps averaged for ``final_loss`` and for the optional ``stop_loss`` rule."""
+SHIPPED = Path(__file__).resolve().parent / "arith_base"
+"""The default base model (HF checkpoint directory), built by ``pretrain`` from ``SHIPPED/recipe.json``."""
+RECIPE_FILE = "recipe.json"
+
+
+def recipe(*, shape: ModelShape, digits: int, ops: Sequence[str], steps: int, batch_size: int, lr: float,
+           seed: int, stop_loss: float | None, heldout_size: int, heldout_seed: int,
+           schedule: str = DEFAULT_SCHEDULE, warmup: int = WARMUP_STEPS) -> dict:
+    """Everything that decides the bytes ``pretrain`` writes (the held-out set is never trained on)."""
+    return {"shape": asdict(shape), "digits": digits, "ops": list(ops), "steps": steps, "batch_size": batch_size,
+            "lr": lr, "seed": seed, "stop_loss": stop_loss, "heldout_size": heldout_size,
+            "heldout_seed": heldout_seed, "schedule": schedule, "warmup": warmup}
+
+
+def install_shipped(out_dir: Path, want: dict) -> dict | None:
+    """Copy the shipped base into ``out_dir`` when it was built from the recipe ``want``; returns
+    its ``pretrain.json`` record (with ``"source": "shipped"``), or None when the recipes differ."""
+    path = SHIPPED / RECIPE_FILE
+    if not path.is_file() or json.loads(path.read_text(encoding="utf-8")) != want:
+        return None
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in sorted(SHIPPED.iterdir()):
+        if f.is_file():
+            shutil.copyfile(f, out_dir / f.name)
+    info = json.loads((out_dir / "pretrain.json").read_text(encoding="utf-8"))
+    info["source"] = "shipped"
+    (out_dir / "pretrain.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    return info
 
 
 def lr_factor(step: int, *, steps: int, warmup: int, schedule: str) -> float:
@@ -116,7 +154,7 @@ def pretrain(
     second thread barely helps when idle and is several times slower when other
     processes compete for the cores (OpenMP spin-waits).
 
-    ``stop_loss`` (off by default) ends training early once the mean training loss
+    ``stop_loss`` (off in this function's defaults; the run config's default is 0.45) ends training early once the mean training loss
     of the last ``LOSS_WINDOW`` steps falls below it; ``steps`` stays the cap. The
     training loss tracks held-out accuracy far better than the step count does:
     with ``stop_loss=0.5`` (and steps=1000) seeds 0/1/2 stopped at 563/488/579 steps

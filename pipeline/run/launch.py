@@ -39,7 +39,7 @@ def ensure_base_model(cfg: RunConfig, *, force: bool = False) -> dict:
     """Pretrain the base model into ``model.base_dir`` unless a checkpoint is there."""
     from pipeline.tasks import arithmetic as task
     from pipeline.model.qwen import ModelShape
-    from pipeline.model.pretrain import pretrain
+    from pipeline.model.pretrain import install_shipped, pretrain, recipe
 
     base = Path(cfg.model.base_dir)
     if not force and (built := built_base_model(cfg)) is not None:
@@ -51,13 +51,20 @@ def ensure_base_model(cfg: RunConfig, *, force: bool = False) -> dict:
                                     "safetensors, tokenizer.json); `pipeline init-model` builds one")
         return {}
     m, t = cfg.model, cfg.task
+    shape = ModelShape(hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
+                       num_kv_heads=m.num_kv_heads, intermediate_size=m.intermediate_size)
+    settings = dict(shape=shape, digits=t.digits, ops=tuple(t.ops), steps=m.pretrain_steps,
+                    batch_size=m.pretrain_batch_size, lr=m.pretrain_lr, seed=m.seed,
+                    stop_loss=m.pretrain_stop_loss or None)
+    if not force and (shipped := install_shipped(base, recipe(**settings, heldout_size=t.heldout_size,
+                                                              heldout_seed=t.heldout_seed))) is not None:
+        # The same bytes on every machine (pipeline.model.pretrain says why it is shipped).
+        print(f"installed the shipped base model in {base} (held-out greedy accuracy "
+              f"{shipped['heldout_accuracy']:.1%}; `pipeline pretrain --force` trains it here instead)", flush=True)
+        return shipped
     print(f"building the base model in {base} (supervised warm-up, at most {m.pretrain_steps} steps)", flush=True)
-    return pretrain(
-        base, shape=ModelShape(hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
-                               num_kv_heads=m.num_kv_heads, intermediate_size=m.intermediate_size),
-        digits=t.digits, ops=tuple(t.ops), steps=m.pretrain_steps, batch_size=m.pretrain_batch_size,
-        lr=m.pretrain_lr, seed=m.seed, stop_loss=m.pretrain_stop_loss or None,
-        heldout=task.heldout_problems(n=t.heldout_size, seed=t.heldout_seed, digits=t.digits, ops=tuple(t.ops)))
+    return pretrain(base, **settings, heldout=task.heldout_problems(n=t.heldout_size, seed=t.heldout_seed,
+                                                                     digits=t.digits, ops=tuple(t.ops)))
 
 
 def stage_command(cfg: RunConfig, stage: str) -> list[str]:
