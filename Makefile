@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 ARGS ?=
 METRICS_PORT ?= 9400
 
-.PHONY: help setup up-cluster down pretrain test clean gap-experiment hacking-experiment top dashboard report bench-verifier chaos bench-weights bench
+.PHONY: help setup up-cluster down pretrain test clean seeds gap-experiment hacking-experiment top dashboard report bench-verifier chaos bench-weights bench
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-19s %s\n", $$1, $$2}'
@@ -41,6 +41,9 @@ pretrain: setup ## build and warm up the base model (artifacts/base-model) if mi
 
 test: setup ## the test suite (real Redis-compatible server, real processes)
 	$(BIN)/python -m pytest -q $(ARGS)
+
+seeds: setup ## the default make up-cluster run over seeds 0-4: median and range of the held-out gain; bench/results/seeds.{json,md} (~25 min)
+	nice -n 10 $(BIN)/python bench/seeds.py $(ARGS)
 
 gap-experiment: pretrain ## train with single:<best>, weaver, ground_truth; writes bench/results/gap.{json,md,png} (~15 min)
 	nice -n 10 $(BIN)/python bench/gap.py $(ARGS)
