@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_cluster import _up
+from harness import up as _up
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 import redis
 from builders import make_prompt, make_rollout, make_scored
-from test_pipeline_e2e import _config, _spawn
+from harness import spawn as _spawn
+from test_pipeline_e2e import _config
 
 from pipeline.keys import GENERATORS_GROUP, TRAINER_GROUP, VERIFIERS_GROUP, Keys
 from pipeline.records import MAX_RECORD_BYTES, PromptTask, ScoredGroup

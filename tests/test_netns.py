@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import load_config, to_toml
+from harness import tiny_config
 from pipeline.keys import Keys
 from pipeline.bus.server import find_server_binary
 
@@ -132,18 +132,12 @@ def test_the_pipeline_runs_across_network_namespaces_with_tcp_weights(tmp_path, 
     (redis_ns, redis_addr), (trainer_ns, trainer_addr), (workers_ns, _) = (
         hosts["redis"], hosts["trainer"], hosts["workers"])
     url = f"redis://{redis_addr}:{REDIS_PORT}/0"
-    cfg = load_config(overrides={
-        "run_id": "netns", "runs_dir": str(tmp_path / "runs"), "redis.url": url, "model.base_dir": str(tiny_base_model),
-        "task.heldout_size": 50, "trainer.steps": STEPS, "trainer.groups_per_step": B, "trainer.eval_every": STEPS,
-        "trainer.max_staleness": 1, "generator.group_size": 4, "generator.prompts_per_batch": 2,
-        "feeder.backlog": 16, "verifier.batch": 4, "verifier.min_fit_rows": 16, "weights.transport": "tcp",
-        "weights.fetch_timeout_s": 3})
+    cfg, path = tiny_config(tmp_path, tiny_base_model, url, "netns", **{
+        "trainer.steps": STEPS, "trainer.groups_per_step": B, "trainer.eval_every": STEPS, "trainer.max_staleness": 1,
+        "weights.transport": "tcp", "weights.fetch_timeout_s": 3})
     # The shared file keeps weights.tcp_host at its loopback default: only the trainer is told its
     # address, so a generator that fetched from anything but the manifest's address would fail.
     assert cfg.weights.tcp_host == "127.0.0.1"
-    cfg.run_dir.mkdir(parents=True)
-    path = cfg.run_dir / "config.toml"
-    path.write_text(to_toml(cfg))
     (tmp_path / "redis").mkdir()
 
     stage = [sys.executable, "-m", "pipeline.cli"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ import pytest
 import redis
 
 from pipeline.run.accounting import account
-from pipeline.config import load_config, to_toml
+from harness import run_stages, spawn, tiny_config
 from pipeline.keys import Keys
 
 pytestmark = pytest.mark.slow
@@ -23,41 +22,7 @@ B = 4
 
 
 def _config(tmp_path: Path, base_dir: Path, url: str, run_id: str, **overrides):
-    cfg = load_config(overrides={
-        "run_id": run_id, "runs_dir": str(tmp_path / "runs"), "redis.url": url, "model.base_dir": str(base_dir),
-        "task.heldout_size": 50, "trainer.steps": STEPS, "trainer.groups_per_step": B, "trainer.eval_every": 2,
-        "generator.group_size": 4, "generator.prompts_per_batch": 2, "feeder.backlog": 16,
-        "verifier.batch": 4, "verifier.min_fit_rows": 16, **overrides})
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    path = cfg.run_dir / "config.toml"
-    path.write_text(to_toml(cfg))
-    return cfg, path
-
-
-def _spawn(path: Path, stage: str, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", stage, "--config", str(path), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
-def _run_stages(cfg, path: Path, url: str, *, timeout: float = 240) -> dict[str, subprocess.Popen]:
-    procs = {"trainer": _spawn(path, "train"), "feeder": _spawn(path, "feed")}
-    for i in range(2):
-        procs[f"gen-{i}"] = _spawn(path, "generate", "--worker-id", f"gen-{i}")
-        procs[f"ver-{i}"] = _spawn(path, "verify", "--worker-id", f"ver-{i}")
-    r = redis.Redis.from_url(url)
-    try:
-        procs["trainer"].wait(timeout)
-    finally:
-        r.set(Keys(cfg.run_id).stop, 1)
-        for p in procs.values():
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-    outputs = {name: p.stdout.read().decode(errors="replace") for name, p in procs.items()}
-    for name, p in procs.items():
-        assert p.returncode == 0, f"{name} exited {p.returncode}:\n{outputs[name][-3000:]}"
-    return procs
+    return tiny_config(tmp_path, base_dir, url, run_id, **{"trainer.steps": STEPS, **overrides})
 
 
 def _events(cfg, worker: str) -> list[dict]:
@@ -69,7 +34,7 @@ def test_all_stages_as_processes_train_account_and_respect_staleness(tmp_path, t
                                                                      transport):
     cfg, path = _config(tmp_path, tiny_base_model, redis_url, f"e2e-eta{eta}",
                         **{"trainer.max_staleness": eta, "weights.transport": transport})
-    _run_stages(cfg, path, redis_url)
+    run_stages(cfg, path, redis_url)
     r = redis.Redis.from_url(redis_url)
     keys = Keys(cfg.run_id)
 
@@ -125,7 +90,7 @@ def test_a_malformed_rollout_is_dead_lettered_and_the_verifier_keeps_going(tmp_p
     r.xadd(keys.shard(0).rollouts, {"d": b"\x93not a record"})
     r.xadd(keys.shard(0).rollouts, {"d": make_rollout(prompt_id="p1", completions=("357", "358", "357", "1")).encode()})
     r.xadd(keys.shard(0).rollouts, {"other": b"no payload field"})
-    p = _spawn(path, "verify", "--worker-id", "ver-0", "--max-batches", "1", "--verifier.reward", "majority")
+    p = spawn(path, "verify", "--worker-id", "ver-0", "--max-batches", "1", "--verifier.reward", "majority")
     out = p.communicate(timeout=120)[0].decode()
     assert p.returncode == 0, out
     dead = r.xrange(keys.shard(0).dead)

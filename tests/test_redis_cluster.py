@@ -9,15 +9,14 @@ and exact resume, an idempotent per-shard commit, and whole runs (`pipeline up`,
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import threading
 import time
 
 import pytest
 from redis.cluster import key_slot
 
+from harness import up
 from pipeline.run.checkpoint import StepRecord
 from pipeline.config import RedisConfig, RunConfig
 from pipeline.keys import TRAINER_GROUP, Keys
@@ -194,14 +193,10 @@ def test_a_commit_replayed_after_a_crash_repeats_nothing_in_any_shard(cluster_cl
 
 
 def _run(tmp_path, base, *extra: str, command: str = "up") -> subprocess.Popen:
-    args = [sys.executable, "-m", "pipeline.cli", command, "--runs_dir", str(tmp_path / "runs"),
-            "--model.base_dir", str(base), "--task.heldout_size", "20", "--trainer.groups_per_step", "4",
-            "--trainer.eval_every", "100", "--generator.group_size", "4", "--generator.prompts_per_batch", "2",
-            "--feeder.backlog", "16", "--verifier.batch", "4", "--verifier.min_fit_rows", "16",
-            "--cluster.progress_every_s", "1", "--redis.cluster", "true", "--redis.shards", "3",
-            "--cluster.generators", "1", "--cluster.verifiers", "1", *extra]
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+    """The small run on a local three-master Redis Cluster, every stream in 3 shards."""
+    return up(tmp_path, base, "--task.heldout_size", "20", "--trainer.eval_every", "100",
+              "--cluster.progress_every_s", "1", "--redis.cluster", "true", "--redis.shards", "3",
+              "--cluster.generators", "1", "--cluster.verifiers", "1", *extra, command=command)
 
 
 def _entries_added(r, key: str) -> int:
