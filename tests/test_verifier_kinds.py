@@ -137,8 +137,17 @@ def test_lm_judge_without_a_checkpoint_abstains_with_the_reason(tmp_path):
 FAST = CE.SandboxLimits(wall_s=3.0, cpu_s=2)
 
 
-def _live_in_group(pgid: int) -> list[int]:
-    """Pids of processes (not zombies) still in process group ``pgid``."""
+def _live_in_group(pgid: int, *, within_s: float = 3.0) -> list[int]:
+    """Pids of processes (not zombies) still in process group ``pgid`` after up to ``within_s``
+    (a SIGKILLed grandchild is reparented and reaped asynchronously; on a loaded machine that
+    takes a moment)."""
+    deadline = time.monotonic() + within_s
+    while (live := _group_members(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return live
+
+
+def _group_members(pgid: int) -> list[int]:
     live = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
