@@ -2,16 +2,17 @@
 producer and consumer code against raw redis-py and redis-benchmark, in the same run, on a
 server started the way ``pipeline up`` starts it (loopback, append-only file, everysec).
 
-Producer (the generator's emit): per batch of ``generator.prompts_per_batch`` records, one
-MULTI pipeline holding, for each record, the ``XADD`` to the rollouts stream and the
-``XACK`` of the prompt it answers, plus the ``HINCRBY`` counters (``incr_stats``); the
-prompts are read into the generator's pending list beforehand, untimed. Baseline: the same
+Producer (the generator's emit, ``pipeline.stage.Stage.emit`` itself): per batch of
+``generator.prompts_per_batch`` records, one transaction holding, for each record, the
+``XADD`` to the rollouts stream and the ``XACK`` of the prompt it answers, plus the
+counters; the prompts are read into the generator's pending list and decoded beforehand,
+untimed. Baseline: the same
 bytes as plain pipelined ``XADD`` (no transaction, no acks), same batch. A third figure
 is the same MULTI with one variadic ``XACK`` per batch instead of one per record.
 
-Consumer (the verifier's read): ``GroupReader.read`` (own pending, reclaim, then ``>``),
-``decode_entries`` with ``RolloutGroup.decode`` and the delivery limit, and the acks in a
-MULTI pipeline. Baseline: ``XREADGROUP COUNT b`` + one ``XACK`` of the same entries. The
+Consumer (the verifier's read, the stage's own ``read``, ``take`` and ``emit``): own
+pending, reclaim, then ``>``; decoding with ``RolloutGroup.decode`` and the delivery limit;
+the acks in one transaction. Baseline: ``XREADGROUP COUNT b`` + one ``XACK`` of the same entries. The
 same path with a decoder that returns the bytes as they are separates the plumbing from
 the record validation (``bench/bench_records.py``), and the same path with one variadic
 ``XACK`` per batch shows what the per-record acks cost.
@@ -47,11 +48,12 @@ from common import progress, save_result
 
 from bench_records import embedded_group, typical_group
 from pipeline.config import RunConfig
-from pipeline.keys import GENERATORS_GROUP, VERIFIERS_GROUP, Keys
+from pipeline.keys import GENERATORS_GROUP, TRAINER_GROUP, VERIFIERS_GROUP, Keys
 from pipeline.records import PromptTask, RolloutGroup
 from pipeline.bus.server import start_local_server
 from pipeline.bus.stats import incr_stats
-from pipeline.bus.streams import FIELD, GroupReader, decode_entries, ensure_group
+from pipeline.bus.streams import FIELD, GroupReader, ensure_group
+from pipeline.stage import Output, Stage
 
 RESULTS = ROOT / "bench" / "results"
 AIM = 0.80
@@ -118,20 +120,43 @@ def _pending_prompts(r: redis.Redis, keys: Keys, n: int, batch: int) -> list[lis
     return out
 
 
+def _stage(r: redis.Redis, keys: Keys, name: str):
+    """The stage plumbing the generator (prompts -> rollouts) or verifier (rollouts -> scored) runs."""
+    if name == "generator":
+        return Stage(r, keys, RunConfig(), name="generator", worker_id="gen-0", log=_QUIET, source="prompts",
+                     group=GENERATORS_GROUP, decode=PromptTask.decode, sink="rollouts", sink_group=VERIFIERS_GROUP)
+    return Stage(r, keys, RunConfig(), name="verifier", worker_id="ver-0", log=_QUIET, source="rollouts",
+                 group=VERIFIERS_GROUP, decode=RolloutGroup.decode, sink="scored", sink_group=TRAINER_GROUP)
+
+
+class _Quiet:
+    def __getattr__(self, _name):
+        return lambda *a, **kw: None
+
+
+_QUIET = _Quiet()
+
+
 def produce_pipeline(r: redis.Redis, keys: Keys, payload: bytes, n: int, batch: int, *, one_ack: bool = False) -> dict:
-    """Records/s through the generator's emit: MULTI of XADD + XACK per record and the counters."""
+    """Records/s through the generator's emit (``Stage.emit``: XADD + XACK per record and the
+    counters in one transaction); ``one_ack``: the proposed MULTI with one XACK per batch."""
     held = _pending_prompts(r, keys, n, batch)
+    stage = _stage(r, keys, "generator")
+    batches = [stage.take(entries) for entries in held]
     with Meter(r, n) as m:
-        for entries in held:
+        for b in batches:
+            if not one_ack:
+                stage.emit(b, Output(written=[(e, payload) for e, _ in b.good],
+                                     counters={"groups_generated_total": len(b.good),
+                                               "tokens_generated_total": 4000 * len(b.good),
+                                               "generate_seconds_total": 0.25}))
+                continue
             pipe = r.pipeline(transaction=True)
-            for e in entries:
+            for _ in b.good:
                 pipe.xadd(keys.shard(0).rollouts, {FIELD: payload})
-                if not one_ack:
-                    pipe.xack(keys.shard(0).prompts, GENERATORS_GROUP, e.id)
-            if one_ack:
-                pipe.xack(keys.shard(0).prompts, GENERATORS_GROUP, *[e.id for e in entries])
-            incr_stats(pipe, keys.shard(0), groups_generated_total=len(entries), tokens_generated_total=4000 * len(entries),
-                       generate_seconds_total=0.25)
+            pipe.xack(keys.shard(0).prompts, GENERATORS_GROUP, *[e.id for e, _ in b.good])
+            incr_stats(pipe, keys.shard(0), groups_generated_total=len(b.good),
+                       tokens_generated_total=4000 * len(b.good), generate_seconds_total=0.25)
             pipe.execute()
     assert r.xlen(keys.shard(0).rollouts) == n and r.xpending(keys.shard(0).prompts, GENERATORS_GROUP)["pending"] == 0
     return m.result()
@@ -163,26 +188,23 @@ def _fill(r: redis.Redis, stream: str, group: str, payload: bytes, n: int) -> No
 
 def consume_pipeline(r: redis.Redis, keys: Keys, payload: bytes, n: int, batch: int, *, decode=RolloutGroup.decode,
                      one_ack: bool = False) -> dict:
-    """Records/s through the verifier's read: GroupReader.read, decode_entries, MULTI of XACKs."""
+    """Records/s through the verifier's read: ``Stage.read`` (own pending, reclaim, new), ``Stage.take``
+    (decode, check), and the acks (``Stage.emit`` with nothing written downstream); ``one_ack``: the
+    proposed one XACK per batch."""
     _fill(r, keys.shard(0).rollouts, VERIFIERS_GROUP, payload, n)
-    cfg = RunConfig().redis
-    reader = GroupReader(r, keys.shard(0).rollouts, VERIFIERS_GROUP, "ver-0", claim_idle_ms=cfg.claim_idle_ms,
-                         max_deliveries=cfg.max_deliveries)
+    stage = _stage(r, keys, "verifier")
+    stage.decode = decode
     got = 0
     with Meter(r, n) as m:
         while got < n:
-            entries = reader.read(batch, block_ms=1000)
-            good, bad = decode_entries(entries, decode, reader=reader)
-            if bad:
-                raise RuntimeError(f"benchmark payload refused: {bad[0][1]}")
-            pipe = r.pipeline(transaction=True)
+            b = stage.take(stage.read(batch))
+            if b.bad:
+                raise RuntimeError(f"benchmark payload refused: {b.bad[0][1]}")
             if one_ack:
-                pipe.xack(keys.shard(0).rollouts, VERIFIERS_GROUP, *[e.id for e, _ in good])
+                r.xack(keys.shard(0).rollouts, VERIFIERS_GROUP, *[e.id for e, _ in b.good])
             else:
-                for e, _ in good:
-                    pipe.xack(keys.shard(0).rollouts, VERIFIERS_GROUP, e.id)
-            pipe.execute()
-            got += len(good)
+                stage.emit(b, Output(written=[(e, None) for e, _ in b.good]))
+            got += len(b.good)
     assert r.xpending(keys.shard(0).rollouts, VERIFIERS_GROUP)["pending"] == 0
     return m.result()
 
