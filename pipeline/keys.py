@@ -10,7 +10,7 @@ only the first ``{...}`` of a key and a MULTI or a script must touch one slot:
   shard prefix   ``ns`` (plain)  or  ``{ns/k}`` (tagged), 0 <= k < S
   global prefix  ``ns`` (plain)  or  ``{ns}``   (tagged)
 
-Per shard (``<shard>`` is the shard prefix; everything one stage's MULTI touches together):
+Per shard (``<shard>`` is the shard prefix; everything one stage's transaction touches together):
 
   <shard>:prompts    stream  feeder -> generators (group "generators"). PromptTask records.
   <shard>:rollouts   stream  generators -> verifiers (group "verifiers"). RolloutGroup records.
@@ -25,7 +25,14 @@ Per shard (``<shard>`` is the shard prefix; everything one stage's MULTI touches
   <shard>:stats      hash    counters the stages increment with this shard's writes (dead
                              letters, drops, tokens, seconds...); readers sum over shards,
                              except ``prompts_issued`` (the feeder's position: the maximum).
-  <shard>:committed  string  the last trainer step whose commit is final in this shard.
+  <shard>:committed  string  the last trainer step whose commit is final in this shard; the
+                             commit script checks it first, so a commit applied again changes nothing.
+  <shard>:txn        hash    idempotency tokens of the stages' emit transactions: writer id
+                             (``<stage>:<worker>:<random>``, one per stage process) -> "<seq> <result>",
+                             the last transaction that writer applied in this shard. The emit
+                             script checks it before writing, so a call sent again after a lost
+                             reply changes nothing (``bus.streams.TxnWriter``). One field per
+                             stage process that ever wrote to the shard; no TTL.
 
 Run-global (``<global>`` is the global prefix; one slot when tagged):
 
@@ -40,6 +47,8 @@ Run-global (``<global>`` is the global prefix; one slot when tagged):
                                       blob per group, [G, m] votes (m verifiers, NaN = abstain).
   <global>:admitted          counter  groups admitted for generation, minus those dead-lettered
                                       before training (the staleness admission rule).
+  <global>:admitted:txn      hash     idempotency tokens of the changes to ``admitted`` (grants and
+                                      give-backs): writer id -> "<seq> <result>", as ``<shard>:txn``.
   <global>:trainer           hash     trainer progress: ``version`` (published), ``steps``
                                       (target), ``state``, ``reward_mean``, ``sample_accuracy``,
                                       ``base_accuracy``, ``eval_accuracy``, ``eval_version``,
@@ -50,15 +59,21 @@ Run-global (``<global>`` is the global prefix; one slot when tagged):
 Routing: prompt ``p`` lives in shard ``crc32(p) % S`` for its whole life (``shard_of``):
 the generator writes a prompt's rollout group to the shard it read the prompt from, the
 verifier the scored group likewise, so "write downstream + ack upstream + counters" is
-one single-slot MULTI per batch. Consumers read every shard (``bus.streams.ShardedReader``);
+one single-slot transaction per batch. Consumers read every shard (``bus.streams.ShardedReader``);
 readers of counters, depths and dead letters sum or merge over the shards.
 
 Admission stays global and exact: ``<global>:admitted`` is one counter that the admission
 script checks and increments atomically. Dead letters live in a shard's slot, so giving
-their admission slot back is a ``DECRBY`` sent right after the shard's MULTI. A crash
-between the two leaks those slots: the counter stays too high, so admission is stricter
-than ``(η + v + 1)·B`` by at most the dead letters of one batch per crash; it never
-admits more than the bound.
+their admission slot back is a second script (``DECRBY``) sent right after the shard's
+transaction. A crash between the two leaks those slots: the counter stays too high, so
+admission is stricter than ``(η + v + 1)·B`` by at most the dead letters of one batch per
+crash; it never admits more than the bound.
+
+Idempotency: redis-py sends a call again after a connection error, and a transaction the
+server applied before the reply was lost would be applied twice. Every transaction that
+writes is therefore a Lua script that checks a token in its own slot before writing: an
+emit checks ``<shard>:txn``, a grant or give-back ``<global>:admitted:txn``, a trainer commit
+``<shard>:committed``, the feeder's prompt writes ``<shard>:stats`` ``prompts_issued``.
 """
 
 from __future__ import annotations
@@ -111,6 +126,10 @@ class ShardKeys:
     @property
     def committed(self) -> str:
         return f"{self.prefix}:committed"
+
+    @property
+    def txn(self) -> str:
+        return f"{self.prefix}:txn"
 
     def streams(self) -> dict[str, tuple[str, str]]:
         """Stream name -> (key, consumer group), in pipeline order."""
@@ -193,6 +212,10 @@ class Keys:
     @property
     def admitted(self) -> str:
         return f"{self._g}:admitted"
+
+    @property
+    def admitted_txn(self) -> str:
+        return f"{self._g}:admitted:txn"
 
     @property
     def trainer(self) -> str:

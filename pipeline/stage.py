@@ -7,15 +7,19 @@ A stage reads one stream (every shard of it) as a consumer of its group and, per
 2. **decode and check**: each entry becomes a record, or a defect with its reason
    (undecodable, refused by the stage's own check, delivered too often);
 3. **process**: the stage's own step turns the records into outputs;
-4. **emit + ack**: ONE MULTI, in the read shard's slot, writes the outputs downstream,
-   acks their inputs, dead-letters the defects and adds the counters, so an output is
-   never written without its input acked, nor an input acked without its output;
-   admission slots of dead-lettered groups are given back right after;
+4. **emit + ack**: ONE transaction (a Lua script), in the read shard's slot, writes the
+   outputs downstream, acks their inputs, dead-letters the defects and adds the counters,
+   so an output is never written without its input acked, nor an input acked without its
+   output; it checks its idempotency token first (``bus.streams.TxnWriter``), so a call
+   redis-py sends again after a lost reply changes nothing. Admission slots of
+   dead-lettered groups are given back right after, idempotently too;
 5. **trim**: every ``TRIM_EVERY`` batches, what every group of the input stream acked.
 
 Before each read the stage waits while its output stream holds more than
-``redis.max_stream_lag`` unacked entries (backpressure). Stage files
-(``producers/``, ``consumers/``) are a step function plugged into :meth:`Stage.run`.
+``redis.max_stream_lag`` unacked entries (backpressure). A stage's client waits out a
+server outage of any length (``bus.connection.ride_outages``), logging when it starts and
+when it ends. Stage files (``producers/``, ``consumers/``) are a step function plugged into
+:meth:`Stage.run`.
 """
 
 from __future__ import annotations
@@ -25,14 +29,48 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.bus.connection import ride_outages
 from pipeline.bus.flow import release_admissions, stop_requested, wait_for_room
-from pipeline.bus.stats import heartbeat, incr_stats
-from pipeline.bus.streams import FIELD, Entry, dead_letter, decode_entries, ensure_all_groups, sharded_reader, \
-    trim_acked
+from pipeline.bus.stats import heartbeat
+from pipeline.bus.streams import Entry, TxnWriter, counter_args, dead_letter_fields, decode_entries, \
+    ensure_all_groups, sharded_reader, trim_acked, txn_script
 from pipeline.keys import Keys, ShardKeys
 
 TRIM_EVERY = 10
 """Batches between trims of the acked input entries."""
+
+# Emit + ack (docs/design.md §2, step 4): one script in the read shard's slot.
+# KEYS: source stream, sink stream, dead letters, stats, txn.
+# ARGV: writer id, seq (the TxnWriter token), group, 1 if a dead letter gives its admission
+#       slot back; n dead letters, then per dead letter: entry id, n fields, fields...;
+#       n entries to ack, then per entry: id, 1/0 (has an output), output (written in the
+#       field ``d``, bus.streams.FIELD);
+#       n counters, then (name, kind, value) each (bus.streams.counter_args).
+# Returns {applied (0: a replay, nothing changed), admission slots to give back}.
+_EMIT = """
+local seen = txn_seen(KEYS[5], ARGV[1], ARGV[2])
+if seen then return {0, tonumber(seen)} end
+local group, i = ARGV[3], 6
+local ndead = tonumber(ARGV[5])
+for _ = 1, ndead do
+  local id, nf = ARGV[i], tonumber(ARGV[i + 1])
+  redis.call('XADD', KEYS[3], '*', unpack(ARGV, i + 2, i + 1 + nf))
+  redis.call('XACK', KEYS[1], group, id)
+  i = i + 2 + nf
+end
+if ndead > 0 then redis.call('HINCRBY', KEYS[4], 'dead_letters_total', ndead) end
+local nw = tonumber(ARGV[i])
+i = i + 1
+for _ = 1, nw do
+  if ARGV[i + 1] == '1' then redis.call('XADD', KEYS[2], '*', 'd', ARGV[i + 2]) end
+  redis.call('XACK', KEYS[1], group, ARGV[i])
+  i = i + 3
+end
+add_counters(KEYS[4], i + 1, tonumber(ARGV[i]))
+local releases = ndead * tonumber(ARGV[4])
+txn_done(KEYS[5], ARGV[1], ARGV[2], releases)
+return {1, releases}
+"""
 
 
 @dataclass
@@ -55,7 +93,7 @@ class Output:
     ``written`` pairs each input entry to ack with the encoded record to write downstream
     for it (None: ack only). A good entry of the batch that is not listed stays unacked
     (the trainer holds its inputs until a checkpoint has the step). ``after`` runs once
-    the MULTI has been applied.
+    the transaction has been applied.
     """
 
     written: Sequence[tuple[Entry, bytes | None]] = ()
@@ -64,7 +102,7 @@ class Output:
 
 
 class Stage:
-    """The plumbing of one stage process: its reader, its output stream, its MULTI and its trims."""
+    """The plumbing of one stage process: its reader, its output stream, its emit transaction and its trims."""
 
     def __init__(self, r, keys: Keys, cfg, *, name: str, worker_id: str, log, source: str, group: str,
                  decode: Callable[[bytes], Any], check: Callable[[Any], None] | None = None,
@@ -76,6 +114,9 @@ class Stage:
         self.sink, self.sink_group = sink, sink_group
         self.decode, self.check = decode, check
         self.release_admission = release_admission
+        ride_outages(r, log)
+        self.txn = TxnWriter(f"{name}:{worker_id}")
+        self._emit = txn_script(r, _EMIT)
         ensure_all_groups(r, keys)
         self.reader = sharded_reader(r, keys, source, group, worker_id, cfg.redis, claim=claim)
         self.batches = 0
@@ -103,23 +144,32 @@ class Stage:
         return Batch(shard=self.keys.shard(entries[0].shard), good=good, bad=bad)
 
     def emit(self, batch: Batch, out: Output) -> None:
-        """Write, ack, dead-letter and count in one MULTI of the batch's shard; then trim now and then."""
+        """Write, ack, dead-letter and count in one transaction of the batch's shard; then trim now and then.
+
+        One EVALSHA: its token (``self.txn``) is taken before the first attempt, so redis-py
+        sending it again after a lost reply changes nothing and returns the first result.
+        """
         shard = batch.shard
         src = getattr(shard, self.source)
-        pipe = self.r.pipeline(transaction=True)
-        releases = 0
+        dst = getattr(shard, self.sink) if self.sink is not None else shard.dead
+        dead: list = []
         for e, reason in batch.bad:
             self.log.warning("dead_letter", id=e.id, reason=reason)
-            releases += dead_letter(pipe, self.keys, stream=src, group=self.group, entry=e, reason=reason,
-                                    consumer=self.worker_id, release_admission=self.release_admission)
-        dst = getattr(shard, self.sink) if self.sink is not None else None
+            fields = dead_letter_fields(stream=src, entry=e, reason=reason, consumer=self.worker_id)
+            dead += [e.id, len(fields), *fields]
+        acks: list = []
         for e, payload in out.written:
-            if payload is not None:
-                pipe.xadd(dst, {FIELD: payload})
-            pipe.xack(src, self.group, e.id)
-        incr_stats(pipe, shard, **out.counters)
-        pipe.execute()
-        release_admissions(self.r, self.keys, releases)
+            acks += [e.id, 0, b""] if payload is None else [e.id, 1, payload]
+        counters = counter_args(out.counters)
+        if batch.bad or out.written or counters:
+            with self.txn.token() as seq:
+                applied, releases = self._emit(
+                    keys=[src, dst, shard.dead, shard.stats, shard.txn],
+                    args=[self.txn.id, seq, self.group, int(self.release_admission), len(batch.bad), *dead,
+                          len(out.written), *acks, len(counters) // 3, *counters])
+            if not applied:
+                self.log.info("emit_replay_skipped", shard=shard.index, seq=seq)
+            release_admissions(self.r, self.keys, int(releases), writer=self.txn)
         if out.after is not None:
             out.after()
         self.batches += 1

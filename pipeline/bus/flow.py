@@ -10,45 +10,70 @@ import time
 import redis
 
 from pipeline.bus.stats import heartbeat
-from pipeline.bus.streams import unacked_all
+from pipeline.bus.streams import TxnWriter, txn_script, unacked_all
 from pipeline.keys import Keys
 
 
-def release_admissions(r: redis.Redis, keys: Keys, n: int) -> None:
-    """Give back ``n`` admission slots of dead-lettered groups (sharded runs; see ``dead_letter``)."""
-    if n > 0:
-        r.decrby(keys.admitted, n)
-
-
 # Admission (docs/design.md §3, AReaL's rule): groups admitted so far must stay below
-# (η + v + 1)·B. Granting and counting happen in one script so concurrent
-# generators never overshoot.
+# (η + v + 1)·B. Granting and counting happen in one script so concurrent generators
+# never overshoot. Every change of {ns}:admitted carries its writer's idempotency token
+# (bus.streams.TxnWriter) checked in the same script, in the {ns} slot, so a call redis-py
+# sends again after a lost reply neither grants twice nor gives back twice.
+# KEYS: admitted, admitted:txn.  ARGV: want, limit, writer id, seq.  Returns the grant.
 _ADMIT = """
+local seen = txn_seen(KEYS[2], ARGV[3], ARGV[4])
+if seen then return tonumber(seen) end
 local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
 local grant = math.min(tonumber(ARGV[1]), tonumber(ARGV[2]) - cur)
 if grant <= 0 then return 0 end
 redis.call('INCRBY', KEYS[1], grant)
+txn_done(KEYS[2], ARGV[3], ARGV[4], grant)
 return grant
+"""
+# KEYS: admitted, admitted:txn.  ARGV: n, writer id, seq.  Returns 1 if applied, 0 for a replay.
+_RELEASE = """
+if txn_seen(KEYS[2], ARGV[2], ARGV[3]) then return 0 end
+redis.call('DECRBY', KEYS[1], ARGV[1])
+txn_done(KEYS[2], ARGV[2], ARGV[3], ARGV[1])
+return 1
 """
 
 
+def release_admissions(r: redis.Redis, keys: Keys, n: int, *, writer: TxnWriter, script=None) -> bool:
+    """Give back ``n`` admission slots (of dead-lettered groups, or granted but unused), exactly once.
+
+    ``{ns}:admitted`` lives outside a shard's slot, so this is its own script, sent right
+    after the shard's transaction (``pipeline.keys`` says what a crash between the two
+    costs). Returns whether it was applied (False: nothing to give back, or a replay).
+    """
+    if n <= 0:
+        return False
+    script = script or txn_script(r, _RELEASE)
+    with writer.token() as seq:
+        return bool(script(keys=[keys.admitted, keys.admitted_txn], args=[n, writer.id, seq]))
+
+
 class Admission:
-    def __init__(self, r: redis.Redis, keys: Keys, *, max_staleness: int, groups_per_step: int):
+    def __init__(self, r: redis.Redis, keys: Keys, *, max_staleness: int, groups_per_step: int,
+                 writer: TxnWriter | None = None):
         self.r, self.keys = r, keys
         self.eta, self.batch = max_staleness, groups_per_step
-        self._script = r.register_script(_ADMIT)
+        self.writer = writer or TxnWriter("admission")
+        self._admit = txn_script(r, _ADMIT)
+        self._release = txn_script(r, _RELEASE)
 
     def limit(self, version: int) -> int:
         return (self.eta + version + 1) * self.batch
 
     def admit(self, want: int, version: int) -> int:
         """Admit up to ``want`` new groups for a generator running ``version``; returns how many."""
-        return int(self._script(keys=[self.keys.admitted], args=[want, self.limit(version)]))
+        with self.writer.token() as seq:
+            return int(self._admit(keys=[self.keys.admitted, self.keys.admitted_txn],
+                                   args=[want, self.limit(version), self.writer.id, seq]))
 
     def release(self, n: int) -> None:
         """Give back slots admitted but not used (no prompt was available)."""
-        if n > 0:
-            self.r.decrby(self.keys.admitted, n)
+        release_admissions(self.r, self.keys, n, writer=self.writer, script=self._release)
 
 
 class VersionWatch:

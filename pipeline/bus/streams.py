@@ -4,11 +4,18 @@ decoding with dead letters, lag and unacked counts, and trimming what every grou
 Every stream entry has one field, ``d``, holding an encoded record (``pipeline.records``).
 A run's streams are sharded (``pipeline.keys``; one shard is the ordinary case):
 ``ShardedReader`` reads all shards of one stream, one shard per call.
+
+Every transaction that writes a stage's outputs is a Lua script that carries an idempotency
+token and checks it before writing (``TxnWriter``), so a call redis-py sends again after a
+lost reply changes nothing.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import redis
@@ -151,7 +158,7 @@ class GroupReader:
 class ShardedReader:
     """Reads every shard of one stream as one consumer: a ``GroupReader`` per shard.
 
-    Each call returns entries of ONE shard (``Entry.shard``), so the caller's MULTI that
+    Each call returns entries of ONE shard (``Entry.shard``), so the caller's transaction that
     writes downstream and acks upstream stays in that shard's slot. Shards are visited in
     turn, starting after the one that last gave work, so none starves. ``read_new`` first
     polls every shard without blocking, then blocks on one shard for a slice of
@@ -242,33 +249,86 @@ def decode_entries(entries: list[Entry], decode, check=None, *, reader: GroupRea
     return good, bad
 
 
-def dead_letter(
-    pipe: redis.client.Pipeline,
-    keys: Keys,
-    *,
-    stream: str,
-    group: str,
-    entry: Entry,
-    reason: str,
-    consumer: str,
-    prompt_id: str = "",
-    release_admission: bool = False,
-) -> int:
-    """Queue, on a MULTI pipeline, the move of one entry to its shard's dead letters and its ack.
+def dead_letter_fields(*, stream: str, entry: Entry, reason: str, consumer: str, prompt_id: str = "") -> list:
+    """The fields of one entry's dead letter, as XADD's field/value list (``Stage.emit`` writes it
+    into the entry's shard's ``dead`` stream, acking the entry in the same transaction)."""
+    return ["reason", reason[:2000], "stream", stream, "id", entry.id, "consumer", consumer,
+            "prompt_id", prompt_id, "payload", entry.payload or b"", "at", f"{time.time():.3f}"]
 
-    Returns the admission slots to give back (``flow.release_admissions``, once the MULTI
-    is done): 1 with ``release_admission``, for an entry admitted for generation that will
-    never reach the trainer; ``{ns}:admitted`` lives outside the shard's slot
-    (``pipeline.keys`` says what a crash between the two costs).
+
+# ---------------------------------------------------------------- idempotent transactions
+
+TXN_LUA = """
+local function txn_seen(txn, writer, seq)
+  local last = redis.call('HGET', txn, writer)
+  if not last then return nil end
+  local sp = string.find(last, ' ', 1, true)
+  if tonumber(string.sub(last, 1, sp - 1)) >= tonumber(seq) then return string.sub(last, sp + 1) end
+  return nil
+end
+local function txn_done(txn, writer, seq, result)
+  redis.call('HSET', txn, writer, seq .. ' ' .. result)
+end
+local function add_counters(stats, i, n)
+  for _ = 1, n do
+    if ARGV[i + 1] == 'f' then
+      redis.call('HINCRBYFLOAT', stats, ARGV[i], ARGV[i + 2])
+    else
+      redis.call('HINCRBY', stats, ARGV[i], ARGV[i + 2])
+    end
+    i = i + 3
+  end
+  return i
+end
+"""
+"""Lua every idempotent transaction starts with. ``txn_seen(txn, writer, seq)``: the result the
+writer's transaction ``seq`` (or a later one) recorded in the hash ``txn``, or nil if it was
+never applied; ``txn_done`` records it, in the same script as the writes. ``add_counters``
+applies ``n`` counters of ARGV from index ``i`` (``counter_args``) and returns the next index."""
+
+
+def txn_script(r: redis.Redis, body: str):
+    """``r.register_script`` of ``body`` after ``TXN_LUA``: one EVALSHA per call, loaded on first use."""
+    return r.register_script(TXN_LUA + body)
+
+
+class TxnWriter:
+    """The idempotency token of one writer's transactions: an id made once, a number that only goes up.
+
+    A transaction takes its number before its first attempt (``token``) and is applied by a
+    script that starts with ``txn_seen``: a number at or below the one recorded for this
+    writer in the slot's txn hash (``ShardKeys.txn``, ``Keys.admitted_txn``) was applied already, so
+    the script changes nothing and returns the first application's result; otherwise it
+    applies the writes and records the number with ``txn_done``, atomically. redis-py
+    sending a call again after a lost reply (its retry) therefore changes nothing, however
+    long the outage in between: the record has no TTL to outlive. A writer's calls run one
+    at a time (the lock is held through the call), so its numbers are applied in order.
     """
-    shard = keys.shard(entry.shard)
-    pipe.xadd(shard.dead, {
-        "reason": reason[:2000], "stream": stream, "id": entry.id, "consumer": consumer,
-        "prompt_id": prompt_id, "payload": entry.payload or b"", "at": f"{time.time():.3f}",
-    })
-    pipe.xack(stream, group, entry.id)
-    pipe.hincrby(shard.stats, "dead_letters_total", 1)
-    return 1 if release_admission else 0
+
+    def __init__(self, label: str):
+        self.id = f"{label}:{uuid.uuid4().hex[:12]}"
+        self._seq = 0
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def token(self):
+        """The next number, held (with the writer's lock) while the caller's script runs."""
+        with self._lock:
+            self._seq += 1
+            yield self._seq
+
+
+def counter_args(counts: dict[str, float]) -> list:
+    """Counters as script arguments, (name, kind, value) each: ``i`` adds with HINCRBY, ``f``
+    with HINCRBYFLOAT (a fractional value), zeros left out (as ``bus.stats.incr_stats`` does)."""
+    out: list = []
+    for name, n in counts.items():
+        if n:
+            if isinstance(n, float) and not n.is_integer():
+                out += [name, "f", repr(n)]
+            else:
+                out += [name, "i", int(n)]
+    return out
 
 
 LAG_COUNT_CAP = 100_000

@@ -12,10 +12,11 @@ Staleness is checked at consumption: a group with v − min_version > η is drop
 A restarted trainer resumes from its latest checkpoint (model, optimizer, schedule, RNG,
 version) and retrains only the groups no checkpoint holds; SIGTERM finishes the current
 step, checkpoints it and exits.
-The trainer reads every scored shard; a step's commit is one MULTI per shard (that
-shard's ledger, training log, acks), each recording the shard's committed version, so a
-commit re-applied after a crash skips the shards that already have it. After each commit
-the scored entries every group acked are trimmed.
+The trainer reads every scored shard; a step's commit is one transaction per shard (that
+shard's ledger, training log, acks), each checking and recording the shard's committed
+version, so a commit re-applied after a crash, or sent again after a lost reply, skips the
+shards that already have it. After each commit the scored entries every group acked are
+trimmed.
 
 The loop (``Trainer.run``): collect B new groups (dead-lettering defects, acking
 duplicates) → classify each (stale: v − min_version > η; nosignal: equal rewards;
@@ -33,8 +34,7 @@ import numpy as np
 from enum import StrEnum
 
 from pipeline.algo.losses import NO_SIGNAL_STD
-from pipeline.bus.stats import incr_stats
-from pipeline.bus.streams import parse_ref
+from pipeline.bus.streams import counter_args, parse_ref, txn_script
 from pipeline.config import RunConfig
 from pipeline.engines import TrainEngine, make_train_engine
 from pipeline.keys import TRAINER_GROUP, Keys
@@ -142,38 +142,83 @@ def shard_committed(r, keys: Keys, k: int) -> int:
     return int(r.get(keys.shard(k).committed) or 0)
 
 
+# One shard's commit (docs/design.md §3, "Commit"): a script in the shard's slot that checks
+# the shard's committed step first, so a commit sent again (redis-py's retry after a lost
+# reply, or a resumed trainer re-applying its checkpoint's commit) repeats nothing.
+# KEYS: ledger, trainlog, scored, stats, committed.
+# ARGV: group, the last step, n steps, then per step: version, n prompts, (prompt id,
+#       outcome, group id) each, n entry ids, ids..., n counters, (name, kind, value) each.
+# Returns the number of steps applied (0: the shard had them all).
+_COMMIT = """
+local done = tonumber(redis.call('GET', KEYS[5]) or '0')
+if done >= tonumber(ARGV[2]) then return 0 end
+local i, applied = 4, 0
+for _ = 1, tonumber(ARGV[3]) do
+  local version = ARGV[i]
+  local apply = tonumber(version) > done
+  local np = tonumber(ARGV[i + 1])
+  i = i + 2
+  for _ = 1, np do
+    if apply then
+      redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1])
+      redis.call('XADD', KEYS[2], '*', 'prompt_id', ARGV[i], 'group_id', ARGV[i + 2], 'outcome', ARGV[i + 1],
+                 'version', version)
+    end
+    i = i + 3
+  end
+  local ni = tonumber(ARGV[i])
+  i = i + 1
+  if apply then
+    for j = i, i + ni - 1, 500 do
+      redis.call('XACK', KEYS[3], ARGV[1], unpack(ARGV, j, math.min(j + 499, i + ni - 1)))
+    end
+  end
+  i = i + ni
+  local nc = tonumber(ARGV[i])
+  if apply then
+    add_counters(KEYS[4], i + 1, nc)
+    applied = applied + 1
+  end
+  i = i + 1 + 3 * nc
+end
+redis.call('SET', KEYS[5], ARGV[2])
+return applied
+"""
+
+
+def _commit_args(shard, steps: list[StepRecord], keys: Keys) -> list:
+    """The per-step arguments of one shard's commit: its prompts, its entries, and (shard 0) the counters."""
+    args: list = []
+    for s in steps:
+        prompts = [(pid, outcome) for pid, outcome in s.outcomes.items() if keys.shard_of(pid) == shard.index]
+        args += [s.version, len(prompts)]
+        for pid, outcome in prompts:
+            args += [pid, outcome, s.group_ids.get(pid, "")]
+        ids = [eid for k, eid in map(parse_ref, s.entry_ids) if k == shard.index]
+        counters = counter_args(s.counts) if shard.index == 0 else []
+        args += [len(ids), *ids, len(counters) // 3, *counters]
+    return args
+
+
 def commit(r, keys: Keys, steps: list[StepRecord]) -> None:
     """Make checkpointed steps final: ledger (HSETNX), training log, acks, counters.
 
-    One transaction per shard, holding that shard's prompts (by ``Keys.shard_of``) and
-    entries (by ``Entry.ref``); shard 0's also carries the steps' counters. Each records
-    the shard's last committed step, and steps a shard already committed are skipped, so
-    re-applying a commit interrupted between shards neither repeats a training-log entry
-    nor a counter. ``{ns}:trainer`` ``committed_version`` is set once every shard has it:
-    a resumed trainer re-applies only the steps of its checkpoint beyond it.
+    One transaction per shard (a script, ``_COMMIT``), holding that shard's prompts (by
+    ``Keys.shard_of``) and entries (by ``Entry.ref``); shard 0's also carries the steps'
+    counters. Each records the shard's last committed step and, inside the same
+    transaction, first checks it: steps the shard already committed are skipped, so a
+    commit sent again (redis-py's retry after a lost reply) or re-applied after a crash
+    between shards neither repeats a training-log entry nor a counter.
+    ``{ns}:trainer`` ``committed_version`` is set once every shard has it: a resumed
+    trainer re-applies only the steps of its checkpoint beyond it.
     """
     if not steps:
         return
     last = steps[-1].version
+    script = txn_script(r, _COMMIT)
     for shard in keys.all_shards():
-        todo = [s for s in steps if s.version > shard_committed(r, keys, shard.index)]
-        if not todo:
-            continue
-        pipe = r.pipeline(transaction=True)
-        for s in todo:
-            for pid, outcome in s.outcomes.items():
-                if keys.shard_of(pid) != shard.index:
-                    continue
-                pipe.hsetnx(shard.ledger, pid, outcome)
-                pipe.xadd(shard.trainlog, {"prompt_id": pid, "group_id": s.group_ids.get(pid, ""),
-                                           "outcome": outcome, "version": s.version})
-            ids = [eid for k, eid in map(parse_ref, s.entry_ids) if k == shard.index]
-            if ids:
-                pipe.xack(shard.scored, TRAINER_GROUP, *ids)
-            if shard.index == 0:
-                incr_stats(pipe, shard, **s.counts)
-        pipe.set(shard.committed, last)
-        pipe.execute()
+        script(keys=[shard.ledger, shard.trainlog, shard.scored, shard.stats, shard.committed],
+               args=[TRAINER_GROUP, last, len(steps), *_commit_args(shard, steps, keys)])
     r.hset(keys.trainer, "committed_version", last)
 
 

@@ -1,0 +1,200 @@
+"""Stage workers ride out a server outage of any length, and nothing is lost or duplicated.
+
+A real verifier process (``pipeline verify`` on the small run) and a trainer-side reader
+(``collect_batch`` on the trainer's Stage, in a thread of the test) work against a server
+with ``appendfsync always``; the server is SIGKILLed while they work, stays down for
+``OUTAGE_S`` seconds (60 in the ``slow`` variant), and is started again on the same port
+and data. Both must resume by themselves, say so in their logs (a warning when the outage
+starts, an info line with its duration when it ends), and every rollout group must come out
+scored exactly once: counted in the streams, the acks and the counters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from urllib.parse import urlparse
+
+import pytest
+import redis
+from builders import make_rollout
+from harness import spawn, tiny_config
+
+from pipeline.bus.connection import connect
+from pipeline.bus.server import start_local_server
+from pipeline.bus.stats import read_stats
+from pipeline.bus.streams import ensure_all_groups, unacked
+from pipeline.consumers.trainer import collect_batch
+from pipeline.keys import TRAINER_GROUP, VERIFIERS_GROUP, Keys
+from pipeline.records import ScoredGroup
+from pipeline.stage import Stage
+
+OUTAGE_S = float(os.environ.get("RLPIPE_TEST_OUTAGE_S", "20"))
+BEFORE, AFTER = 160, 24
+"""Rollout groups written before the outage (the verifier is still on them when the server
+dies) and after it (work that only a resumed verifier can do)."""
+
+
+class _Log:
+    def __init__(self):
+        self.events: list[tuple[str, str, dict]] = []
+
+    def __getattr__(self, level):
+        return lambda event, **kw: self.events.append((level, event, kw))
+
+
+def _wait(cond, timeout: float, what: str, proc=None) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"{what}: the process exited {proc.returncode}:\n"
+                                 f"{proc.stdout.read().decode(errors='replace')[-3000:]}")
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _add(r, keys: Keys, lo: int, hi: int) -> None:
+    pipe = r.pipeline(transaction=False)
+    for i in range(lo, hi):
+        pipe.xadd(keys.shard(0).rollouts, {"d": make_rollout(prompt_id=f"p{i:08d}").encode()})
+    pipe.execute()
+
+
+def _ride_out(tmp_path, base_model, outage_s: float) -> None:
+    server = start_local_server(tmp_path / "srv", appendfsync="always")
+    port = urlparse(server.url).port
+    cfg, path = tiny_config(tmp_path, base_model, server.url, "outage")
+    keys = Keys(cfg.run_id)
+    r = redis.Redis.from_url(server.url)
+    ensure_all_groups(r, keys)
+    _add(r, keys, 0, BEFORE)
+    total = BEFORE + AFTER
+
+    ver = spawn(path, "verify", "--worker-id", "ver-0")
+    # The trainer's reader: its Stage turns the client into one that waits forever.
+    tlog = _Log()
+    tr = connect(server.url, name="outage:trainer")
+    stage = Stage(tr, keys, cfg, name="trainer", worker_id="trainer", log=tlog, source="scored",
+                  group=TRAINER_GROUP, decode=ScoredGroup.decode, claim=False)
+    collected: list = []
+    reader = threading.Thread(target=lambda: collected.append(collect_batch(stage, size=total)), daemon=True)
+    reader.start()
+    try:
+        _wait(lambda: r.xlen(keys.shard(0).scored) >= 40, 180, "the verifier to score its first groups", ver)
+        server.process.kill()  # SIGKILL mid-work: appendfsync always keeps what it acknowledged
+        server.process.wait()
+        server.stop()
+        down = time.monotonic()
+        while time.monotonic() - down < outage_s:
+            assert ver.poll() is None, f"the verifier died during the outage (exit {ver.returncode}):\n" \
+                                       f"{ver.stdout.read().decode(errors='replace')[-3000:]}"
+            assert reader.is_alive() or collected, "the trainer's reader died during the outage"
+            time.sleep(0.25)
+        server = start_local_server(tmp_path / "srv", port=port, appendfsync="always")
+        _add(r, keys, BEFORE, total)
+        _wait(lambda: r.xlen(keys.shard(0).scored) >= total, 180, "the verifier to resume and finish", ver)
+        reader.join(60)
+        assert not reader.is_alive(), "the trainer's reader resumed and collected every group"
+        r.set(keys.stop, 1)
+        out = ver.communicate(timeout=60)[0].decode(errors="replace")
+        assert ver.returncode == 0, out[-3000:]
+
+        # Nothing lost, nothing twice: streams, acks and counters.
+        scored = [ScoredGroup.decode(f[b"d"]) for _, f in r.xrange(keys.shard(0).scored)]
+        want = {f"p{i:08d}" for i in range(total)}
+        assert len(scored) == total and {g.rollout.prompt_id for g in scored} == want
+        assert unacked(r, keys.shard(0).rollouts, VERIFIERS_GROUP) == 0
+        assert r.xlen(keys.shard(0).dead) == 0
+        assert read_stats(r, keys)["groups_scored_total"] == total
+        (batch,) = collected
+        assert batch is not None and sorted(g.rollout.prompt_id for _, g in batch) == sorted(want)
+
+        # Both said so in their logs: when the outage started, and how long it lasted.
+        events = [json.loads(x) for x in (cfg.run_dir / "logs" / "ver-0.jsonl").read_text().splitlines()]
+        for name, evs in (("verifier", [(e["level"], e["event"], e) for e in events]), ("trainer", tlog.events)):
+            lost = [e for level, ev, e in evs if ev == "redis_unreachable" and level == "warning"]
+            back = [e for level, ev, e in evs if ev == "redis_reachable" and level == "info"]
+            assert lost and back, f"the {name} logged the outage: {[ev for _, ev, _ in evs][-20:]}"
+            assert max(e["seconds"] for e in back) >= outage_s - 1, (name, back)
+    finally:
+        try:
+            r.set(keys.stop, 1)  # lets the reader thread return, if the server is up
+        except redis.RedisError:
+            pass
+        if ver.poll() is None:
+            ver.kill()
+            ver.wait()
+        reader.join(5)
+        tr.close()
+        server.stop()
+
+
+def test_a_verifier_and_the_trainer_reader_ride_out_an_outage(tmp_path, tiny_base_model):
+    _ride_out(tmp_path, tiny_base_model, OUTAGE_S)
+
+
+@pytest.mark.slow
+def test_they_ride_out_a_minute_long_outage(tmp_path, tiny_base_model):
+    _ride_out(tmp_path, tiny_base_model, 60.0)
+
+
+def test_a_finite_budget_still_gives_up_with_a_clear_message(tmp_path):
+    """The driver and short commands keep a finite budget: a dead server is an error, not a hang."""
+    t0 = time.monotonic()
+    with pytest.raises(redis.ConnectionError, match="after 2 retries with backoff"):
+        connect("redis://127.0.0.1:1/0", retries=2)
+    assert time.monotonic() - t0 < 10
+
+
+def test_an_unlimited_client_waits_for_a_server_that_comes_later(tmp_path):
+    """``connect(retries=None)``: a worker started before its server waits for it, and logs it."""
+    from pipeline.bus.server import free_port
+
+    port = free_port()
+    log = _Log()
+    got: list = []
+
+    def client() -> None:
+        r = connect(f"redis://127.0.0.1:{port}/0", name="late", retries=None, log=log)
+        got.append(r.set("k", "v"))
+
+    t = threading.Thread(target=client, daemon=True)
+    t.start()
+    time.sleep(3)
+    assert t.is_alive() and not got, "still waiting for the server"
+    server = start_local_server(tmp_path / "srv", port=port)
+    try:
+        t.join(30)
+        assert got == [True]
+        assert [e for _, e, _ in log.events] == ["redis_unreachable", "redis_reachable"]
+        assert log.events[1][2]["seconds"] >= 2.5
+    finally:
+        server.stop()
+
+
+def test_the_backoff_stays_capped_however_long_the_outage():
+    """redis-py's own backoff overflows after ~1000 failures; a client that waits forever must not."""
+    from redis.backoff import ExponentialWithJitterBackoff
+
+    from pipeline.bus.connection import BACKOFF_CAP_S, _backoff
+
+    with pytest.raises(OverflowError):
+        ExponentialWithJitterBackoff(base=0.05, cap=2.0).compute(5000)
+    b = _backoff()
+    waits = [b.compute(n) for n in (1, 2, 10, 1000, 5000, 10**6)]
+    assert all(0 <= w <= BACKOFF_CAP_S for w in waits)
+
+
+def test_refused_credentials_fail_at_once_even_for_a_worker(tmp_path):
+    server = start_local_server(tmp_path / "srv", extra_args=["--requirepass", "s3cret"])
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(redis.ConnectionError, match="needs credentials|refused the credentials"):
+            connect(server.url, retries=None)
+        with pytest.raises(redis.ConnectionError, match="refused the credentials"):
+            connect(server.url.replace("redis://", "redis://:wrong@"), retries=None)
+        assert time.monotonic() - t0 < 5
+    finally:
+        server.stop()
