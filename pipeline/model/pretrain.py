@@ -3,14 +3,14 @@
 RL needs a base model that already emits well-formed answers and is right some of
 the time, but far from always: ``pretrain`` teacher-forces ``prompt + answer + eos``
 until the mean training loss of the last 20 steps falls below ``stop_loss`` (the
-default run: 0.45, capped at 1000 steps), which lands at a modest held-out greedy
+default run: 0.40, capped at 1000 steps), which lands at a modest held-out greedy
 accuracy (roughly 40% on 3-digit addition), leaving RL a clear margin to improve on.
 With ``stop_loss`` None it runs exactly ``steps`` steps.
 
 Training is deterministic on one machine (same bytes for the same seed, with 1 or 2
 threads), but not across machines: float rounding differs between CPUs (vector
 widths, BLAS kernels), and the loss rule turns a last-bit difference into another
-stopping step (600 on one 2-core machine, 585 on another) and so another base. The
+stopping step (600 on one 2-core machine, 585 on another, for a stop loss of 0.45) and so another base. The
 default base is therefore shipped in the package (``SHIPPED``, with the ``recipe``
 that built it): a run whose config asks for exactly that recipe starts from those
 bytes on any machine (``install_shipped``); any other recipe is trained here.
@@ -154,7 +154,7 @@ def pretrain(
     second thread barely helps when idle and is several times slower when other
     processes compete for the cores (OpenMP spin-waits).
 
-    ``stop_loss`` (off in this function's defaults; the run config's default is 0.45) ends training early once the mean training loss
+    ``stop_loss`` (off in this function's defaults; the run config's default is 0.40) ends training early once the mean training loss
     of the last ``LOSS_WINDOW`` steps falls below it; ``steps`` stays the cap. The
     training loss tracks held-out accuracy far better than the step count does:
     with ``stop_loss=0.5`` (and steps=1000) seeds 0/1/2 stopped at 563/488/579 steps
