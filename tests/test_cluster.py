@@ -11,17 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from harness import up
+
 pytestmark = pytest.mark.slow
 
 
-def _up(tmp_path, base, *extra: str, command: str = "up") -> subprocess.Popen:
-    args = [sys.executable, "-m", "pipeline.cli", command, "--runs_dir", str(tmp_path / "runs"),
-            "--model.base_dir", str(base), "--task.heldout_size", "50", "--trainer.groups_per_step", "4",
-            "--trainer.eval_every", "2", "--generator.group_size", "4", "--generator.prompts_per_batch", "2",
-            "--feeder.backlog", "16", "--verifier.batch", "4", "--verifier.min_fit_rows", "16",
-            "--cluster.progress_every_s", "0.5", *extra]
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # the embedded default
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+_up = up
 
 
 def _alive(pid: int) -> bool:

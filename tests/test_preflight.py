@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from harness import TINY
+
 from pipeline.config import ConfigError, load_config
 from pipeline.run.launch import log_file, preflight, worker_table
 
@@ -32,10 +34,7 @@ REFUSE_WITHIN_S = 2.0
 
 def _args(tmp_path: Path, base: Path, *extra: str, command: str = "up") -> list[str]:
     return [sys.executable, "-m", "pipeline.cli", command, "--runs_dir", str(tmp_path / "runs"),
-            "--model.base_dir", str(base), "--task.heldout_size", "50", "--trainer.groups_per_step", "4",
-            "--trainer.eval_every", "2", "--generator.group_size", "4", "--generator.prompts_per_batch", "2",
-            "--feeder.backlog", "16", "--verifier.batch", "4", "--verifier.min_fit_rows", "16",
-            "--cluster.progress_every_s", "0.5", *extra]
+            "--model.base_dir", str(base), "--config", str(TINY), *extra]
 
 
 UP_ENV = {**{k: v for k, v in os.environ.items() if k != "REDIS_URL"},  # the embedded server

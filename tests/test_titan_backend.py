@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from harness import TINY
+
 pytest.importorskip("torchtitan")
 
 import numpy as np  # noqa: E402
@@ -147,10 +149,7 @@ def test_sharded_checkpoint_from_two_ranks_resumes_on_one_rank(tmp_path, tiny_ba
 
 def up_args(tmp_path, base, run_id: str, steps: int) -> list[str]:
     return [sys.executable, "-m", "pipeline.cli", "up", "--runs_dir", str(tmp_path / "runs"), "--run-id", run_id,
-            "--model.base_dir", str(base), "--task.heldout_size", "50", "--trainer.groups_per_step", "4",
-            "--trainer.eval_every", "2", "--generator.group_size", "4", "--generator.prompts_per_batch", "2",
-            "--feeder.backlog", "16", "--verifier.batch", "4", "--verifier.min_fit_rows", "16",
-            "--cluster.progress_every_s", "0.5", "--trainer.backend", "torchtitan", "--trainer.nproc", "2",
+            "--model.base_dir", str(base), "--config", str(TINY), "--trainer.backend", "torchtitan", "--trainer.nproc", "2",
             "--trainer.device", "cpu", "--trainer.steps", str(steps)]
 
 
