@@ -59,3 +59,17 @@ def test_pretraining_writes_the_same_bytes_for_the_same_seed(tmp_path):
     assert runs[0] != runs[2], "another seed trains another model"
     assert dataclasses.asdict(shape) == recipe(shape=shape, digits=2, ops=("+",), steps=15, batch_size=16, lr=2e-3,
                                                seed=3, stop_loss=None, heldout_size=20, heldout_seed=1234)["shape"]
+
+
+def test_an_older_base_in_the_directory_is_used_and_said_to_differ(tmp_path, capsys):
+    cfg = load_config(overrides={"model.base_dir": str(tmp_path / "base")})
+    ensure_base_model(cfg)
+    info = json.loads((tmp_path / "base" / "pretrain.json").read_text())
+    (tmp_path / "base" / "pretrain.json").write_text(json.dumps({**info, "stop_loss": 0.45}))  # an older default
+    capsys.readouterr()
+    assert ensure_base_model(cfg)["stop_loss"] == 0.45
+    out = capsys.readouterr().out
+    assert "model.pretrain_stop_loss = 0.45 (config: 0.4)" in out and "used as it is" in out
+    (tmp_path / "base" / "pretrain.json").write_text(json.dumps(info))
+    ensure_base_model(cfg)
+    assert "used as it is" not in capsys.readouterr().out, "no note when the recipe matches"

@@ -41,6 +41,24 @@ def built_base_model(cfg: RunConfig) -> dict | None:
     return json.loads(info.read_text()) if info.exists() else None
 
 
+def base_model_differences(cfg: RunConfig, built: dict) -> list[str]:
+    """``field = recorded (config: value)`` for each warm-up setting where the checkpoint's
+    ``pretrain.json`` and the config disagree (an older default, another recipe)."""
+    m, t = cfg.model, cfg.task
+    want = {"model.pretrain_steps": ("max_steps", m.pretrain_steps),
+            "model.pretrain_stop_loss": ("stop_loss", m.pretrain_stop_loss or None),
+            "model.pretrain_batch_size": ("batch_size", m.pretrain_batch_size), "model.pretrain_lr": ("lr", m.pretrain_lr),
+            "model.seed": ("seed", m.seed), "task.digits": ("digits", t.digits), "task.ops": ("ops", list(t.ops))}
+    want.update({f"model.{k}": (None, getattr(m, k)) for k in ("hidden_size", "num_layers", "num_heads",
+                                                                "num_kv_heads", "intermediate_size")})
+    out = []
+    for name, (key, value) in want.items():
+        recorded = built.get("shape", {}).get(name.split(".")[1]) if key is None else built.get(key)
+        if recorded is not None and recorded != value:
+            out.append(f"{name} = {recorded} (config: {value})")
+    return out
+
+
 def ensure_base_model(cfg: RunConfig, *, force: bool = False) -> dict:
     """Pretrain the base model into ``model.base_dir`` unless a checkpoint is there."""
     from pipeline.tasks import arithmetic as task
@@ -49,6 +67,9 @@ def ensure_base_model(cfg: RunConfig, *, force: bool = False) -> dict:
 
     base = Path(cfg.model.base_dir)
     if not force and (built := built_base_model(cfg)) is not None:
+        if cfg.task.kind == "arithmetic" and (differ := base_model_differences(cfg, built)):
+            print(f"note: {base} holds a base model built with {', '.join(differ)}; it is used as it is "
+                  f"(remove it, or point model.base_dir elsewhere, for the one this config describes)", flush=True)
         return built
     if cfg.task.kind != "arithmetic":
         # Only the embedded task has a warm-up; any other task starts from the checkpoint given.
