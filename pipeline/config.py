@@ -808,14 +808,14 @@ def inert_fields(cfg: RunConfig, s: Situation) -> dict[str, str]:
     return out
 
 
-def _uses_label_model(reward: str) -> bool:
-    # Imported on use: this module stays free of numpy, scipy and the registries.
-    from pipeline.algo.rewards import parse_reward_mode
+LABEL_MODEL_REWARDS = ("weaver", "weaver-hard")
+"""Reward modes that aggregate the votes with the label model (``pipeline.algo.rewards``)."""
 
-    try:
-        return parse_reward_mode(reward).needs_label_model
-    except ValueError as e:
-        raise ConfigError(f"verifier.reward: {e}") from None
+
+def _uses_label_model(reward: str) -> bool:
+    # The mode's name is the part before any ':' (``single:<name>``, ``distilled:<dir>``);
+    # whether the whole spec is valid is the preflight's check (pipeline.algo.rewards).
+    return reward.partition(":")[0] in LABEL_MODEL_REWARDS
 
 
 def refuse_inert(cfg: RunConfig, s: Situation) -> None:

@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.algo.labelmodel import LabelModel
+from pipeline.config import LABEL_MODEL_REWARDS
 from pipeline.tasks.arithmetic import extract_answer
 from pipeline.verifiers.base import KINDS, VERIFIERS
 from pipeline.verifiers.registry import check_spec
@@ -133,7 +134,7 @@ class RewardMode:
 
     @property
     def needs_label_model(self) -> bool:
-        return self.kind in ("weaver", "weaver-hard")
+        return self.kind in LABEL_MODEL_REWARDS
 
     @property
     def uses_truth(self) -> bool:
