@@ -118,11 +118,11 @@ def streams_rows(res: dict) -> list[Row]:
             return f"per CPU-second, client + server: {p[f'{fig}_cpu_ratio']:.2f}×"
 
         out += [
-            Row("streams", f"generator emit (MULTI: XADD + XACK per record, counters), {what}", p["produce_pipeline"],
+            Row("streams", f"generator emit (Stage.emit: one idempotent transaction, XADD + XACK per record, counters), {what}", p["produce_pipeline"],
                 raw_p, p["produce_raw"], "rec/s", cmd, aim=aim, note=cpu("produce")),
             Row("streams", f"generator emit with one XACK per batch (proposed), {what}", p["produce_one_ack"],
                 raw_p, p["produce_raw"], "rec/s", cmd, note=cpu("produce_one_ack")),
-            Row("streams", f"verifier read (GroupReader + decode_entries + MULTI of XACKs), {what}",
+            Row("streams", f"verifier read (Stage.read + take + the acks in Stage.emit), {what}",
                 p["consume_pipeline"], raw_c, p["consume_raw"], "rec/s", cmd, aim=aim, note=cpu("consume")),
             Row("streams", f"verifier read with one XACK per batch (proposed), {what}", p["consume_one_ack"],
                 raw_c, p["consume_raw"], "rec/s", cmd, note=cpu("consume_one_ack")),
@@ -229,16 +229,16 @@ def streams_findings(res: dict, records: dict | None) -> list[str]:
             one = p["produce_one_ack_ratio"]
             # Causes are read off the CPU-second ratios, which move less with other load than wall clock.
             cause = ("so the per-record `XACK` is the cause" if p["produce_one_ack_cpu_ratio"] >= aim else
-                     "so the per-record `XACK` is part of the cause; the rest is `MULTI`/`EXEC` and the "
+                     "so the per-record `XACK` is part of the cause; the rest is the transaction and the "
                      "`QUEUED` reply redis-py parses for every command of a transaction")
             lines.append(
                 f"- Generator emit, {what}: {p['produce_ratio']:.0%} of raw redis-py ({p['produce_cpu_ratio']:.0%} per "
                 f"CPU-second of client + server), below the {aim:.0%} aim. The generator queues one `XACK` per "
-                f"record beside each `XADD` inside `MULTI`: twice the commands of a plain pipelined `XADD`, each "
+                f"record beside each `XADD` inside the emit transaction: twice the commands of a plain pipelined `XADD`, each "
                 f"answered `QUEUED` and again in the `EXEC` reply. One variadic `XACK` of the batch's prompt ids "
-                f"in the same `MULTI` (same atomicity) measured {one:.0%} ({p['produce_one_ack_cpu_ratio']:.0%} per "
-                f"CPU-second), {cause}. Proposed fix in `pipeline/producers/generator.py`: "
-                f"`pipe.xack(keys.prompts, GENERATORS_GROUP, *ids)` once per batch.")
+                f"in the same transaction (same atomicity) measured {one:.0%} ({p['produce_one_ack_cpu_ratio']:.0%} per "
+                f"CPU-second), {cause}. Proposed fix in `pipeline/stage.py` (`Stage.emit`): "
+                f"one variadic `XACK` of the batch's input ids.")
         if p["consume_ratio"] < aim:
             dec = ""
             if records:
@@ -253,10 +253,10 @@ def streams_findings(res: dict, records: dict | None) -> list[str]:
                 causes.append(f"the validation of every record{dec}, which the raw baseline does not do and which "
                               f"keeps poison records out (docs/design.md §2)")
             if p["consume_one_ack_cpu_ratio"] - cpu >= 0.1:
-                causes.append("one `XACK` per entry inside `MULTI` instead of one for the batch")
+                causes.append("one `XACK` per entry inside the emit transaction instead of one for the batch")
             if p["consume_plumbing_cpu_ratio"] < aim:
                 causes.append("the read path's own Python work per record (an `Entry` each, the `decode_entries` "
-                              "pass, the `MULTI` around the acks)")
+                              "pass, the emit script around the acks)")
             lines.append(
                 f"- Verifier read, {what}: {p['consume_ratio']:.0%} of raw `XREADGROUP` + `XACK` "
                 f"({p['consume_cpu_ratio']:.0%} per CPU-second), below the {aim:.0%} aim. Without record decoding "
@@ -456,9 +456,10 @@ def render_markdown(result: dict, rows: list[Row]) -> str:
         out += ["## Findings\n", "\n".join(result["findings"]) + "\n"]
     out += ["## Parts\n", "\n".join(f"- {k}: {v}" for k, v in result["parts"].items()) + "\n"]
     out.append(
-        "Notes: the async figures run the real generator/verifier/trainer plumbing (real Redis, real OS "
-        "processes, real records, admission and the staleness rule) with each stage's compute replaced by a "
-        "sleep of its scaled GPU time; the ideal is the sum of the stages for η = 0 and the slowest stage "
+        "Notes: the async figures run the stage functions users run (`run_feeder`, `run_generator`, "
+        "`run_verifier`, `run_trainer`: real Redis, real OS processes, real records, admission and the "
+        "staleness rule, the real weak verifiers and label model, checkpoints and weight publishing) with "
+        "fake engines: each stage's device work replaced by a sleep of its scaled GPU time; the ideal is the sum of the stages for η = 0 and the slowest stage "
         "(or the loop spread over η + 1 steps, if longer) for η ≥ 1. The end-to-end rows are the embedded "
         "default (`pipeline up`, held-out evaluation every 10 steps included) with only `trainer.steps` and "
         "`trainer.max_staleness` changed; there every stage shares the same CPU cores, so overlapping the "
