@@ -40,7 +40,7 @@ def test_streams_rows_and_findings_follow_the_measurements():
         row[f"{fig}_ratio"] = row[f"{fig}_cpu_ratio"] = ratio
     res = {"command": "python bench/bench_streams.py", "aim": 0.8, "rows": [row]}
     rows = bench_run.streams_rows(res)
-    emit = next(r for r in rows if r.figure.startswith("generator emit (MULTI"))
+    emit = next(r for r in rows if r.figure.startswith("generator emit (Stage.emit"))
     assert emit.ratio == pytest.approx(0.6) and emit.meets_aim is False
     ceiling = next(r for r in rows if "C ceiling" in r.figure)
     assert ceiling.ratio == pytest.approx(0.25)
