@@ -481,9 +481,34 @@ class ClusterConfig(_Section):
     """Seconds between live progress lines."""
     timeout_s: float = 1800.0
     """Give up (and stop everything) if the trainer has not finished by then."""
+    restart_backoff_s: float = 1.0
+    """Wait before restarting a worker that exited; doubles with each restart in a row
+    (per worker), up to restart_backoff_max_s."""
+    restart_backoff_max_s: float = 30.0
+    """The longest wait before a restart."""
+    restart_reset_s: float = 60.0
+    """A worker that stayed up this long before exiting starts again at restart_backoff_s."""
+    crash_loop_exits: int = 5
+    """A worker that exits with a non-zero code within crash_loop_uptime_s of starting this
+    many times in a row is crash-looping: reported (its last lines, its heartbeat state
+    ``crash_loop``) and still restarted, except the trainer, whose crash loop ends the run.
+    A death by a signal (SIGKILL, an OOM kill) is a restart, never part of a crash loop."""
+    crash_loop_uptime_s: float = 30.0
+    """An exit this soon after the start counts toward a crash loop (a worker's start imports
+    torch and loads its model: seconds on an idle host, more while every worker starts at once)."""
+    max_restarts_per_hour: int = 0
+    """Restarts of all workers together allowed in any hour; one more ends the run. 0: unlimited."""
 
     def _validate(self, p: str) -> None:
         _check(self.generators >= 1, f"{p}.generators", ">= 1", self.generators)
+        _check(self.restart_backoff_s >= 0, f"{p}.restart_backoff_s", ">= 0", self.restart_backoff_s)
+        _check(self.restart_backoff_max_s >= self.restart_backoff_s, f"{p}.restart_backoff_max_s",
+               ">= restart_backoff_s", self.restart_backoff_max_s)
+        _check(self.restart_reset_s > 0, f"{p}.restart_reset_s", "> 0", self.restart_reset_s)
+        _check(self.crash_loop_exits >= 1, f"{p}.crash_loop_exits", ">= 1", self.crash_loop_exits)
+        _check(self.crash_loop_uptime_s > 0, f"{p}.crash_loop_uptime_s", "> 0", self.crash_loop_uptime_s)
+        _check(self.max_restarts_per_hour >= 0, f"{p}.max_restarts_per_hour", ">= 0 (0: unlimited)",
+               self.max_restarts_per_hour)
         _check(self.verifiers >= 1, f"{p}.verifiers", ">= 1", self.verifiers)
         _check(self.progress_every_s > 0, f"{p}.progress_every_s", "> 0", self.progress_every_s)
         _check(self.timeout_s > 0, f"{p}.timeout_s", "> 0", self.timeout_s)

@@ -134,11 +134,10 @@ class Chaos:
         log(f"chaos: {target} {detail}")
 
     def may_restart(self, name: str) -> bool:
-        """Whether a dead worker may come back now (a killed one waits out its hold)."""
+        """Whether a dead worker may come back now (a killed one waits out its hold). The
+        driver restarts it as any other exited worker otherwise (``pipeline.run.launch.Supervisor``:
+        the same backoff, counted against the same budget)."""
         return time.time() >= self.hold_until.get(name, 0.0)
-
-    def killed(self, name: str) -> bool:
-        return name in self.hold_until
 
     def summary(self) -> dict:
         kinds: dict[str, int] = {}

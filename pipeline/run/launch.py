@@ -8,11 +8,27 @@ builds the base model if missing (at the default location, or anywhere with
 ``model.build_missing``), starts the feeder, N generators, M verifiers and the trainer
 through their own CLIs, prints live progress, restarts a crashed worker, and when the
 trainer finishes stops everything, accounts for every prompt, and writes
-``<run_dir>/summary.{json,md}``. A worker that keeps exiting ends the run: its last output
-lines are printed, everything is stopped, and the summary says why. However the driver
-exits (an exception, Ctrl-C, SIGTERM), it stops the workers and the server it started and
-removes ``cluster.json``.
+``<run_dir>/summary.{json,md}``. However the driver exits (an exception, Ctrl-C, SIGTERM),
+it stops the workers and the server it started and removes ``cluster.json``.
+
+Restarts (``Supervisor``), as Kubernetes' CrashLoopBackOff and systemd do it: a worker
+that exits is started again, forever, after a per-worker exponential backoff
+(``cluster.restart_backoff_s`` doubling to ``cluster.restart_backoff_max_s``, back to the
+start once it stayed up ``cluster.restart_reset_s``). ``cluster.crash_loop_exits`` quick
+non-zero exits in a row (each within ``cluster.crash_loop_uptime_s`` of its start) are a
+crash loop: reported on stderr with the worker's last lines, in the progress output and in
+its heartbeat, and restarted all the same; only a trainer crash loop ends the run. A death
+by a signal (SIGKILL, an OOM kill, ``pipeline chaos``) is a restart, never part of a crash
+loop. ``cluster.max_restarts_per_hour`` (0: unlimited) bounds all restarts together;
+past it the run ends. A run that ends so prints the worker's last output lines, stops
+everything, and says why in its summary.
+
 ``pipeline down`` stops a cluster left running (it reads ``<runs_dir>/cluster.json``).
+``cluster.json`` records each pid with its start time (``/proc/<pid>/stat`` field 22), and
+nothing signals a pid whose start time differs: it is another process now. A later ``pipeline
+up`` in the same runs_dir finds a ``cluster.json`` whose driver is dead (SIGKILLed) and
+stops that run's workers and server, removes its shared-memory weight files, and starts;
+one whose driver is alive makes it refuse to start.
 With ``--redis.cluster true`` and no URL the run gets a local three-master Redis Cluster
 (``pipeline.bus.server.start_local_cluster``); ``--redis.shards S`` shards every stream.
 """
@@ -31,7 +47,24 @@ from typing import Any
 
 from pipeline.config import DEFAULT_BASE_DIR, ConfigError, RunConfig, Situation, choices, refuse_inert, to_toml
 
-MAX_RESTARTS = 5
+RESTART_BUDGET_WINDOW_S = 3600.0
+"""The window ``cluster.max_restarts_per_hour`` counts restarts over."""
+
+
+def proc_start_time(pid: int) -> int | None:
+    """The start time of process ``pid`` (field 22 of ``/proc/<pid>/stat``, clock ticks since
+    boot), or None when there is no such process or it has exited (a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            after = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces and parentheses
+    except (OSError, IndexError):
+        return None
+    if not after or after[0] in ("Z", "X"):
+        return None
+    try:
+        return int(after[19])  # fields 3.. follow the name: field 22 is index 19
+    except (IndexError, ValueError):
+        return None
 
 
 def built_base_model(cfg: RunConfig) -> dict | None:
@@ -416,6 +449,8 @@ class Cluster:
     workers: dict[str, tuple[str, str | None]] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     restarts: int = 0
+    starts: dict[int, int | None] = field(default_factory=dict)
+    """pid -> its start time (``proc_start_time``), read as each worker is spawned."""
     failure: WorkerFailed | None = None
     """The worker that kept exiting, when that ended the run."""
 
@@ -427,12 +462,20 @@ class Cluster:
         """Write ``<runs_dir>/cluster.json``: what `pipeline down`, `top` and `status` find the run by."""
         cfg, server = self.cfg, self.server
         tmp = self.cluster_file.with_name(f".cluster.json.{os.getpid()}")
+        server_pids = getattr(server, "pids", [server.process.pid] if server.process else [])
+        workers = {n: p.pid for n, p in self.procs.items()}
+        starts = {str(pid): proc_start_time(pid) for pid in [os.getpid(), *server_pids]}
+        self.starts = {pid: self.starts.get(pid) for pid in workers.values()}  # only the current ones
+        starts.update({str(pid): st for pid, st in self.starts.items()})
+        from pipeline.weights.shm import default_root
+
         tmp.write_text(json.dumps({
             "run_id": cfg.run_id, "url": server.url, "ns": self.keys.ns, "stop_key": self.keys.stop,
             "redis_cluster": cfg.redis.cluster, "shards": cfg.redis.shards,
             "server_pid": server.process.pid if server.process else None,
-            "server_pids": getattr(server, "pids", [server.process.pid] if server.process else []),
-            "driver_pid": os.getpid(), "workers": {n: p.pid for n, p in self.procs.items()}}))
+            "server_pids": server_pids, "driver_pid": os.getpid(), "workers": workers,
+            "start_times": starts, "run_dir": str(cfg.run_dir),
+            "shm_dir": str(default_root() / self.keys.ns) if cfg.weights.transport == "shm" else None}))
         os.replace(tmp, self.cluster_file)  # a reader never sees half of it
 
     def forget(self) -> None:
@@ -448,18 +491,20 @@ class Cluster:
         return log_file(self.cfg, *self.workers[name])
 
     def spawn(self, name: str) -> None:
-        self.procs[name] = _spawn(self.cfg, *self.workers[name])
+        p = self.procs[name] = _spawn(self.cfg, *self.workers[name])
+        self.starts[p.pid] = proc_start_time(p.pid)  # a child not yet waited for: its pid is still its own
 
     def version(self) -> int:
         return int(self.r.hget(self.keys.trainer, "version") or 0)
 
 
 class WorkerFailed(RuntimeError):
-    """A worker exited with an error once more after ``MAX_RESTARTS`` restarts: the run stops."""
+    """The restart policy gives up on a worker (a trainer crash loop, the hourly restart
+    budget spent): the run stops."""
 
-    def __init__(self, name: str, code: int | None, log: Path) -> None:
-        super().__init__(f"{name} keeps exiting (code {code}); see {log}")
-        self.name, self.code, self.log = name, code, log
+    def __init__(self, name: str, code: int | None, log: Path, *, why: str = "keeps exiting") -> None:
+        super().__init__(f"{name} keeps exiting (code {code}): {why}; see {log}")
+        self.name, self.code, self.log, self.why = name, code, log, why
 
 
 def log_tail(path: Path, lines: int = 20) -> list[str]:
@@ -508,32 +553,118 @@ def provision_cluster(cfg: RunConfig, *, chaos: bool = False) -> Cluster:
     return Cluster(cfg=cfg, server=server, r=r, keys=keys, monkey=monkey, workers=worker_table(cfg))
 
 
-def restart_exited(c: Cluster) -> None:
-    """Start again every worker that exited: after an injected fault once it may come back,
-    otherwise counted against ``MAX_RESTARTS``; past them, ``WorkerFailed``."""
-    for name, p in list(c.procs.items()):
-        if p.poll() is None:
-            continue
-        if c.monkey is not None and c.monkey.killed(name):
-            if not c.monkey.may_restart(name):
-                continue
-            del c.monkey.hold_until[name]
-            print(f"{name} restarting after the injected fault", flush=True)
-        else:
-            if c.restarts >= MAX_RESTARTS:
-                raise WorkerFailed(name, p.returncode, c.log_of(name))
-            last = log_tail(c.log_of(name), 1)
-            print(f"{name} exited with code {p.returncode}{f' ({last[0].strip()})' if last else ''}; "
-                  f"restarting it", flush=True)
-            c.restarts += 1
-        c.spawn(name)
-        c.record()
+@dataclass
+class WorkerRecord:
+    """What the supervisor knows of one worker: its current start, its exits, its backoff."""
+
+    started_at: float = 0.0
+    backoff_level: int = 0
+    """Restarts in a row without a stable run (``cluster.restart_reset_s``) in between."""
+    quick_failures: int = 0
+    """Non-zero exits in a row, each within ``cluster.crash_loop_uptime_s`` of its start."""
+    restart_at: float | None = None
+    """When the exited worker is started again (None: it is running)."""
+    crash_looping: bool = False
+
+
+class Supervisor:
+    """The restart policy of ``pipeline up`` (see the module docstring): per-worker
+    exponential backoff, crash-loop reports, the trainer's crash loop and the hourly
+    budget ending the run (``WorkerFailed``)."""
+
+    def __init__(self, c: Cluster, *, log=print) -> None:
+        self.c, self.log = c, log
+        self.records: dict[str, WorkerRecord] = {}
+        self.restart_times: list[float] = []
+
+    def started(self, name: str) -> None:
+        rec = self.records.setdefault(name, WorkerRecord())
+        rec.started_at, rec.restart_at = time.time(), None
+
+    def delay(self, rec: WorkerRecord) -> float:
+        k = self.c.cfg.cluster
+        return min(k.restart_backoff_max_s, k.restart_backoff_s * 2 ** min(rec.backoff_level, 30))
+
+    def tick(self) -> None:
+        """Note every worker that exited since the last tick; start again each one whose wait is over."""
+        c, now = self.c, time.time()
+        for name, p in list(c.procs.items()):
+            rec = self.records.setdefault(name, WorkerRecord(started_at=now))
+            if p.poll() is None or (name == "trainer" and p.returncode == 0):
+                continue  # running, or the trainer finished: that ends the run
+            if rec.restart_at is None:
+                self.exited(name, p.returncode, now)
+            if rec.restart_at is not None and now >= rec.restart_at:
+                if c.monkey is not None:
+                    if not c.monkey.may_restart(name):
+                        continue  # an injected fault's hold, on top of the backoff
+                    c.monkey.hold_until.pop(name, None)
+                c.spawn(name)
+                self.started(name)
+                c.record()
+
+    def exited(self, name: str, code: int, now: float) -> None:
+        c, k, rec = self.c, self.c.cfg.cluster, self.records[name]
+        uptime = now - rec.started_at
+        if uptime >= k.restart_reset_s:
+            rec.backoff_level = 0
+        if code > 0 and uptime < k.crash_loop_uptime_s:
+            rec.quick_failures += 1
+        else:  # a clean exit, a long run, or a signal from outside: not a crash loop
+            rec.quick_failures, rec.crash_looping = 0, False
+        self.restart_times = [t for t in self.restart_times if t > now - RESTART_BUDGET_WINDOW_S]
+        self.restart_times.append(now)
+        c.restarts += 1
+        if k.max_restarts_per_hour and len(self.restart_times) > k.max_restarts_per_hour:
+            raise WorkerFailed(name, code, c.log_of(name),
+                               why=f"{len(self.restart_times)} restarts within an hour, over "
+                                   f"cluster.max_restarts_per_hour = {k.max_restarts_per_hour}")
+        looping = rec.quick_failures >= k.crash_loop_exits
+        if looping and name == "trainer":
+            raise WorkerFailed(name, code, c.log_of(name),
+                               why=f"crash loop: {rec.quick_failures} exits in a row within "
+                                   f"{k.crash_loop_uptime_s:g} s of starting")
+        wait = self.delay(rec)
+        rec.backoff_level += 1
+        rec.restart_at = now + wait
+        how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        last = log_tail(c.log_of(name), 1)
+        self.log(f"{name} {how} after {uptime:.1f} s{f' ({last[0].strip()})' if last and code > 0 else ''}; "
+                 f"restarting it in {wait:.1f} s (restart {c.restarts} of this run)", flush=True)
+        if looping:
+            self.report_crash_loop(name, code, rec, wait)
+
+    def report_crash_loop(self, name: str, code: int, rec: WorkerRecord, wait: float) -> None:
+        """Loud, once per crash loop (again when it starts anew): its last lines on stderr,
+        a line in the progress output, and ``crash_loop`` as its heartbeat state."""
+        c = self.c
+        tail = log_tail(c.log_of(name), 10)
+        error = tail[-1].strip() if tail else ""
+        if not rec.crash_looping:
+            rec.crash_looping = True
+            print(f"\npipeline: {name} is in a crash loop: {rec.quick_failures} exits in a row (code {code}) "
+                  f"within {c.cfg.cluster.crash_loop_uptime_s:g} s of starting; still restarting it, every "
+                  f"{c.cfg.cluster.restart_backoff_max_s:g} s at most. "
+                  + (f"The last lines of {c.log_of(name)}:" if tail else f"Its output, {c.log_of(name)}, is empty."),
+                  file=sys.stderr)
+            for line in tail:
+                print(f"  | {line}", file=sys.stderr)
+            sys.stderr.flush()
+        self.log(f"CRASH LOOP: {name} failed {rec.quick_failures} times in a row on start (code {code}): "
+                 f"{error or 'no output'}; next start in {wait:.1f} s", flush=True)
+        try:
+            from pipeline.bus.stats import heartbeat
+
+            heartbeat(c.r, c.keys, name, c.workers[name][0], "crash_loop", pid=None, exit_code=code,
+                      quick_failures=rec.quick_failures, error=error[-500:])
+        except Exception:  # noqa: BLE001 - the report on stderr stands without the heartbeat
+            pass
 
 
 def report_failure(e: WorkerFailed) -> None:
     """Print, on stderr, why the run stops: the worker, its exit code, and the end of its own output."""
     tail = log_tail(e.log)
-    print(f"\npipeline: {e.name} keeps exiting (code {e.code}) after {MAX_RESTARTS} restarts; stopping the run. "
+    print(f"\npipeline: {e.name} keeps exiting (code {e.code}): {e.why}; stopping the run. "
           + (f"The last lines of {e.log}:" if tail else f"Its output, {e.log}, is empty."), file=sys.stderr)
     for line in tail:
         print(f"  | {line}", file=sys.stderr)
@@ -548,14 +679,16 @@ def supervise(c: Cluster, start: float) -> str:
     cfg = c.cfg
     status = "finished"
     try:
+        sup = Supervisor(c)
         for name in c.workers:
             c.spawn(name)
+            sup.started(name)
         c.record()
         last_print = 0.0
         # The trainer exiting 0 ends the run (finished, or stopped); any other exit of any
         # worker, the trainer included (it resumes from its checkpoint), is a restart.
         while c.procs["trainer"].poll() != 0:
-            restart_exited(c)
+            sup.tick()
             if c.monkey is not None:
                 n = len(c.monkey.faults)
                 c.monkey.tick(c.procs, c.server, version=c.version())
@@ -637,10 +770,13 @@ def shut_down(c: Cluster) -> None:
 def up(cfg: RunConfig, *, chaos: bool = False) -> int:
     """Run the whole pipeline; with ``chaos``, inject the faults of ``cfg.chaos`` and judge the result.
 
-    Every input the config shows is checked first (``preflight``, ``check_settings``), so a
-    bad one fails here, before anything starts. From then on Ctrl-C and SIGTERM (`pipeline
+    A run this runs_dir records is dealt with first (``reclaim_stale``); then every input the
+    config shows is checked (``preflight``, ``check_settings``), so a bad one fails here,
+    before anything starts. From then on Ctrl-C and SIGTERM (`pipeline
     down`) stop the run cleanly, and however the driver exits, it stops what it started.
     """
+    # A run left behind by a SIGKILLed driver first: its workers would hold this run's ports.
+    reclaim_stale(Path(cfg.runs_dir))
     preflight(cfg, chaos=chaos)
     check_settings(cfg, chaos=chaos)
     cfg = run_config(cfg, chaos=chaos)
@@ -662,7 +798,7 @@ def up(cfg: RunConfig, *, chaos: bool = False) -> int:
     if c.failure is not None:
         e = c.failure
         print(f"pipeline: run {c.cfg.run_id} failed: {e.name} keeps exiting (code {e.code}); its last lines are "
-              f"above, its whole output is {e.log}", file=sys.stderr, flush=True)
+              f"above, its whole output is {e.log} ({e.why})", file=sys.stderr, flush=True)
         return code or 1
     return code
 
@@ -760,8 +896,115 @@ def write_summary(cfg: RunConfig, r, keys, accounting: dict, base_info: dict, **
     return summary
 
 
+def recorded_identity(info: dict, pid: int) -> str:
+    """Whether ``pid`` is still the process ``cluster.json`` (``info``) recorded: ``same``,
+    ``gone`` (no such process, or it exited), ``other`` (its start time differs: the pid was
+    reused) or ``unknown`` (alive, but no start time was recorded for it)."""
+    now = proc_start_time(pid)
+    if now is None:
+        return "gone"
+    starts = info.get("start_times")
+    if not isinstance(starts, dict) or starts.get(str(pid)) is None:
+        return "unknown"
+    return "same" if starts[str(pid)] == now else "other"
+
+
+SKIP_REASONS = {"gone": "already gone", "other": "its start time differs from the one recorded: the pid belongs to "
+                "another process now", "unknown": "no start time is recorded for it, so it may be another process"}
+
+
+def _signal_recorded(info: dict, what: str, pid: int, sig: int, *, group: bool = False, log=print,
+                     quiet_gone: bool = False) -> bool:
+    """Signal ``pid`` only if it is still the process ``info`` recorded; say why when it is skipped
+    (``quiet_gone``: not for a process that is merely gone)."""
+    identity = recorded_identity(info, pid)
+    if identity != "same":
+        if not (quiet_gone and identity == "gone"):
+                log(f"skipped {what} (pid {pid}): {SKIP_REASONS[identity]}; not signalled", flush=True)
+        return False
+    return _signal(pid, sig, group=group)
+
+
+def _wait_gone(info: dict, pids: list[int], timeout_s: float) -> list[int]:
+    """Wait until none of ``pids`` is the recorded process any more; those still alive then."""
+    deadline = time.time() + timeout_s
+    while True:
+        left = [pid for pid in pids if recorded_identity(info, pid) == "same"]
+        if not left or time.time() >= deadline:
+            return left
+        time.sleep(0.2)
+
+
+def _stop_recorded(info: dict, log=print) -> list[str]:
+    """SIGTERM (then, after a grace, SIGKILL) the recorded workers' process groups, then the
+    recorded server; each pid only after its start-time check. What was stopped."""
+    stopped: list[str] = []
+    for names, group in (([(f"{n}", pid) for n, pid in (info.get("workers") or {}).items()], True),
+                         ([("the Redis server", pid) for pid in _server_pids(info)], False)):
+        sent = [(what, pid) for what, pid in names if _signal_recorded(info, what, pid, signal.SIGTERM, group=group,
+                                                                        log=log)]
+        for pid in _wait_gone(info, [pid for _, pid in sent], 15.0):
+            _signal(pid, signal.SIGKILL, group=group)  # checked just above: still the recorded process
+        _wait_gone(info, [pid for _, pid in sent], 5.0)
+        stopped += [f"{what} (pid {pid})" for what, pid in sent]
+    return stopped
+
+
+def _server_pids(info: dict) -> list[int]:
+    return list(info.get("server_pids") or ([info["server_pid"]] if info.get("server_pid") else []))
+
+
+def _remove_weight_files(info: dict) -> tuple[Path | None, int]:
+    """Remove the shm transport's files the recorded run left (``/dev/shm/<ns>/``, see
+    pipeline.weights.shm); the directory and how many files went."""
+    from pipeline.weights.shm import default_root
+
+    ns = info.get("ns")
+    directory = Path(info["shm_dir"]) if info.get("shm_dir") else (default_root() / ns if ns else None)
+    if directory is None or not directory.is_dir():
+        return directory, 0
+    n = 0
+    for path in directory.iterdir():
+        if path.is_file() and (path.name.endswith(".safetensors") or path.name.endswith(".tmp")):
+            path.unlink(missing_ok=True)
+            n += 1
+    try:
+        directory.rmdir()  # only if empty
+    except OSError:
+        pass
+    return directory, n
+
+
+def reclaim_stale(runs_dir: Path, log=print) -> None:
+    """Before a run starts: a ``<runs_dir>/cluster.json`` whose driver is dead (SIGKILLed) is
+    cleaned up (its workers and server stopped after the start-time check, its shared-memory
+    weight files removed, the file removed), and said so; one whose driver is alive refuses the start."""
+    info_file = runs_dir / "cluster.json"
+    try:
+        info = json.loads(info_file.read_text())
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as e:
+        log(f"pipeline: removing an unreadable {info_file} ({e})", flush=True)
+        info_file.unlink(missing_ok=True)
+        return
+    driver, run = info.get("driver_pid"), info.get("run_id", "?")
+    if driver and recorded_identity(info, driver) in ("same", "unknown"):
+        raise SystemExit(f"pipeline: {info_file} records run {run!r}, whose driver (pid {driver}) is still running; "
+                         f"stop it first (`pipeline down --runs-dir {runs_dir}`) or choose another --runs_dir")
+    log(f"pipeline: {info_file} records run {run!r}, whose driver (pid {driver}) is gone; cleaning up after it",
+        flush=True)
+    stopped = _stop_recorded(info, log=log)
+    directory, n = _remove_weight_files(info)
+    info_file.unlink(missing_ok=True)
+    log(f"pipeline: cleaned up run {run!r}: stopped {', '.join(stopped) if stopped else 'no process (none left)'}; "
+        f"removed {n} weight file(s){f' in {directory}' if directory else ''}; removed {info_file}", flush=True)
+
+
 def down(runs_dir: Path) -> int:
-    """Stop the cluster recorded in ``<runs_dir>/cluster.json``: stop key, SIGTERM the workers, stop the server."""
+    """Stop the cluster recorded in ``<runs_dir>/cluster.json``: SIGTERM the driver (which stops
+    the rest), then the stop key and SIGTERM for any worker and server left. Every pid is
+    signalled only if its start time is the one recorded (``recorded_identity``)."""
     import redis
 
     info_file = runs_dir / "cluster.json"
@@ -770,13 +1013,12 @@ def down(runs_dir: Path) -> int:
         return 0
     info = json.loads(info_file.read_text())
     driver = info.get("driver_pid")
-    if driver and _signal(driver, signal.SIGTERM):
+    stopped_driver = False
+    if driver and _signal_recorded(info, "the cluster driver", driver, signal.SIGTERM):
         # The driver stops its workers and server itself; give it the time to.
-        for _ in range(100):
-            if not _alive(driver):
-                print(f"stopped the cluster driver (pid {driver}) and its workers")
-                break
-            time.sleep(0.2)
+        if not _wait_gone(info, [driver], 30.0):
+            stopped_driver = True
+            print(f"stopped the cluster driver (pid {driver}) and its workers")
     try:
         if info.get("redis_cluster"):
             from redis.cluster import RedisCluster
@@ -784,13 +1026,13 @@ def down(runs_dir: Path) -> int:
             RedisCluster.from_url(info["url"], socket_timeout=2).set(info["stop_key"], 1)
         else:
             redis.Redis.from_url(info["url"], socket_timeout=2).set(info.get("stop_key", f"{info['ns']}:stop"), 1)
-    except redis.RedisError:
+    except (redis.RedisError, OSError, KeyError, IndexError, ValueError):
         pass  # server already gone: signals below still stop the workers
     for name, pid in info["workers"].items():
-        if _signal(pid, signal.SIGTERM, group=True):
+        if _signal_recorded(info, name, pid, signal.SIGTERM, group=True, quiet_gone=stopped_driver):
             print(f"stopped {name} (pid {pid})")
-    for pid in info.get("server_pids") or ([info["server_pid"]] if info.get("server_pid") else []):
-        if _signal(pid, signal.SIGTERM):
+    for pid in _server_pids(info):
+        if _signal_recorded(info, "the Redis server", pid, signal.SIGTERM, quiet_gone=stopped_driver):
             print(f"stopped the Redis server (pid {pid})")
     info_file.unlink(missing_ok=True)
     return 0
@@ -800,7 +1042,7 @@ def _signal(pid: int, sig: int, *, group: bool = False) -> bool:
     try:
         (os.killpg if group else os.kill)(pid, sig)
         return True
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):
         return False
 
 
