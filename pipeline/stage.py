@@ -24,7 +24,6 @@ when it ends. Stage files (``producers/``, ``consumers/``) are a step function p
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,8 +40,9 @@ TRIM_EVERY = 10
 
 # Emit + ack (docs/design.md §2, step 4): one script in the read shard's slot.
 # KEYS: source stream, sink stream, dead letters, stats, txn.
-# ARGV: writer id, seq (the TxnWriter token), group, 1 if a dead letter gives its admission
-#       slot back; n dead letters, then per dead letter: entry id, n fields, fields...;
+# ARGV: writer id, seq (the TxnWriter token), group; n dead letters, then per dead letter:
+#       entry id, n fields, fields... (each gives its admission slot back: every stage's
+#       inputs descend from an admitted prompt);
 #       n entries to ack, then per entry: id, 1/0 (has an output), output (written in the
 #       field ``d``, bus.streams.FIELD);
 #       n counters, then (name, kind, value) each (bus.streams.counter_args).
@@ -50,8 +50,8 @@ TRIM_EVERY = 10
 _EMIT = """
 local seen = txn_seen(KEYS[5], ARGV[1], ARGV[2])
 if seen then return {0, tonumber(seen)} end
-local group, i = ARGV[3], 6
-local ndead = tonumber(ARGV[5])
+local group, i = ARGV[3], 5
+local ndead = tonumber(ARGV[4])
 for _ = 1, ndead do
   local id, nf = ARGV[i], tonumber(ARGV[i + 1])
   redis.call('XADD', KEYS[3], '*', unpack(ARGV, i + 2, i + 1 + nf))
@@ -67,7 +67,7 @@ for _ = 1, nw do
   i = i + 3
 end
 add_counters(KEYS[4], i + 1, tonumber(ARGV[i]))
-local releases = ndead * tonumber(ARGV[4])
+local releases = ndead
 txn_done(KEYS[5], ARGV[1], ARGV[2], releases)
 return {1, releases}
 """
@@ -106,14 +106,12 @@ class Stage:
 
     def __init__(self, r, keys: Keys, cfg, *, name: str, worker_id: str, log, source: str, group: str,
                  decode: Callable[[bytes], Any], check: Callable[[Any], None] | None = None,
-                 sink: str | None = None, sink_group: str | None = None, claim: bool = True,
-                 release_admission: bool = True) -> None:
+                 sink: str | None = None, sink_group: str | None = None, claim: bool = True) -> None:
         self.r, self.keys, self.cfg, self.log = r, keys, cfg, log
         self.name, self.worker_id = name, worker_id
         self.source, self.group = source, group
         self.sink, self.sink_group = sink, sink_group
         self.decode, self.check = decode, check
-        self.release_admission = release_admission
         ride_outages(r, log)
         self.txn = TxnWriter(f"{name}:{worker_id}")
         self._emit = txn_script(r, _EMIT)
@@ -165,7 +163,7 @@ class Stage:
             with self.txn.token() as seq:
                 applied, releases = self._emit(
                     keys=[src, dst, shard.dead, shard.stats, shard.txn],
-                    args=[self.txn.id, seq, self.group, int(self.release_admission), len(batch.bad), *dead,
+                    args=[self.txn.id, seq, self.group, len(batch.bad), *dead,
                           len(out.written), *acks, len(counters) // 3, *counters])
             if not applied:
                 self.log.info("emit_replay_skipped", shard=shard.index, seq=seq)
@@ -211,9 +209,3 @@ class Stage:
             done += 1
         return done
 
-
-def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    """``fn()`` and the seconds it took."""
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0
