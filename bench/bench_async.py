@@ -159,8 +159,7 @@ def bench_config(*, runs_dir: Path, run_id: str, url: str, eta: int, batch: int,
 def run_role(role: str, cfg, *, gen_s: float, verify_s: float, train_s: float) -> None:
     """One stage process: the stage's own function with a fake engine."""
     from pipeline.consumers.trainer import run_trainer
-    from pipeline.consumers.verifier import run_verifier
-    from pipeline.verifiers.registry import Scorer
+    from pipeline.consumers.verifier import make_scorer, run_verifier
     from pipeline.producers.feeder import run_feeder
     from pipeline.producers.generator import run_generator
 
@@ -173,9 +172,7 @@ def run_role(role: str, cfg, *, gen_s: float, verify_s: float, train_s: float) -
     elif role == "generator":
         run_generator(cfg, r, keys, "gen-0", log, backend=SleepGenerator(gen_s / batch))
     elif role == "verifier":
-        v = cfg.verifier
-        scorer = Scorer(v.verifiers, timeouts=v.timeout_map(), default_timeout_s=v.timeout_s)
-        run_verifier(cfg, r, keys, "ver-0", log, scorer=SleepScorer(scorer, verify_s / batch))
+        run_verifier(cfg, r, keys, "ver-0", log, scorer=SleepScorer(make_scorer(cfg.verifier), verify_s / batch))
     elif role == "trainer":
         run_trainer(cfg, r, keys, log, run_dir=cfg.run_dir, engine=SleepEngine(train_s))
     else:

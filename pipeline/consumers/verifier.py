@@ -95,6 +95,11 @@ class SharedLabelModel:
             time.sleep(0.05)  # another replica holds the lock for the first fit
 
 
+def make_scorer(v: VerifierConfig) -> Scorer:
+    """The weak verifiers ``verifier.verifiers`` names, under their deadlines."""
+    return Scorer(v.verifiers, timeouts=v.timeout_map(), default_timeout_s=v.timeout_s)
+
+
 def check_tokens(g: RolloutGroup, *, vocab_size: int) -> None:
     check_token_ids("completion", g.completion_ids, vocab_size)
 
@@ -170,8 +175,7 @@ class Verifier:
         vocab_size = model_vocab_size(cfg.model.base_dir)
         self.task = make_task(cfg.task)
         self.shared = SharedLabelModel(r, keys, v, worker_id, log) if self.mode.needs_label_model else None
-        self.scorer = scorer if scorer is not None else Scorer(v.verifiers, timeouts=v.timeout_map(),
-                                                                default_timeout_s=v.timeout_s)
+        self.scorer = scorer if scorer is not None else make_scorer(v)
         self.posteriors_path = cfg.run_dir / POSTERIORS_DIR / f"{worker_id}.jsonl"
         self.stage = Stage(r, keys, cfg, name="verifier", worker_id=worker_id, log=log, source="rollouts",
                            group=VERIFIERS_GROUP, decode=RolloutGroup.decode, sink="scored", sink_group=TRAINER_GROUP,
