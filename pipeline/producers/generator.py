@@ -74,6 +74,10 @@ def to_groups(tasks: list[PromptTask], samples: list[Sampled], *, tok, worker_id
     return out
 
 
+NO_PROMPT_WAIT_S = 0.05
+"""Pause after an admitted read found no new prompt (the feeder keeps a backlog, so rare)."""
+
+
 class Generator:
     """One generator process: its engine, weight fetcher, admission and stage plumbing."""
 
@@ -107,8 +111,13 @@ class Generator:
             self.stage.heartbeat("waiting_admission", version=self.version, groups=self.produced)
             self.watch.wait(self.cfg.redis.block_ms)
             return []
-        entries = self.stage.reader.read_new(granted, self.cfg.redis.block_ms)
+        # Without blocking: a generator killed between the grant and the give-back of what it
+        # did not read leaks those slots (admission stays stricter, never looser), so the
+        # window is one round trip, not a blocking read's ``redis.block_ms``.
+        entries = self.stage.reader.read_new(granted, None)
         self.admission.release(granted - len(entries))
+        if not entries:
+            time.sleep(NO_PROMPT_WAIT_S)
         return entries
 
     def step(self, batch: Batch) -> Output:
