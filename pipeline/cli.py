@@ -2,6 +2,7 @@
 
     pipeline up        start Redis + feeder + generators + verifiers + trainer, train, report
     pipeline chaos     the same, while workers and Redis are killed; then a total-queue check
+    pipeline inject    inject faults into a running cluster from outside it (what `chaos` starts)
     pipeline down      stop a cluster left running
     pipeline pretrain  build and warm up the tiny base model
     pipeline feed | generate | verify | train   run one stage (one OS process each)
@@ -58,6 +59,13 @@ def _up(args: argparse.Namespace, cfg: RunConfig) -> int:
     from pipeline.run.launch import up
 
     return up(cfg, chaos=args.command == "chaos")
+
+
+def _inject(args: argparse.Namespace, cfg: RunConfig) -> int:
+    from pipeline.run.chaos import Injector
+
+    signal.signal(signal.SIGTERM, _interrupt)  # a clean end: every paused worker resumed
+    return Injector(cfg).run()
 
 
 def _down(args: argparse.Namespace, cfg: RunConfig) -> int:
@@ -288,6 +296,8 @@ COMMANDS: dict[str, Command] = {
     "up": Command("start a whole cluster on this machine, train, and write the run summary", _up),
     "chaos": Command("pipeline up while killing workers and Redis (see [chaos]); then check every prompt was "
                      "trained, dropped or dead-lettered exactly once", _up),
+    "inject": Command("inject faults ([chaos]) into the cluster `pipeline up` runs in this runs_dir, from outside "
+                      "its driver: SIGKILL workers and the Redis server, SIGSTOP workers", _inject),
     "down": Command("stop a cluster that `pipeline up` left running", _down, _runs_dir, config=False),
     "pretrain": Command("build the tiny base model and warm it up on the task (skipped if it exists)", _pretrain,
                         _force),

@@ -52,6 +52,7 @@ Loss = Literal["decoupled_ppo", "tis"]
 Transport = Literal["shm", "tcp", "ucx"]
 """Implemented by ``pipeline.weights.TRANSPORTS``."""
 StageKind = Literal["generator", "verifier", "trainer", "feeder"]
+FaultKind = Literal["kill", "pause", "redis"]
 
 DEFAULT_BASE_DIR = "artifacts/base-model"
 """Where the base model lives unless configured otherwise; ``pipeline up`` builds it there when missing."""
@@ -516,35 +517,45 @@ class ClusterConfig(_Section):
 
 @dataclass(frozen=True, kw_only=True)
 class ChaosConfig(_Section):
-    """Fault injection by ``pipeline chaos`` / ``make chaos`` (``pipeline up`` leaves it off)."""
+    """Fault injection by ``pipeline inject``, which ``pipeline chaos`` / ``make chaos`` start
+    beside the run (``pipeline up`` leaves it off). See pipeline.run.chaos."""
 
-    kill_every_s: float = 10.0
-    """Mean seconds between two random faults (exponential gaps, from the first training step)."""
+    min_gap_s: float = 4.0
+    """Seconds between two faults: uniform in [min_gap_s, max_gap_s], from the first training step."""
+    max_gap_s: float = 10.0
+    """See min_gap_s."""
+    kinds: tuple[FaultKind, ...] = ("kill", "pause", "redis")
+    """What a random fault does, drawn uniformly: ``kill`` (SIGKILL of a worker's process
+    group), ``pause`` (SIGSTOP of it for pause_s, then SIGCONT), ``redis`` (SIGKILL of the
+    server, which the driver starts again on its port and data)."""
+    targets: tuple[StageKind, ...] = ("generator", "verifier", "trainer", "feeder")
+    """Stage kinds a kill or a pause picks from (``generator``, ``verifier``, ``trainer``,
+    ``feeder``): a kind uniformly, then one of its workers."""
+    pause_s: float = 8.0
+    """How long a paused worker stays stopped."""
     schedule: tuple[str, ...] = ()
-    """Fixed fault sequence instead of random picks: worker names (``gen-0``, ``ver-1``,
-    ``trainer``, ``feeder``) and ``redis``. Fault k of n comes once the policy reaches
-    version k·steps/(n+2), so the faults land mid-run however fast the machine is."""
-    targets: tuple[StageKind, ...] = ("generator", "verifier", "trainer")
-    """Stage kinds random faults pick from (``generator``, ``verifier``, ``trainer``,
-    ``feeder``): a kind uniformly, then one of its live workers."""
-    redis_restarts: int = 2
-    """SIGKILL-and-restart the Redis server this many times, spread over the run."""
-    max_hold_s: float = 8.0
-    """A killed worker stays down for a random 0..max_hold_s seconds, so its pending
-    entries are sometimes reclaimed by a live peer before it comes back."""
+    """Fixed fault sequence instead of random picks: worker names to kill (``gen-0``,
+    ``ver-1``, ``trainer``, ``feeder``), ``pause:<worker>``, and ``redis``. Fault k of n comes
+    once the policy reaches version k·steps/(n+2), so the faults land mid-run however fast
+    the machine is."""
     seed: int = 0
-    """Seed of the fault schedule."""
+    """Seed of the fault sequence."""
     max_faults: int = 0
     """Stop injecting after this many faults (0: until the trainer finishes)."""
 
     def _validate(self, p: str) -> None:
-        _check(self.kill_every_s > 0, f"{p}.kill_every_s", "> 0", self.kill_every_s)
+        _check(self.min_gap_s > 0, f"{p}.min_gap_s", "> 0", self.min_gap_s)
+        _check(self.max_gap_s >= self.min_gap_s, f"{p}.max_gap_s", ">= min_gap_s", self.max_gap_s)
+        _check(bool(self.kinds), f"{p}.kinds", f"a non-empty subset of {sorted(choices(FaultKind))}", self.kinds)
         _check(bool(self.targets), f"{p}.targets", f"a non-empty subset of {sorted(choices(StageKind))}", self.targets)
-        _check(all(x == "redis" or x in ("trainer", "feeder") or x.startswith(("gen-", "ver-"))
-                   for x in self.schedule), f"{p}.schedule", "worker names (gen-N, ver-N, trainer, feeder) or redis",
-               self.schedule)
-        _check(self.redis_restarts >= 0, f"{p}.redis_restarts", ">= 0", self.redis_restarts)
-        _check(self.max_hold_s >= 0, f"{p}.max_hold_s", ">= 0", self.max_hold_s)
+        _check(self.pause_s > 0, f"{p}.pause_s", "> 0", self.pause_s)
+
+        def entry_ok(x: str) -> bool:
+            kind, _, name = x.rpartition(":")
+            return x == "redis" or (kind in ("", "kill", "pause")
+                                    and (name in ("trainer", "feeder") or name.startswith(("gen-", "ver-"))))
+        _check(all(entry_ok(x) for x in self.schedule), f"{p}.schedule",
+               "worker names (gen-N, ver-N, trainer, feeder), pause:<worker> or redis", self.schedule)
         _check(self.max_faults >= 0, f"{p}.max_faults", ">= 0", self.max_faults)
 
 

@@ -1,5 +1,6 @@
-"""`pipeline chaos`, short: one SIGKILL of each stage kind and of the Redis server, mid-run,
-then the total-queue check (lost = duplicated = unexpected = 0). `make chaos` is the long one."""
+"""`pipeline chaos`, short: one SIGKILL of a generator, the trainer and the Redis server, and
+one SIGSTOP of a verifier, mid-run, all from the injector process beside the driver; then the
+total-queue check (lost = duplicated = unexpected = 0). `make chaos` is the long one."""
 
 from __future__ import annotations
 
@@ -11,15 +12,19 @@ from harness import up as _up
 pytestmark = pytest.mark.slow
 
 
-def test_one_kill_of_each_stage_and_a_redis_restart_lose_and_repeat_nothing(tmp_path, tiny_base_model):
+def test_kills_a_pause_and_a_redis_restart_from_outside_lose_and_repeat_nothing(tmp_path, tiny_base_model):
     p = _up(tmp_path, tiny_base_model, "--run-id", "chaos", "--trainer.steps", "24",
-            "--chaos.schedule", "gen-0,trainer,redis,ver-1",
-            "--chaos.max_hold_s", "2", "--redis.claim_idle_ms", "1500", "--trainer.eval_every", "8", command="chaos")
+            "--chaos.schedule", "gen-0,trainer,redis,pause:ver-1", "--chaos.pause_s", "3",
+            "--redis.claim_idle_ms", "1500", "--trainer.eval_every", "8", command="chaos")
     out = p.communicate(timeout=600)[0].decode()
     assert p.returncode == 0, out[-4000:]
     summary = json.loads((tmp_path / "runs" / "chaos" / "summary.json").read_text())
     chaos = summary["chaos"]
-    assert [e["target"] for e in chaos["events"]] == ["gen-0", "trainer", "redis", "ver-1"], chaos
+    assert [(e["kind"], e["target"]) for e in chaos["events"]] == [
+        ("kill", "gen-0"), ("kill", "trainer"), ("redis", "redis"), ("pause", "ver-1")], chaos
+    assert summary["server_restarts"] == 1, "the driver started its killed server again, unasked"
+    assert summary["restarts"] >= 2, "the killed workers came back through the restart policy"
+    assert "inject: redis" in (tmp_path / "runs" / "chaos" / "logs" / "inject.out").read_text()
     v = chaos["verdict"]
     assert v["ok"] and v["finished"], v
     assert v["lost"] == 0 and v["duplicated"] == 0 and v["unexpected"] == 0

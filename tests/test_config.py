@@ -153,7 +153,7 @@ def test_every_fixed_choice_field_is_a_literal_and_its_validation_allows_its_val
                 load_config(overrides={f"{f.name}.{name}": "no-such-choice"})
     assert found == {"redis.appendfsync", "task.kind", "task.ops", "generator.backend", "generator.vllm_dtype",
                      "verifier.dependence", "trainer.backend", "trainer.device", "trainer.advantage", "trainer.loss",
-                     "weights.transport", "chaos.targets"}
+                     "weights.transport", "chaos.targets", "chaos.kinds"}
     # A section built directly, not loaded, is refused the same way.
     with pytest.raises(ConfigError, match=r"trainer\.loss: must be decoupled_ppo\|tis"):
         dataclasses.replace(cfg, trainer=C.TrainerConfig(loss="ppo2")).validate()
@@ -203,7 +203,7 @@ def test_a_toml_value_differing_from_the_default_counts_as_set(tmp_path):
 @pytest.mark.parametrize("overrides, situation, field", [
     ({"task.kind": "math", "model.num_layers": "2"}, {}, "model.num_layers"),
     ({"task.kind": "math", "model.build_missing": "true"}, {}, "model.build_missing"),
-    ({"chaos.kill_every_s": "3"}, {}, "chaos.kill_every_s"),
+    ({"chaos.min_gap_s": "3"}, {}, "chaos.min_gap_s"),
     ({"redis.appendfsync": "always"}, {"redis_url": "redis://elsewhere:6379/0"}, "redis.appendfsync"),
     ({"redis.appendfsync": "no"}, {"command": "chaos"}, "redis.appendfsync"),
     ({"redis.tls_ca_file": str(ROOT / "pyproject.toml")}, {"redis_url": "redis://x:6379/0"}, "redis.tls_ca_file"),
@@ -229,7 +229,7 @@ def test_a_field_another_setting_makes_inert_is_refused_by_name(overrides, situa
 
 
 @pytest.mark.parametrize("overrides, situation", [
-    ({"chaos.kill_every_s": "3", "redis.appendfsync": "always"}, {"command": "chaos"}),
+    ({"chaos.min_gap_s": "3", "redis.appendfsync": "always"}, {"command": "chaos"}),
     ({"model.build_missing": "true"}, {}),
     ({"model.build_missing": "true"}, {"base_model": {"seed": 2}}),  # "if missing": harmless once built
     ({"redis.tls_ca_file": str(ROOT / "pyproject.toml")}, {"redis_url": "rediss://x:6380/0"}),

@@ -353,6 +353,24 @@ def scenario_admission(proxy, r0, shards):
             "final": int(r0.get(keys.admitted)), "calls": 3}
 
 
+def scenario_admit_read(proxy, r0, shards):
+    """The one-server grant-and-read, its reply dropped: only the prompts read are counted, and
+    the replay reads none again (the first attempt's prompts wait in the consumer's pending list)."""
+    keys = Keys("admitread", shards=shards)
+    r = connect(proxy.url, name="t")
+    ensure_all_groups(r0, keys)
+    k = shards - 1
+    for pid in _shard_with(keys, k, 6):
+        r0.xadd(keys.shard(k).prompts, {"d": make_prompt(prompt_id=pid).encode()})
+    reader = streams.sharded_reader(r, keys, "prompts", GENERATORS_GROUP, "gen-0", _cfg(keys.ns, shards).redis)
+    adm = Admission(r, keys, max_staleness=1, groups_per_step=4)  # limit at version 0: 8
+    proxy.drop_next()
+    room, first = adm.admit_read(reader, 2, 0)
+    owned = reader.read_owned(10)
+    return {"room": room, "first": len(first), "owned": len(owned), "admitted": int(r0.get(keys.admitted)),
+            "pending": r0.xpending(keys.shard(k).prompts, GENERATORS_GROUP)["pending"], "calls": 1}
+
+
 EXACT = {
     scenario_generator_emit: {"outputs": 3, "distinct": 3, "unacked": 0, "count": 3.0, "seconds": 0.25},
     scenario_verifier_emit: {"outputs": 3, "distinct": 3, "unacked": 0, "count": 3.0, "seconds": 0.25},
@@ -361,6 +379,7 @@ EXACT = {
                               "unacked": 0},
     scenario_feeder_write: {"prompts": 4, "distinct": 4, "issued": 4.0},
     scenario_admission: {"granted": 4, "after_grant": 7, "after_release": 5, "final": 4},
+    scenario_admit_read: {"room": True, "first": 0, "owned": 2, "admitted": 2, "pending": 2},
 }
 DROPS = {scenario_admission: 3}
 SCENARIOS = list(EXACT)
@@ -412,6 +431,26 @@ def test_replays_return_the_first_result(redis_client):
     assert int(redis_client.get(keys.admitted)) == 3, "and no second grant"
     assert int(script(keys=[keys.admitted, keys.admitted_txn], args=args(2))) == 1, "the next call is new"
     assert int(redis_client.get(keys.admitted)) == 4
+
+
+def test_admit_read_counts_only_what_it_read(redis_client):
+    """Two prompts waiting, four wanted: two read and two counted (no grant to give back, so a
+    generator killed at any point leaks nothing); a full admission reads nothing."""
+    keys = Keys("only")
+    ensure_all_groups(redis_client, keys)
+    for pid in ("a", "b"):
+        redis_client.xadd(keys.shard(0).prompts, {"d": make_prompt(prompt_id=pid).encode()})
+    reader = streams.sharded_reader(redis_client, keys, "prompts", GENERATORS_GROUP, "gen-0", RunConfig().redis)
+    adm = Admission(redis_client, keys, max_staleness=0, groups_per_step=3)  # limit at version 0: 3
+    room, got = adm.admit_read(reader, 4, 0)
+    assert room and sorted(PromptTask.decode(e.payload).prompt_id for e in got) == ["a", "b"]
+    assert int(redis_client.get(keys.admitted)) == 2
+    redis_client.xadd(keys.shard(0).prompts, {"d": make_prompt(prompt_id="c").encode()})
+    redis_client.xadd(keys.shard(0).prompts, {"d": make_prompt(prompt_id="d").encode()})
+    room, got = adm.admit_read(reader, 4, 0)
+    assert room and [PromptTask.decode(e.payload).prompt_id for e in got] == ["c"], "room for one more only"
+    assert adm.admit_read(reader, 4, 0) == (False, []), "admission full: nothing read"
+    assert int(redis_client.get(keys.admitted)) == 3
 
 
 def test_emit_costs_one_round_trip(redis_url):

@@ -214,9 +214,11 @@ def test_two_fixed_ports_that_collide_are_refused(tiny_base_model):
 def test_chaos_restarting_a_server_it_did_not_start_is_refused(tiny_base_model, monkeypatch):
     monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")
     cfg = load_config(overrides={"model.base_dir": str(tiny_base_model)})
-    with pytest.raises(ConfigError, match=r"chaos\.redis_restarts: restarting Redis needs a server this run starts"):
+    with pytest.raises(ConfigError, match=r"chaos\.kinds: restarting Redis needs a server this run starts"):
         preflight(cfg, chaos=True)
-    preflight(cfg.replace("chaos.redis_restarts", 0), chaos=True)
+    with pytest.raises(ConfigError, match=r"chaos\.schedule: restarting Redis"):
+        preflight(cfg.replace("chaos.schedule", ("gen-0", "redis")), chaos=True)
+    preflight(cfg.replace("chaos.kinds", ("kill", "pause")), chaos=True)
     preflight(cfg)  # pipeline up injects nothing
 
 

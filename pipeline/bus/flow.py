@@ -10,7 +10,7 @@ import time
 import redis
 
 from pipeline.bus.stats import heartbeat
-from pipeline.bus.streams import TxnWriter, txn_script, unacked_all
+from pipeline.bus.streams import FIELD, Entry, ShardedReader, TxnWriter, txn_script, unacked_all
 from pipeline.keys import Keys
 
 
@@ -39,6 +39,37 @@ return 1
 """
 
 
+# One server (not a Redis Cluster): the grant and the read of the prompts it grants, in one
+# script, so a generator killed at any point leaks no slot; only what was read is counted.
+# KEYS: admitted, admitted:txn, then the prompt stream of every shard in the order to visit.
+# ARGV: want, limit, writer id, seq, group, consumer.
+# Reads from the first shard that has new prompts only (a stage's transaction stays in one
+# shard). Returns {room, shard index, id, fields, id, fields, ...}: room 0 means admission
+# is full; a replay returns {-1} (what it read is in the consumer's pending list).
+_ADMIT_READ = """
+if txn_seen(KEYS[2], ARGV[3], ARGV[4]) then return {-1} end
+local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
+local room = math.min(tonumber(ARGV[1]), tonumber(ARGV[2]) - cur)
+if room <= 0 then return {0} end
+local out, got = {room}, 0
+for i = 3, #KEYS do
+  local resp = redis.call('XREADGROUP', 'GROUP', ARGV[5], ARGV[6], 'COUNT', room, 'STREAMS', KEYS[i], '>')
+  if resp and #resp[1][2] > 0 then
+    out[2] = i - 3
+    for _, e in ipairs(resp[1][2]) do
+      out[#out + 1] = e[1]
+      out[#out + 1] = e[2]
+      got = got + 1
+    end
+    break
+  end
+end
+if got > 0 then redis.call('INCRBY', KEYS[1], got) end
+txn_done(KEYS[2], ARGV[3], ARGV[4], got)
+return out
+"""
+
+
 def release_admissions(r: redis.Redis, keys: Keys, n: int, *, writer: TxnWriter, script=None) -> bool:
     """Give back ``n`` admission slots (of dead-lettered groups, or granted but unused), exactly once.
 
@@ -61,6 +92,7 @@ class Admission:
         self.writer = writer or TxnWriter("admission")
         self._admit = txn_script(r, _ADMIT)
         self._release = txn_script(r, _RELEASE)
+        self._admit_read = txn_script(r, _ADMIT_READ)
 
     def limit(self, version: int) -> int:
         return (self.eta + version + 1) * self.batch
@@ -74,6 +106,35 @@ class Admission:
     def release(self, n: int) -> None:
         """Give back slots admitted but not used (no prompt was available)."""
         release_admissions(self.r, self.keys, n, writer=self.writer, script=self._release)
+
+    def admit_read(self, reader: ShardedReader, want: int, version: int) -> tuple[bool, list[Entry]]:
+        """Up to ``want`` new prompts, admitted and read in one script: (whether admission had
+        room, the entries read, all of one shard's or several). Only what is read is counted,
+        so a generator killed at any point leaks no slot. On one server only: in a Redis
+        Cluster ``{ns}:admitted`` and the prompt streams live in different slots, so it is
+        ``admit``, then a read, then ``release`` of what was not read (a generator killed
+        between the grant and the give-back leaks those slots until the run ends: admission
+        stricter, never looser)."""
+        order = reader._turn()
+        with self.writer.token() as seq:
+            resp = self._admit_read(
+                keys=[self.keys.admitted, self.keys.admitted_txn, *(reader.readers[k].stream for k in order)],
+                args=[want, self.limit(version), self.writer.id, seq, reader.readers[0].group,
+                      reader.readers[0].consumer])
+        room = int(resp[0])
+        if room == -1:  # a replay: the first attempt's entries are this consumer's pending ones
+            for k in order:
+                reader.readers[k]._pending_cursor = "0"
+            return True, []
+        if len(resp) < 2:
+            return room > 0, []
+        shard = order[int(resp[1])]
+        entries = []
+        for i in range(2, len(resp), 2):
+            flat = resp[i + 1] or []
+            entries.append(Entry(resp[i], dict(zip(flat[::2], flat[1::2])).get(FIELD), shard=shard))
+        reader._next = (shard + 1) % len(reader.readers)
+        return True, entries
 
 
 class VersionWatch:

@@ -103,6 +103,18 @@ class LocalServer:
             self.pid_file.unlink(missing_ok=True)
         self.process = None
 
+    def dead(self) -> bool:
+        """Whether this project started the server and it has exited since (killed, crashed)."""
+        return self.process is not None and self.args is not None and self.process.poll() is not None
+
+    def revive(self) -> str:
+        """Start a dead server again with its exact command line (same port, same append-only
+        file); returns "" (a LocalCluster returns which master)."""
+        self.process = _launch(self.args, self.url)
+        if self.pid_file is not None:
+            self.pid_file.write_text(f"{self.process.pid}\n{self.url}\n")
+        return ""
+
     def restart(self, *, kill: bool = True) -> None:
         """Kill (SIGKILL, or SIGTERM when ``kill`` is False) and start the same server again.
 
@@ -287,6 +299,20 @@ class LocalCluster:
             n.stop(timeout)
         if self.pid_file is not None:
             self.pid_file.unlink(missing_ok=True)
+
+    def dead(self) -> bool:
+        return any(n.dead() for n in self.nodes)
+
+    def revive(self) -> str:
+        """Start every dead master again on its port (with its ``nodes.conf`` and slots) and wait
+        until the cluster is ``ok``; returns which, as " (master <url>)"."""
+        urls = [n.url for n in self.nodes if n.dead()]
+        for n in self.nodes:
+            if n.dead():
+                n.revive()
+        _wait_cluster_ok(self.urls)
+        self._write_pids()
+        return f" (master {', '.join(urls)})"
 
     def restart(self, *, kill: bool = True, node: int | None = None) -> str:
         """SIGKILL one master (the next in turn unless ``node``), start it again on its port,

@@ -106,16 +106,18 @@ class Generator:
         entries = self.stage.reader.read_owned(count)
         if entries:
             return entries
-        granted = self.admission.admit(count, self.version)
-        if not granted:
+        if self.cfg.redis.cluster:
+            granted = self.admission.admit(count, self.version)
+            room = granted > 0
+            if room:  # not blocking: the window in which a kill leaks the grant is one round trip
+                entries = self.stage.reader.read_new(granted, None)
+                self.admission.release(granted - len(entries))
+        else:  # one script: a kill at any point leaks no slot
+            room, entries = self.admission.admit_read(self.stage.reader, count, self.version)
+        if not room:
             self.stage.heartbeat("waiting_admission", version=self.version, groups=self.produced)
             self.watch.wait(self.cfg.redis.block_ms)
             return []
-        # Without blocking: a generator killed between the grant and the give-back of what it
-        # did not read leaks those slots (admission stays stricter, never looser), so the
-        # window is one round trip, not a blocking read's ``redis.block_ms``.
-        entries = self.stage.reader.read_new(granted, None)
-        self.admission.release(granted - len(entries))
         if not entries:
             time.sleep(NO_PROMPT_WAIT_S)
         return entries

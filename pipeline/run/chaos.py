@@ -1,12 +1,26 @@
-"""``pipeline chaos``: a whole run while faults are injected, then a total-queue check.
+"""``pipeline inject``: a fault injector that runs beside a run, outside its driver.
 
-The driver of ``pipeline up`` runs as usual; a ``Chaos`` object is consulted on each of
-its ticks and SIGKILLs worker processes (whole process groups, mid-batch, no warning) and
-the Redis server (then starts it again on the same port and append-only file; in a
-Redis Cluster, one master at a time, which comes back with its ``nodes.conf`` and slots). A killed
-worker stays down for a random hold time, so a live peer sometimes reclaims its pending
-entries (XAUTOCLAIM) before it comes back and drains its own. A killed trainer resumes
-from its checkpoint.
+It knows the run only as anyone could: ``<runs_dir>/cluster.json`` (the pids of the
+workers and of the server, each with its start time) and the server itself (the policy
+version, to start once training has begun). One fault every ``chaos.min_gap_s`` to
+``chaos.max_gap_s`` seconds (uniform; ``chaos.seed`` fixes the sequence), each of a kind
+drawn from ``chaos.kinds``:
+
+- ``kill``: SIGKILL of a worker's whole process group, mid-batch, no warning (a stage kind
+  of ``chaos.targets`` first, then one of its workers, so the lone trainer is hit as often
+  as the generator pool);
+- ``pause``: SIGSTOP of a worker's group for ``chaos.pause_s`` seconds, then SIGCONT (a
+  consumer that hangs: its peers reclaim its entries, and it wakes up holding stale ones);
+- ``redis``: SIGKILL of the Redis server (in a Redis Cluster, one master).
+
+The driver learns of a fault only as it learns of any fault, by a process exiting, and
+treats it with the same restart policy (``pipeline.run.launch.Supervisor``); it starts a
+server it started again on the same port and append-only file. ``pipeline chaos`` is
+``pipeline up`` with this injector started beside it as its own process, and a total-queue
+check at the end; ``pipeline inject`` runs it beside any ``pipeline up`` of the same
+``runs_dir``. Every fault goes to ``<run_dir>/chaos.jsonl`` and to stdout. Each pid is
+signalled only if its start time is the one recorded (``pipeline.run.procs``), so a
+worker restarted in between is never hit by a fault meant for its predecessor.
 
 Afterwards ``check`` reads everything back, in the manner of Jepsen's total-queue
 analysis, and classifies every prompt id the feeder issued: trained, no signal, dropped
@@ -22,16 +36,24 @@ acknowledged writes, which no client can detect; a chaos run therefore uses
 
 from __future__ import annotations
 
-import os
+import json
 import random
 import signal
-import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from pipeline.config import ChaosConfig
+from pipeline.config import ChaosConfig, RunConfig, load_config
+from pipeline.run.procs import recorded_identity, send_signal
 
 STAGE_OF = {"gen": "generator", "ver": "verifier", "trainer": "trainer", "feeder": "feeder"}
+
+EVENTS_FILE = "chaos.jsonl"
+"""The injector's record of its faults, in the run directory."""
+
+WAIT_FOR_RUN_S = 120.0
+"""How long ``pipeline inject`` waits for the run's ``cluster.json`` to appear."""
 
 
 def stage_of(name: str) -> str:
@@ -41,111 +63,231 @@ def stage_of(name: str) -> str:
 @dataclass
 class Fault:
     at_s: float
+    kind: str
     target: str
     detail: str = ""
+    version: int | None = None
+
+    def as_dict(self) -> dict:
+        return {"at_s": round(self.at_s, 2), "kind": self.kind, "target": self.target, "detail": self.detail,
+                "version": self.version}
 
 
 @dataclass
-class Chaos:
-    """Decides when to kill what; the cluster driver asks it on every tick."""
+class Plan:
+    """What to hit next: the fixed ``chaos.schedule`` in turn, or random picks after random gaps."""
 
     cfg: ChaosConfig
-    run_start: float
     expected_steps: int
-    faults: list[Fault] = field(default_factory=list)
-    hold_until: dict[str, float] = field(default_factory=dict)
-    _next_at: float = 0.0
-    _schedule_pos: int = 0
-    _redis_left: int = 0
-    _rng: random.Random = field(default_factory=random.Random)
+    pos: int = 0
+    next_at: float = float("inf")  # armed once training has begun
+    rng: random.Random = field(default_factory=random.Random)
 
     def __post_init__(self) -> None:
-        self._rng = random.Random(self.cfg.seed)
-        self._redis_left = self.cfg.redis_restarts
-        self._next_at = float("inf")  # armed once training has begun
+        self.rng = random.Random(self.cfg.seed)
 
-    def _gap(self) -> float:
-        return self._rng.expovariate(1.0 / self.cfg.kill_every_s)
+    def gap(self) -> float:
+        return self.rng.uniform(self.cfg.min_gap_s, self.cfg.max_gap_s)
 
-    @property
-    def done(self) -> bool:
-        if self.cfg.max_faults and len(self.faults) >= self.cfg.max_faults:
+    def done(self, injected: int) -> bool:
+        if self.cfg.max_faults and injected >= self.cfg.max_faults:
             return True
-        return bool(self.cfg.schedule) and self._schedule_pos >= len(self.cfg.schedule)
+        return bool(self.cfg.schedule) and self.pos >= len(self.cfg.schedule)
 
-    def _due(self, now: float, version: int) -> bool:
+    def due(self, now: float, version: int) -> bool:
         """A fixed schedule is spread over training progress: fault k of n once version >= k·steps/(n+2)
         (so the faults land mid-run whatever the machine's speed); random faults come after
-        exponential gaps once the first step is done."""
+        random gaps once the first step is done."""
         if self.cfg.schedule:
-            k = self._schedule_pos + 1
-            return version >= k * self.expected_steps / (len(self.cfg.schedule) + 2)
-        if version >= 1 and self._next_at == float("inf"):
-            self._next_at = now + self._gap()
-        return now >= self._next_at
+            return version >= (self.pos + 1) * self.expected_steps / (len(self.cfg.schedule) + 2)
+        if version >= 1 and self.next_at == float("inf"):
+            self.next_at = now + self.gap()
+        return now >= self.next_at
 
-    def _pick(self, procs: dict[str, subprocess.Popen], version: int) -> str | None:
+    def pick(self, workers: list[str], now: float) -> tuple[str, str] | None:
+        """(kind, target): ``redis`` targets the server; the others a worker name."""
         if self.cfg.schedule:
-            target = self.cfg.schedule[self._schedule_pos]
-            self._schedule_pos += 1
-            return target
-        self._next_at = time.time() + self._gap()
-        # Spread the server restarts over the run: due once training passed the next fraction.
-        if self._redis_left and version >= self.expected_steps * (
-                self.cfg.redis_restarts - self._redis_left + 1) / (self.cfg.redis_restarts + 1):
-            self._redis_left -= 1
-            return "redis"
-        # A stage kind first, then one of its live workers: the lone trainer is hit as
-        # often as the generator pool.
-        alive: dict[str, list[str]] = {}
-        for n, p in sorted(procs.items()):
-            if stage_of(n) in self.cfg.targets and p.poll() is None:
-                alive.setdefault(stage_of(n), []).append(n)
-        if not alive:
+            entry = self.cfg.schedule[self.pos]
+            self.pos += 1
+            kind, _, name = entry.rpartition(":")
+            return ("redis", "redis") if entry == "redis" else (kind or "kill", name)
+        self.next_at = now + self.gap()
+        kind = self.rng.choice(list(self.cfg.kinds))
+        if kind == "redis":
+            return "redis", "redis"
+        by_kind: dict[str, list[str]] = {}
+        for n in sorted(workers):
+            if stage_of(n) in self.cfg.targets:
+                by_kind.setdefault(stage_of(n), []).append(n)
+        if not by_kind:
             return None
-        return self._rng.choice(alive[self._rng.choice(sorted(alive))])
+        return kind, self.rng.choice(by_kind[self.rng.choice(sorted(by_kind))])
 
-    def tick(self, procs: dict[str, subprocess.Popen], server, *, version: int, log=print) -> None:
-        """Inject the next fault if it is due."""
+
+class Injector:
+    """Reads ``cluster.json``, injects the plan's faults, resumes what it paused, logs every fault."""
+
+    def __init__(self, cfg: RunConfig, *, log=print) -> None:
+        self.cfg, self.log = cfg, log
+        self.runs_dir = Path(cfg.runs_dir)
+        self.info: dict = {}
+        self.run_cfg: RunConfig | None = None
+        self.plan: Plan | None = None
+        self.faults: list[Fault] = []
+        self.paused: dict[int, tuple[str, float]] = {}
+        """pid -> (worker, when to resume it)."""
+        self.started = time.time()
+        self._r = None
+        self._keys = None
+        self._version = 0
+
+    # ------------------------------------------------------------------ the run, as recorded
+
+    def read_info(self) -> dict | None:
+        try:
+            info = json.loads((self.runs_dir / "cluster.json").read_text())
+        except (OSError, ValueError):
+            return None
+        if self.cfg.run_id and info.get("run_id") != self.cfg.run_id:
+            return None
+        return info
+
+    def attach(self, timeout_s: float = WAIT_FOR_RUN_S) -> bool:
+        """Wait for the run's ``cluster.json``; load the run's own config from its run directory."""
+        deadline = time.time() + timeout_s
+        while (info := self.read_info()) is None:
+            if time.time() > deadline:
+                self.log(f"inject: no run{f' {self.cfg.run_id!r}' if self.cfg.run_id else ''} recorded in "
+                         f"{self.runs_dir / 'cluster.json'} after {timeout_s:.0f} s; nothing to do", flush=True)
+                return False
+            time.sleep(0.5)
+        self.info = info
+        run_dir = Path(info["run_dir"])
+        self.run_cfg = load_config(str(run_dir / "config.toml"), {})
+        self.plan = Plan(self.cfg.chaos, self.run_cfg.trainer.steps)
+        self.events = run_dir / EVENTS_FILE
+        self.log(f"inject: attached to run {info['run_id']!r} (driver pid {info.get('driver_pid')}); faults every "
+                 f"{self.cfg.chaos.min_gap_s:g}-{self.cfg.chaos.max_gap_s:g} s of {', '.join(self.cfg.chaos.kinds)}"
+                 f"{f', schedule {list(self.cfg.chaos.schedule)}' if self.cfg.chaos.schedule else ''}", flush=True)
+        return True
+
+    def run_alive(self) -> bool:
+        driver = self.info.get("driver_pid")
+        return bool(driver) and recorded_identity(self.info, driver) in ("same", "unknown")
+
+    def version(self) -> int:
+        """The trainer's policy version, from the server; the last one read while it is down."""
+        from pipeline.bus.connection import connect
+        from pipeline.keys import Keys
+
+        try:
+            if self._r is None:
+                self._r = connect(self.info["url"], name=f"{self.info['run_id']}:inject", retries=0,
+                                  redis_cfg=self.run_cfg.redis, socket_timeout=1.0)
+                self._keys = Keys.of(self.info["run_id"], self.run_cfg.redis)
+            self._version = int(self._r.hget(self._keys.trainer, "version") or 0)
+        except Exception:  # noqa: BLE001 - the server is down (perhaps by our own hand): try again later
+            self._r = None
+        return self._version
+
+    # ------------------------------------------------------------------ the faults
+
+    def inject(self, kind: str, target: str, version: int) -> Fault | None:
+        info = self.info
+        if kind == "redis":
+            pids = list(info.get("server_pids") or ([info["server_pid"]] if info.get("server_pid") else []))
+            live = [p for p in pids if recorded_identity(info, p) == "same"]
+            if not live:
+                return None
+            pid = self.plan.rng.choice(live)
+            send_signal(pid, signal.SIGKILL)
+            node = f" (one of {len(pids)} masters)" if len(pids) > 1 else ""
+            return Fault(time.time() - self.started, kind, "redis", f"SIGKILL of the server pid {pid}{node}", version)
+        pid = (info.get("workers") or {}).get(target)
+        if pid is None or recorded_identity(info, pid) != "same" or pid in self.paused:
+            return None  # not started, between two lives, or paused already: the next fault
+        if kind == "kill":
+            if not send_signal(pid, signal.SIGKILL, group=True):
+                return None
+            return Fault(time.time() - self.started, kind, target, f"SIGKILL of pid {pid}'s group", version)
+        if not send_signal(pid, signal.SIGSTOP, group=True):
+            return None
+        self.paused[pid] = (target, time.time() + self.cfg.chaos.pause_s)
+        return Fault(time.time() - self.started, kind, target,
+                     f"SIGSTOP of pid {pid}'s group for {self.cfg.chaos.pause_s:g} s", version)
+
+    def resume_due(self, *, everything: bool = False) -> None:
         now = time.time()
-        if self.done or not self._due(now, version):
-            return
-        target = self._pick(procs, version)
-        if target is None:
-            return
-        at = now - self.run_start
-        if target == "redis":
-            t0 = time.perf_counter()
-            node = server.restart(kill=True)  # in a Redis Cluster: one master, in turn
-            detail = f"SIGKILL{f' of master {node}' if node else ''}, back in {time.perf_counter() - t0:.2f} s"
-        else:
-            p = procs.get(target)
-            if p is None or p.poll() is not None:
-                return
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                return
-            p.wait()
-            hold = self._rng.uniform(0, self.cfg.max_hold_s)
-            self.hold_until[target] = now + hold
-            detail = f"SIGKILL at version {version}, down for {hold:.1f} s"
-        self.faults.append(Fault(at, target, detail))
-        log(f"chaos: {target} {detail}")
+        for pid, (name, until) in list(self.paused.items()):
+            if everything or now >= until:
+                if recorded_identity(self.info, pid) == "same":
+                    send_signal(pid, signal.SIGCONT, group=True)
+                del self.paused[pid]
 
-    def may_restart(self, name: str) -> bool:
-        """Whether a dead worker may come back now (a killed one waits out its hold). The
-        driver restarts it as any other exited worker otherwise (``pipeline.run.launch.Supervisor``:
-        the same backoff, counted against the same budget)."""
-        return time.time() >= self.hold_until.get(name, 0.0)
+    def record(self, fault: Fault) -> None:
+        self.faults.append(fault)
+        with open(self.events, "a") as f:
+            f.write(json.dumps(fault.as_dict()) + "\n")
+        self.log(f"inject: {fault.kind} {fault.target}: {fault.detail} (version {fault.version})", flush=True)
 
-    def summary(self) -> dict:
-        kinds: dict[str, int] = {}
-        for f in self.faults:
-            k = "redis" if f.target == "redis" else stage_of(f.target)
-            kinds[k] = kinds.get(k, 0) + 1
-        return {"faults": len(self.faults), "by_kind": kinds,
-                "events": [{"at_s": round(f.at_s, 2), "target": f.target, "detail": f.detail} for f in self.faults]}
+    def run(self) -> int:
+        """Inject until the run ends (its driver gone, its ``cluster.json`` removed) or the plan is done."""
+        if not self.attach():
+            return 1
+        try:
+            while True:
+                info = self.read_info()
+                if info is None or info.get("driver_pid") != self.info.get("driver_pid") or not self.run_alive():
+                    break
+                self.info = info  # restarted workers and server: their new pids and start times
+                self.resume_due()
+                version = self.version()
+                if version >= self.run_cfg.trainer.steps:
+                    break
+                if not self.plan.done(len(self.faults)) and self.plan.due(time.time(), version):
+                    picked = self.plan.pick(list((info.get("workers") or {})), time.time())
+                    fault = self.inject(*picked, version) if picked else None
+                    if fault is not None:
+                        self.record(fault)
+                    elif self.cfg.chaos.schedule:
+                        self.plan.pos -= 1  # that worker is between two lives: try the same entry again
+                time.sleep(0.1)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            self.resume_due(everything=True)  # nothing stays stopped after the injector
+        self.log(f"inject: done, {len(self.faults)} faults {by_kind(self.faults)}", flush=True)
+        return 0
+
+
+def by_kind(faults: list[Fault] | list[dict]) -> dict[str, int]:
+    """Faults per kind: ``redis``, and ``kill``/``pause`` of each stage kind (``kill generator``)."""
+    out: dict[str, int] = {}
+    for f in faults:
+        d = f if isinstance(f, dict) else f.as_dict()
+        k = "redis" if d["kind"] == "redis" else f"{d['kind']} {stage_of(d['target'])}"
+        out[k] = out.get(k, 0) + 1
+    return out
+
+
+def read_faults(run_dir: Path) -> list[dict]:
+    """The faults an injector recorded for this run (``chaos.jsonl``)."""
+    try:
+        lines = (Path(run_dir) / EVENTS_FILE).read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut short by a kill
+    return out
+
+
+def summary(run_dir: Path) -> dict:
+    faults = read_faults(run_dir)
+    return {"faults": len(faults), "by_kind": by_kind(faults), "events": faults}
 
 
 def verdict(accounting: dict, *, finished: bool) -> dict:
@@ -158,3 +300,11 @@ def verdict(accounting: dict, *, finished: bool) -> dict:
             "lost": accounting["lost"], "duplicated": accounting["duplicated"],
             "unexpected": accounting["unexpected"], "lost_ids": accounting["lost_ids"],
             "duplicated_ids": accounting["duplicated_ids"]}
+
+
+def main(cfg: RunConfig) -> int:
+    return Injector(cfg).run()
+
+
+if __name__ == "__main__":  # pragma: no cover - `pipeline inject` is the entry point
+    sys.exit(main(load_config(None, {})))

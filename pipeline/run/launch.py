@@ -46,25 +46,10 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import DEFAULT_BASE_DIR, ConfigError, RunConfig, Situation, choices, refuse_inert, to_toml
+from pipeline.run.procs import proc_start_time, recorded_identity, send_signal, signal_recorded, wait_gone
 
 RESTART_BUDGET_WINDOW_S = 3600.0
 """The window ``cluster.max_restarts_per_hour`` counts restarts over."""
-
-
-def proc_start_time(pid: int) -> int | None:
-    """The start time of process ``pid`` (field 22 of ``/proc/<pid>/stat``, clock ticks since
-    boot), or None when there is no such process or it has exited (a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            after = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces and parentheses
-    except (OSError, IndexError):
-        return None
-    if not after or after[0] in ("Z", "X"):
-        return None
-    try:
-        return int(after[19])  # fields 3.. follow the name: field 22 is index 19
-    except (IndexError, ValueError):
-        return None
 
 
 def built_base_model(cfg: RunConfig) -> dict | None:
@@ -403,16 +388,16 @@ def chaos_problems(cfg: RunConfig) -> list[str]:
     """``pipeline chaos``: the schedule names workers this run has; restarting Redis needs a server it starts."""
     problems = []
     ours = set(worker_table(cfg)) - {"exporter"} | {"redis"}
-    unknown = [x for x in cfg.chaos.schedule if x not in ours]
+    unknown = [x for x in cfg.chaos.schedule if x.rpartition(":")[2] not in ours]
     if unknown:
         problems.append(f"chaos.schedule: must name workers of this run ({', '.join(sorted(ours))}); "
                         f"{unknown} are not (cluster.generators = {cfg.cluster.generators}, "
                         f"cluster.verifiers = {cfg.cluster.verifiers})")
     running = "redis.url" if cfg.redis.url else "$REDIS_URL" if os.environ.get("REDIS_URL") else ""
-    if running and (cfg.chaos.redis_restarts or "redis" in cfg.chaos.schedule):
-        field_ = "chaos.schedule" if "redis" in cfg.chaos.schedule else "chaos.redis_restarts"
+    if running and ("redis" in cfg.chaos.schedule or (not cfg.chaos.schedule and "redis" in cfg.chaos.kinds)):
+        field_ = "chaos.schedule" if cfg.chaos.schedule else "chaos.kinds"
         problems.append(f"{field_}: restarting Redis needs a server this run starts, and this run uses the one "
-                        f"{running} names: unset REDIS_URL/--redis.url, or pass --chaos.redis_restarts 0 and leave "
+                        f"{running} names: unset REDIS_URL/--redis.url, or pass --chaos.kinds kill,pause and leave "
                         "redis out of the schedule")
     return problems
 
@@ -439,13 +424,16 @@ def worker_table(cfg: RunConfig) -> dict[str, tuple[str, str | None]]:
 
 @dataclass
 class Cluster:
-    """A running ``pipeline up``: its config, server, driver connection, workers and fault injector."""
+    """A running ``pipeline up``: its config, server, driver connection and workers (and, under
+    ``pipeline chaos``, the fault injector it started beside them and otherwise ignores)."""
 
     cfg: RunConfig
     server: Any
     r: Any
     keys: Any
-    monkey: Any = None
+    chaos: bool = False
+    injector: subprocess.Popen | None = None
+    server_restarts: int = 0
     workers: dict[str, tuple[str, str | None]] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     restarts: int = 0
@@ -529,14 +517,6 @@ def provision_cluster(cfg: RunConfig, *, chaos: bool = False) -> Cluster:
     run_dir = cfg.run_dir
     server = provision(run_dir / "redis", url=cfg.redis.url, appendfsync=cfg.redis.appendfsync, redis_cfg=cfg.redis)
     try:
-        monkey = None
-        if chaos:
-            from pipeline.run.chaos import Chaos
-
-            if server.process is None and (cfg.chaos.redis_restarts or "redis" in cfg.chaos.schedule):
-                raise SystemExit("pipeline chaos: restarting Redis needs a server this run starts; "
-                                 "unset REDIS_URL/--redis.url or pass --chaos.redis_restarts 0")
-            monkey = Chaos(cfg.chaos, time.time(), cfg.trainer.steps)
         cfg = cfg.replace("redis.url", server.url)
         (run_dir / "config.toml").write_text(to_toml(cfg))
         r, keys = connect(server.url, name=f"{cfg.run_id}:driver", redis_cfg=cfg.redis), Keys.of(cfg.run_id, cfg.redis)
@@ -550,7 +530,7 @@ def provision_cluster(cfg: RunConfig, *, chaos: bool = False) -> Cluster:
     except BaseException:
         server.stop()
         raise
-    return Cluster(cfg=cfg, server=server, r=r, keys=keys, monkey=monkey, workers=worker_table(cfg))
+    return Cluster(cfg=cfg, server=server, r=r, keys=keys, chaos=chaos, workers=worker_table(cfg))
 
 
 @dataclass
@@ -595,10 +575,6 @@ class Supervisor:
             if rec.restart_at is None:
                 self.exited(name, p.returncode, now)
             if rec.restart_at is not None and now >= rec.restart_at:
-                if c.monkey is not None:
-                    if not c.monkey.may_restart(name):
-                        continue  # an injected fault's hold, on top of the backoff
-                    c.monkey.hold_until.pop(name, None)
                 c.spawn(name)
                 self.started(name)
                 c.record()
@@ -684,16 +660,14 @@ def supervise(c: Cluster, start: float) -> str:
             c.spawn(name)
             sup.started(name)
         c.record()
+        if c.chaos:
+            c.injector = start_injector(c)
         last_print = 0.0
         # The trainer exiting 0 ends the run (finished, or stopped); any other exit of any
         # worker, the trainer included (it resumes from its checkpoint), is a restart.
         while c.procs["trainer"].poll() != 0:
+            revive_server(c)
             sup.tick()
-            if c.monkey is not None:
-                n = len(c.monkey.faults)
-                c.monkey.tick(c.procs, c.server, version=c.version())
-                if len(c.monkey.faults) != n:
-                    c.record()
             if time.time() - start > cfg.cluster.timeout_s:
                 status = f"timed out: the trainer did not finish within cluster.timeout_s={cfg.cluster.timeout_s}"
                 print(f"pipeline: {status}; stopping every stage", file=sys.stderr, flush=True)
@@ -715,8 +689,49 @@ def supervise(c: Cluster, start: float) -> str:
             c.r.set(c.keys.stop, 1)
         except Exception:  # noqa: BLE001 - the server is gone: the signals of _stop_all still stop them
             pass
+        stop_injector(c)
         _stop_all(c.procs)
     return status
+
+
+def start_injector(c: Cluster) -> subprocess.Popen:
+    """``pipeline inject`` for this run, as its own process (``logs/inject.out``): it finds the
+    workers and the server through ``cluster.json``, as it would beside any run."""
+    cmd = [sys.executable, "-m", "pipeline.cli", "inject", "--config", str(c.cfg.run_dir / "config.toml")]
+    with open(c.cfg.run_dir / "logs" / "inject.out", "ab") as out:
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def stop_injector(c: Cluster) -> None:
+    """SIGTERM for the injector first (it resumes any worker it paused), then the workers' stop."""
+    p = c.injector
+    if p is None or p.poll() is not None:
+        return
+    p.terminate()
+    try:
+        p.wait(10)
+    except subprocess.TimeoutExpired:
+        _kill_group(p)
+
+
+def revive_server(c: Cluster) -> None:
+    """Start the server this run started again if it died (SIGKILL, an OOM kill): the same
+    port, the same append-only file; clients reconnect by themselves."""
+    if not getattr(c.server, "dead", lambda: False)():
+        return
+    t0 = time.perf_counter()
+    try:
+        what = c.server.revive()
+    except Exception as e:  # noqa: BLE001 - the next tick tries again; the workers ride out the outage
+        print(f"pipeline: the Redis server is down and did not start again ({e}); retrying", file=sys.stderr,
+              flush=True)
+        time.sleep(1.0)
+        return
+    c.server_restarts += 1
+    print(f"pipeline: the Redis server{what} had exited; started it again on its port and data in "
+          f"{time.perf_counter() - t0:.2f} s (server restart {c.server_restarts} of this run)", flush=True)
+    c.record()
 
 
 def finish(c: Cluster, base_info: dict, status: str, start: float) -> int:
@@ -724,24 +739,26 @@ def finish(c: Cluster, base_info: dict, status: str, start: float) -> int:
     from pipeline.observe.report import write_report
     from pipeline.run.accounting import account
 
-    cfg, run_dir, monkey = c.cfg, c.cfg.run_dir, c.monkey
+    cfg, run_dir = c.cfg, c.cfg.run_dir
     print(_progress_line(c.r, c.keys, start, cfg.trainer.steps), flush=True)
     accounting = account(c.r, c.keys)
     extra = {}
-    if monkey is not None:
+    if c.chaos:
+        from pipeline.run.chaos import summary as chaos_summary
         from pipeline.run.chaos import verdict
 
-        extra["chaos"] = {**monkey.summary(), "verdict": verdict(accounting, finished=status == "finished")}
+        extra["chaos"] = {**chaos_summary(run_dir), "verdict": verdict(accounting, finished=status == "finished")}
     summary = write_summary(cfg, c.r, c.keys, accounting, base_info, status=status,
-                            wall_seconds=time.time() - start, restarts=c.restarts, **extra)
+                            wall_seconds=time.time() - start, restarts=c.restarts,
+                            server_restarts=c.server_restarts, **extra)
     c.server.stop()
     c.forget()
     print((run_dir / "summary.md").read_text(), flush=True)
     write_report(run_dir)
     print(f"report: {run_dir / 'report.md'}", flush=True)
-    if monkey is not None:
-        v = extra["chaos"]["verdict"]
-        print(f"chaos: {len(monkey.faults)} faults survived {monkey.summary()['by_kind']}; per prompt: "
+    if c.chaos:
+        v, ch = extra["chaos"]["verdict"], extra["chaos"]
+        print(f"chaos: {ch['faults']} faults survived {ch['by_kind']}; per prompt: "
               f"issued {v['issued']}, trained {v['trained']}, no signal {v['nosignal']}, "
               f"dropped stale {v['dropped_stale']}, dead-lettered {v['dead_lettered']}, in flight {v['in_flight']}, "
               f"lost {v['lost']}, duplicated {v['duplicated']}, unexpected {v['unexpected']} -> "
@@ -759,6 +776,7 @@ def shut_down(c: Cluster) -> None:
             c.r.set(c.keys.stop, 1)
         except Exception:  # noqa: BLE001 - the server is gone already
             pass
+        stop_injector(c)
         _stop_all(c.procs, grace_s=5.0)
         c.server.stop()
         c.forget()
@@ -896,56 +914,17 @@ def write_summary(cfg: RunConfig, r, keys, accounting: dict, base_info: dict, **
     return summary
 
 
-def recorded_identity(info: dict, pid: int) -> str:
-    """Whether ``pid`` is still the process ``cluster.json`` (``info``) recorded: ``same``,
-    ``gone`` (no such process, or it exited), ``other`` (its start time differs: the pid was
-    reused) or ``unknown`` (alive, but no start time was recorded for it)."""
-    now = proc_start_time(pid)
-    if now is None:
-        return "gone"
-    starts = info.get("start_times")
-    if not isinstance(starts, dict) or starts.get(str(pid)) is None:
-        return "unknown"
-    return "same" if starts[str(pid)] == now else "other"
-
-
-SKIP_REASONS = {"gone": "already gone", "other": "its start time differs from the one recorded: the pid belongs to "
-                "another process now", "unknown": "no start time is recorded for it, so it may be another process"}
-
-
-def _signal_recorded(info: dict, what: str, pid: int, sig: int, *, group: bool = False, log=print,
-                     quiet_gone: bool = False) -> bool:
-    """Signal ``pid`` only if it is still the process ``info`` recorded; say why when it is skipped
-    (``quiet_gone``: not for a process that is merely gone)."""
-    identity = recorded_identity(info, pid)
-    if identity != "same":
-        if not (quiet_gone and identity == "gone"):
-                log(f"skipped {what} (pid {pid}): {SKIP_REASONS[identity]}; not signalled", flush=True)
-        return False
-    return _signal(pid, sig, group=group)
-
-
-def _wait_gone(info: dict, pids: list[int], timeout_s: float) -> list[int]:
-    """Wait until none of ``pids`` is the recorded process any more; those still alive then."""
-    deadline = time.time() + timeout_s
-    while True:
-        left = [pid for pid in pids if recorded_identity(info, pid) == "same"]
-        if not left or time.time() >= deadline:
-            return left
-        time.sleep(0.2)
-
-
 def _stop_recorded(info: dict, log=print) -> list[str]:
     """SIGTERM (then, after a grace, SIGKILL) the recorded workers' process groups, then the
     recorded server; each pid only after its start-time check. What was stopped."""
     stopped: list[str] = []
     for names, group in (([(f"{n}", pid) for n, pid in (info.get("workers") or {}).items()], True),
                          ([("the Redis server", pid) for pid in _server_pids(info)], False)):
-        sent = [(what, pid) for what, pid in names if _signal_recorded(info, what, pid, signal.SIGTERM, group=group,
+        sent = [(what, pid) for what, pid in names if signal_recorded(info, what, pid, signal.SIGTERM, group=group,
                                                                         log=log)]
-        for pid in _wait_gone(info, [pid for _, pid in sent], 15.0):
-            _signal(pid, signal.SIGKILL, group=group)  # checked just above: still the recorded process
-        _wait_gone(info, [pid for _, pid in sent], 5.0)
+        for pid in wait_gone(info, [pid for _, pid in sent], 15.0):
+            send_signal(pid, signal.SIGKILL, group=group)  # checked just above: still the recorded process
+        wait_gone(info, [pid for _, pid in sent], 5.0)
         stopped += [f"{what} (pid {pid})" for what, pid in sent]
     return stopped
 
@@ -1014,9 +993,9 @@ def down(runs_dir: Path) -> int:
     info = json.loads(info_file.read_text())
     driver = info.get("driver_pid")
     stopped_driver = False
-    if driver and _signal_recorded(info, "the cluster driver", driver, signal.SIGTERM):
+    if driver and signal_recorded(info, "the cluster driver", driver, signal.SIGTERM):
         # The driver stops its workers and server itself; give it the time to.
-        if not _wait_gone(info, [driver], 30.0):
+        if not wait_gone(info, [driver], 30.0):
             stopped_driver = True
             print(f"stopped the cluster driver (pid {driver}) and its workers")
     try:
@@ -1029,22 +1008,10 @@ def down(runs_dir: Path) -> int:
     except (redis.RedisError, OSError, KeyError, IndexError, ValueError):
         pass  # server already gone: signals below still stop the workers
     for name, pid in info["workers"].items():
-        if _signal_recorded(info, name, pid, signal.SIGTERM, group=True, quiet_gone=stopped_driver):
+        if signal_recorded(info, name, pid, signal.SIGTERM, group=True, quiet_gone=stopped_driver):
             print(f"stopped {name} (pid {pid})")
     for pid in _server_pids(info):
-        if _signal_recorded(info, "the Redis server", pid, signal.SIGTERM, quiet_gone=stopped_driver):
+        if signal_recorded(info, "the Redis server", pid, signal.SIGTERM, quiet_gone=stopped_driver):
             print(f"stopped the Redis server (pid {pid})")
     info_file.unlink(missing_ok=True)
     return 0
-
-
-def _signal(pid: int, sig: int, *, group: bool = False) -> bool:
-    try:
-        (os.killpg if group else os.kill)(pid, sig)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-
-
-def _alive(pid: int) -> bool:
-    return _signal(pid, 0)

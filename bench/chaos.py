@@ -1,0 +1,257 @@
+"""Fault tolerance, measured: seeded chaos runs, the fault rate survived, and a soak.
+
+Every run is ``pipeline chaos`` on the embedded default (Valkey, feeder, 2 generators,
+2 verifiers, trainer, as ``make up-cluster`` starts them), with the fault injector
+(``pipeline inject``) beside the driver as its own process: SIGKILLs of any worker,
+SIGSTOPs of 8 s, SIGKILLs of the server, one every ``min_gap_s``-``max_gap_s`` seconds.
+A run passes when it finishes with lost 0, duplicated 0 and unexpected 0 (the driver's
+total-queue check over every prompt issued).
+
+    python bench/chaos.py seeds --seeds 0-9 --steps 80        # ten seeded runs, a fault every 4-10 s
+    python bench/chaos.py rates --steps 60                     # rising fault rates until one fails
+    python bench/chaos.py soak --minutes 60                    # one long run under steady faults
+
+Each writes its section of bench/results/chaos.json and rewrites bench/results/chaos.md;
+``bench/run.py`` (``make bench``) carries the figures into BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+from pipeline_runs import PIPELINE, RESULTS, ROOT, md_table
+
+OUT = RESULTS / "chaos.json"
+RATE_GAPS = ((4.0, 10.0), (2.0, 5.0), (1.0, 2.5), (0.5, 1.2), (0.25, 0.6))
+"""The gap ranges ``rates`` tries, in order: about 9, 17, 34, 71 and 141 faults a minute."""
+
+
+def seed_list(text: str) -> list[int]:
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out += list(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def chaos_run(label: str, *, steps: int, seed: int, gap: tuple[float, float], runs_dir: Path,
+              extra: list[str] | None = None, timeout_s: float = 3600, on_start=None) -> dict:
+    """One ``pipeline chaos`` run; what its summary says, plus the exit code and wall time."""
+    run_id = f"{label}-{time.strftime('%m%d-%H%M%S')}"
+    cmd = [*PIPELINE, "chaos", "--run-id", run_id, "--runs_dir", str(runs_dir), "--trainer.steps", str(steps),
+           "--chaos.seed", str(seed), "--chaos.min_gap_s", str(gap[0]), "--chaos.max_gap_s", str(gap[1]),
+           "--redis.claim_idle_ms", "5000", "--cluster.timeout_s", str(int(timeout_s)), *(extra or [])]
+    print(f"[{label}] {' '.join(cmd)}", flush=True)
+    t0 = time.time()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                          start_new_session=True) as p:
+        if on_start is not None:
+            on_start(p, runs_dir, run_id)
+        assert p.stdout is not None
+        for line in p.stdout:
+            if line.startswith(("[", "chaos:", "pipeline:")) or "Traceback" in line or "CRASH" in line:
+                print(f"[{label}] {line.rstrip()}", flush=True)
+        rc = p.wait()
+    run_dir = runs_dir / run_id
+    row = {"label": label, "run": str(run_dir.relative_to(ROOT) if run_dir.is_relative_to(ROOT) else run_dir),
+           "seed": seed, "gap_s": list(gap), "exit_code": rc, "wall_seconds": round(time.time() - t0, 1)}
+    try:
+        s = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {**row, "summary": False, "passed": False}
+    v = s.get("chaos", {}).get("verdict", {})
+    faults = s.get("chaos", {}).get("faults", 0)
+    minutes = max(1e-9, (s.get("wall_seconds") or row["wall_seconds"]) / 60)
+    return {**row, "summary": True, "status": s.get("status"), "steps": s.get("steps"),
+            "faults": faults, "faults_per_min": round(faults / minutes, 1),
+            "by_kind": s.get("chaos", {}).get("by_kind", {}), "restarts": s.get("restarts"),
+            "server_restarts": s.get("server_restarts"), "issued": v.get("issued"), "trained": v.get("trained"),
+            "lost": v.get("lost"), "duplicated": v.get("duplicated"), "unexpected": v.get("unexpected"),
+            "in_flight": v.get("in_flight"), "finished": v.get("finished"),
+            "gain_points": s.get("improvement_points"), "passed": rc == 0 and bool(v.get("ok"))}
+
+
+def run_seeds(a) -> dict:
+    rows = [chaos_run(f"chaos-seed{k}", steps=a.steps, seed=k, gap=(a.min_gap, a.max_gap), runs_dir=a.runs_dir)
+            for k in seed_list(a.seeds)]
+    return {"command": f"python bench/chaos.py seeds --seeds {a.seeds} --steps {a.steps}", "steps": a.steps,
+            "gap_s": [a.min_gap, a.max_gap], "runs": rows, "passed": sum(r["passed"] for r in rows), "n": len(rows),
+            "faults_total": sum(r.get("faults", 0) for r in rows)}
+
+
+def run_rates(a) -> dict:
+    rows = []
+    for gap in RATE_GAPS:
+        row = chaos_run(f"chaos-rate{gap[0]:g}-{gap[1]:g}", steps=a.steps, seed=a.seed, gap=gap, runs_dir=a.runs_dir)
+        rows.append(row)
+        if not row["passed"]:
+            break
+    survived = [r for r in rows if r["passed"]]
+    best = max(survived, key=lambda r: r["faults_per_min"]) if survived else None
+    return {"command": f"python bench/chaos.py rates --steps {a.steps} --seed {a.seed}", "steps": a.steps,
+            "runs": rows, "highest_survived_per_min": best["faults_per_min"] if best else None,
+            "highest_survived_gap_s": best["gap_s"] if best else None,
+            "first_failure": next((r for r in rows if not r["passed"]), None)}
+
+
+def _rss_mib(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def run_soak(a) -> dict:
+    """One long chaos run, stopped after ``--minutes`` by SIGTERM to its driver (as ``pipeline
+    down`` does); samples every worker's and the server's memory and every stream's length."""
+    samples: list[dict] = []
+    state: dict = {}
+
+    def on_start(p, runs_dir: Path, run_id: str) -> None:
+        import threading
+
+        def sample() -> None:
+            import redis
+
+            from pipeline.config import load_config
+            from pipeline.keys import Keys
+
+            deadline = time.time() + a.minutes * 60
+            keys = r = None
+            while p.poll() is None:
+                time.sleep(a.sample_s)
+                try:
+                    info = json.loads((runs_dir / "cluster.json").read_text())
+                except (OSError, ValueError):
+                    continue
+                if info.get("run_id") != run_id:
+                    continue
+                if keys is None:
+                    cfg = load_config(str(Path(info["run_dir"]) / "config.toml"), {})
+                    keys = Keys.of(run_id, cfg.redis)
+                row = {"t_s": round(time.time() - state["t0"], 1)}
+                for name, pid in (info.get("workers") or {}).items():
+                    row[f"rss_{name}"] = _rss_mib(pid)
+                row["rss_server"] = sum(x or 0 for x in map(_rss_mib, info.get("server_pids") or []))
+                try:
+                    r = r or redis.Redis.from_url(info["url"], socket_timeout=2)
+                    for stream in ("prompts", "rollouts", "scored", "dead"):
+                        row[f"len_{stream}"] = sum(r.xlen(k) for k in keys.stream_keys(stream))
+                    row["server_used_mib"] = int(r.info("memory")["used_memory"]) / 2**20
+                    row["version"] = int(r.hget(keys.trainer, "version") or 0)
+                except Exception:  # noqa: BLE001 - the server is down (a fault): the next sample
+                    r = None
+                samples.append(row)
+                if time.time() >= deadline and "stopped" not in state:
+                    state["stopped"] = time.time()
+                    print(f"[soak] {a.minutes} min up: SIGTERM to the driver (pid {p.pid})", flush=True)
+                    os.kill(p.pid, signal.SIGTERM)
+
+        state["t0"] = time.time()
+        threading.Thread(target=sample, daemon=True).start()
+
+    row = chaos_run("chaos-soak", steps=a.steps, seed=a.seed, gap=(a.min_gap, a.max_gap), runs_dir=a.runs_dir,
+                    extra=["--trainer.eval_every", str(a.eval_every)], timeout_s=a.minutes * 60 + 3600,
+                    on_start=on_start)
+    half = len(samples) // 2
+
+    def peak(part: list[dict], prefix: str) -> float:
+        vals = [sum(v for k, v in s.items() if k.startswith(prefix) and v is not None) for s in part]
+        return max(vals) if vals else 0.0
+
+    bounded = {}
+    for what in ("rss_", "len_rollouts", "len_scored", "len_prompts", "server_used_mib"):
+        first, second = peak(samples[1:half], what), peak(samples[half:], what)
+        bounded[what.rstrip("_")] = {"first_half_peak": round(first, 1), "second_half_peak": round(second, 1),
+                                     "ratio": round(second / first, 3) if first else None}
+    # The run was stopped, not finished: its verdict counts what is still in flight, and a pass is
+    # lost 0, duplicated 0, unexpected 0 with memory and queues no larger in the second half.
+    ok = (row.get("lost") == 0 and row.get("duplicated") == 0 and row.get("unexpected") == 0
+          and all((b["ratio"] or 0) <= 1.25 for k, b in bounded.items() if k != "server_used_mib"))
+    row["passed"] = ok
+    return {"command": f"python bench/chaos.py soak --minutes {a.minutes}", "minutes": a.minutes,
+            "run": row, "bounded": bounded, "samples": samples, "passed": ok}
+
+
+def render(res: dict) -> str:
+    md = ["# Fault tolerance", "",
+          "`bench/chaos.py`: `pipeline chaos` on the embedded default, faults injected by `pipeline inject` "
+          "from outside the driver (SIGKILL of any worker, SIGSTOP for 8 s, SIGKILL of the server). A run passes "
+          "when it finishes with lost 0, duplicated 0, unexpected 0.", ""]
+    if s := res.get("seeds"):
+        md += [f"## Seeded runs: {s['passed']} of {s['n']} passed",
+               f"`{s['command']}`: a fault every {s['gap_s'][0]:g}-{s['gap_s'][1]:g} s, {s['steps']} steps, "
+               f"{s['faults_total']} faults in all.", ""]
+        md += [md_table(["seed", "passed", "faults", "by kind", "restarts", "server restarts", "issued", "lost",
+                         "duplicated", "unexpected", "wall (s)", "run"],
+                        [[r["seed"], "yes" if r["passed"] else "NO", r.get("faults"),
+                          ", ".join(f"{k} {v}" for k, v in sorted(r.get("by_kind", {}).items())), r.get("restarts"),
+                          r.get("server_restarts"), r.get("issued"), r.get("lost"), r.get("duplicated"),
+                          r.get("unexpected"), r["wall_seconds"], f"`{r['run']}`"] for r in s["runs"]]), ""]
+    if s := res.get("rates"):
+        best = s["highest_survived_per_min"]
+        fail = s["first_failure"]
+        md += ["## Fault rate survived",
+               f"`{s['command']}`: rising rates, one run each, until one fails. Highest rate survived: "
+               f"**{best} faults/min** (gaps {s['highest_survived_gap_s']} s)." if best else "None survived.",
+               (f"First failure at gaps {fail['gap_s']} s: status {fail.get('status')!r}, lost {fail.get('lost')}, "
+                f"duplicated {fail.get('duplicated')}." if fail else "No rate tried failed."), ""]
+        md += [md_table(["gaps (s)", "faults/min", "faults", "passed", "status", "lost", "duplicated", "wall (s)"],
+                        [[f"{r['gap_s'][0]:g}-{r['gap_s'][1]:g}", r.get("faults_per_min"), r.get("faults"),
+                          "yes" if r["passed"] else "NO", r.get("status"), r.get("lost"), r.get("duplicated"),
+                          r["wall_seconds"]] for r in s["runs"]]), ""]
+    if s := res.get("soak"):
+        r = s["run"]
+        md += [f"## Soak: {s['minutes']} min, {'passed' if s['passed'] else 'FAILED'}",
+               f"`{s['command']}`: {r.get('faults')} faults ({r.get('faults_per_min')}/min), "
+               f"{r.get('steps')} steps, issued {r.get('issued')}, lost {r.get('lost')}, duplicated "
+               f"{r.get('duplicated')}, unexpected {r.get('unexpected')}, in flight at the stop {r.get('in_flight')}. "
+               "Peaks in the first and second half of the run (memory in MiB, summed over workers):", ""]
+        md += [md_table(["what", "first half", "second half", "ratio"],
+                        [[k, b["first_half_peak"], b["second_half_peak"], b["ratio"]]
+                         for k, b in s["bounded"].items()]), ""]
+    return "\n".join(md)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("what", choices=["seeds", "rates", "soak", "render"])
+    p.add_argument("--seeds", default="0-9")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--min-gap", type=float, default=4.0)
+    p.add_argument("--max-gap", type=float, default=10.0)
+    p.add_argument("--minutes", type=float, default=60.0)
+    p.add_argument("--sample-s", type=float, default=20.0)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "chaos-bench")
+    a = p.parse_args(argv)
+    if a.what == "soak" and a.steps == 80:
+        a.steps = 1_000_000  # stopped by the clock, not by the step count
+    res = json.loads(OUT.read_text()) if OUT.exists() else {}
+    if a.what != "render":
+        part = {"seeds": run_seeds, "rates": run_rates, "soak": run_soak}[a.what](a)
+        part["date"] = time.strftime("%Y-%m-%d")
+        res[a.what] = part
+        OUT.parent.mkdir(parents=True, exist_ok=True)
+        OUT.write_text(json.dumps(res, indent=2) + "\n")
+    OUT.with_suffix(".md").write_text(render(res))
+    print(OUT.with_suffix(".md").read_text())
+    if a.what == "seeds":
+        return 0 if res["seeds"]["passed"] == res["seeds"]["n"] else 1
+    return 0 if a.what == "render" or res[a.what].get("passed", res[a.what].get("highest_survived_per_min")) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
