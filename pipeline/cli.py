@@ -383,7 +383,10 @@ def _worker_context(cfg: RunConfig, stage: str, worker: str):
         from pipeline.observe.metrics import start_worker_metrics
 
         log = start_worker_metrics(cfg, stage, worker, log)  # /metrics on its port, fed by its log lines
-    return connect(url, name=f"{cfg.run_id}:{worker}", redis_cfg=cfg.redis), Keys.of(cfg.run_id, cfg.redis), log
+    kw = {}
+    if stage in ("feeder", "generator", "verifier", "trainer", "exporter"):  # long-running: redis.worker_retries
+        kw = {"retries": None if cfg.redis.worker_retries < 0 else cfg.redis.worker_retries, "log": log}
+    return connect(url, name=f"{cfg.run_id}:{worker}", redis_cfg=cfg.redis, **kw), Keys.of(cfg.run_id, cfg.redis), log
 
 
 def _interrupt(signum, frame) -> None:

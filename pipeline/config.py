@@ -139,8 +139,16 @@ class RedisConfig(_Section):
     """Connect to a Redis Cluster (``redis.cluster.RedisCluster``) through the node at ``url``;
     keys then carry hash tags so each shard's keys share one slot. ``pipeline up`` without a
     URL starts a local three-master cluster for the run."""
+    worker_retries: int = -1
+    """Retries of a stage worker's calls while the server is unreachable, its first
+    connection included, with capped backoff, each outage logged (``redis_unreachable``,
+    then ``redis_reachable`` with how long it lasted). -1: forever, so an outage of any
+    length is ridden out and a worker started during one waits for the server; N >= 0:
+    give up after N and exit with code 3. The driver and one-shot commands keep a short
+    budget (about 10 s) whatever this says."""
 
     def _validate(self, p: str) -> None:
+        _check(self.worker_retries >= -1, f"{p}.worker_retries", ">= -1 (-1: forever)", self.worker_retries)
         _check(10 <= self.block_ms <= 60_000, f"{p}.block_ms", "in [10, 60000]", self.block_ms)
         _check(self.claim_idle_ms == 0 or self.claim_idle_ms >= 100, f"{p}.claim_idle_ms",
                "0 (off) or >= 100", self.claim_idle_ms)

@@ -63,7 +63,8 @@ one single-slot transaction per batch. Consumers read every shard (``bus.streams
 readers of counters, depths and dead letters sum or merge over the shards.
 
 Admission stays global and exact: ``<global>:admitted`` is one counter that the admission
-script checks and increments atomically. Dead letters live in a shard's slot, so giving
+script checks and increments atomically (on one server the same script reads the prompts
+it admits, ``bus.flow.Admission.admit_read``). Dead letters live in a shard's slot, so giving
 their admission slot back is a second script (``DECRBY``) sent right after the shard's
 transaction. A crash between the two leaks those slots: the counter stays too high, so
 admission is stricter than ``(η + v + 1)·B`` by at most the dead letters of one batch per

@@ -112,7 +112,8 @@ class Stage:
         self.source, self.group = source, group
         self.sink, self.sink_group = sink, sink_group
         self.decode, self.check = decode, check
-        ride_outages(r, log)
+        if cfg.redis.worker_retries < 0:
+            ride_outages(r, log)
         self.txn = TxnWriter(f"{name}:{worker_id}")
         self._emit = txn_script(r, _EMIT)
         ensure_all_groups(r, keys)

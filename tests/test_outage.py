@@ -198,3 +198,39 @@ def test_refused_credentials_fail_at_once_even_for_a_worker(tmp_path):
         assert time.monotonic() - t0 < 5
     finally:
         server.stop()
+
+
+def test_a_worker_started_during_an_outage_waits_for_the_server(tmp_path, tiny_base_model):
+    """A verifier process started while nothing listens on the port waits (``redis.worker_retries``
+    -1, the default) and then scores; with a finite budget it gives up with exit code 3."""
+    from pipeline.bus.server import free_port
+
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    cfg, path = tiny_config(tmp_path, tiny_base_model, url, "late")
+    keys = Keys(cfg.run_id)
+    quick = spawn(path, "verify", "--worker-id", "ver-1", "--redis.worker_retries", "2")
+    ver = spawn(path, "verify", "--worker-id", "ver-0")
+    server = None
+    try:
+        out = quick.communicate(timeout=60)[0].decode(errors="replace")
+        assert quick.returncode == 3 and "cannot reach Redis" in out and "after 2 retries" in out, out[-2000:]
+        time.sleep(3)
+        assert ver.poll() is None, f"the worker gave up during the outage:\n{ver.stdout.read().decode()[-2000:]}"
+        server = start_local_server(tmp_path / "srv", port=port)
+        r = redis.Redis.from_url(url)
+        ensure_all_groups(r, keys)
+        _add(r, keys, 0, 8)
+        _wait(lambda: r.xlen(keys.shard(0).scored) >= 8, 120, "the late worker to score", ver)
+        r.set(keys.stop, 1)
+        out = ver.communicate(timeout=60)[0].decode(errors="replace")
+        assert ver.returncode == 0, out[-3000:]
+        events = [json.loads(x)["event"] for x in (cfg.run_dir / "logs" / "ver-0.jsonl").read_text().splitlines()]
+        assert "redis_unreachable" in events and "redis_reachable" in events, events[:10]
+    finally:
+        for p in (quick, ver):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        if server is not None:
+            server.stop()

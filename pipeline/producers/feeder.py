@@ -59,7 +59,8 @@ def run_feeder(cfg: RunConfig, r, keys: Keys, log, *, tokenizer, max_rounds: int
     """Issue prompts until stopped (or ``feeder.max_prompts``); returns prompts issued by this call."""
     from pipeline.tasks.registry import make_task
 
-    ride_outages(r, log)
+    if cfg.redis.worker_retries < 0:
+        ride_outages(r, log)
     ensure_all_groups(r, keys)
     write = r.register_script(_WRITE)
     problems = make_task(cfg.task).training(cfg.feeder.seed)
