@@ -567,6 +567,31 @@ class ChaosConfig(_Section):
         _check(self.max_faults >= 0, f"{p}.max_faults", ">= 0", self.max_faults)
 
 
+TrackerName = Literal["tensorboard", "wandb"]
+WandbMode = Literal["offline", "online", "disabled"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrackingConfig(_Section):
+    """Experiment trackers fed the trainer's metrics rows (``pipeline.observe.tracking``)."""
+
+    backends: tuple[TrackerName, ...] = ()
+    """Any of ``tensorboard`` (event files) and ``wandb`` (Weights & Biases); none by default
+    (``metrics.jsonl`` is always written). Both need the ``tracking`` extra."""
+    project: str = "rlpipe"
+    """W&B project the run is logged under (its name is the run id)."""
+    wandb_mode: WandbMode = "offline"
+    """``offline``: no network, the run kept under the run directory for ``wandb sync``;
+    ``online``: logged in as usual; ``disabled``: W&B's no-op mode."""
+    dir: str = ""
+    """Where ``tensorboard/`` and ``wandb/`` go (empty: the run directory)."""
+
+    def _validate(self, p: str) -> None:
+        _check(len(set(self.backends)) == len(self.backends), f"{p}.backends", "each backend at most once",
+               self.backends)
+        _check(bool(self.project), f"{p}.project", "a non-empty name", self.project)
+
+
 @dataclass(frozen=True, kw_only=True)
 class MetricsConfig(_Section):
     base_port: int = 0
@@ -608,6 +633,8 @@ class RunConfig:
     """What ``pipeline up`` starts on this machine."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """Prometheus endpoints and queue sampling."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """Experiment trackers (TensorBoard, Weights & Biases)."""
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
     """Fault injection, used only by ``pipeline chaos``."""
 
@@ -844,6 +871,11 @@ def inert_fields(cfg: RunConfig, s: Situation) -> dict[str, str]:
               "only weights.transport 'tcp' and 'ucx' serve and fetch over a socket; the transport is 'shm'")
     if cfg.weights.transport != "ucx":
         inert(["weights.ucx_tls"], f"only weights.transport 'ucx' reads it; the transport is {cfg.weights.transport!r}")
+    if "wandb" not in cfg.tracking.backends:
+        inert(["tracking.project", "tracking.wandb_mode"], "only the wandb tracker reads it; tracking.backends is "
+                                                           f"{list(cfg.tracking.backends)}")
+    if not cfg.tracking.backends:
+        inert(["tracking.dir"], "no tracker is chosen (tracking.backends is empty)")
     if not (cfg.metrics.base_port or cfg.metrics.port):
         inert(["metrics.host"], "no metrics endpoint is served (metrics.base_port and metrics.port are 0)")
     if not _uses_label_model(cfg.verifier.reward):

@@ -238,7 +238,10 @@ class Trainer:
         self.heldout = self.task.heldout()
         self.heldout_ids = [np.asarray(self.engine.tokenizer.encode(item.prompt), dtype=np.int32)
                             for item in self.heldout]
-        self.metrics = MetricsFile(run_dir / "metrics.jsonl" if run_dir else None)
+        from pipeline.observe.tracking import Trackers
+
+        self.metrics = MetricsFile(run_dir / "metrics.jsonl" if run_dir else None,
+                                   trackers=Trackers(cfg, run_dir, log) if cfg.tracking.backends else None)
         self.run_dir = run_dir
         self.ckpt_dir = run_dir / "checkpoints" if run_dir else None
         # The only consumer of its group: nothing to reclaim from others, and its own
@@ -364,6 +367,7 @@ class Trainer:
         return {"version": self.version, "evals": self.evals}
 
     def close(self) -> None:
+        self.metrics.close()
         self.publisher.close()
         self.engine.close()
 

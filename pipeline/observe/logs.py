@@ -53,11 +53,19 @@ def setup_logging(log_dir: Path | None, *, stage: str, worker: str, echo_all: bo
 
 
 class MetricsFile:
-    """Appends one JSON object per line (per training step, per evaluation) to a metrics file."""
+    """Appends one JSON object per line (per training step, per evaluation) to a metrics file,
+    and hands each row to the experiment trackers (``pipeline.observe.tracking.Trackers``)."""
 
-    def __init__(self, path: Path | None):
+    def __init__(self, path: Path | None, trackers=None):
         self._file = open(path, "a", buffering=1) if path is not None else None
+        self.trackers = trackers
 
     def write(self, kind: str, **values: Any) -> None:
         if self._file is not None:
             self._file.write(json.dumps({"kind": kind, "time": time.time(), **values}, default=float) + "\n")
+        if self.trackers is not None:
+            self.trackers.write(kind, values)
+
+    def close(self) -> None:
+        if self.trackers is not None:
+            self.trackers.close()

@@ -324,6 +324,10 @@ def backend_problems(cfg: RunConfig) -> list[str]:
             others = "|".join(x for x in _allowed(name) if x != value)
             problems.append(f"{name}: {value!r} needs {package}, which is not installed in this environment "
                             f"({how}); or choose {others}")
+    if cfg.tracking.backends:
+        from pipeline.observe.tracking import problems as tracking_problems
+
+        problems += tracking_problems(cfg)
     return problems
 
 
