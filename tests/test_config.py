@@ -121,8 +121,8 @@ def test_each_choice_field_allows_exactly_what_its_registry_implements():
     hints = {cls: C._hints(cls) for cls in (C.TrainerConfig, C.TaskConfig, C.WeightsConfig, C.VerifierConfig,
                                             C.GeneratorConfig)}
     pairs = {
-        "trainer.advantage": (hints[C.TrainerConfig]["advantage"], tuple(losses.ADVANTAGES)),
-        "trainer.loss": (hints[C.TrainerConfig]["loss"], tuple(losses.LOSSES)),
+        "trainer.advantage": (C.Advantage, (*losses.ADVANTAGES, *losses.BATCH_ADVANTAGES)),  # built-ins; plugins too
+        "trainer.loss": (C.Loss, tuple(losses.LOSSES)),
         "task.kind": (hints[C.TaskConfig]["kind"], tuple(TASKS)),
         "weights.transport": (hints[C.WeightsConfig]["transport"], tuple(TRANSPORTS)),
         "verifier.dependence": (hints[C.VerifierConfig]["dependence"], tuple(labelmodel.DEPENDENCE_POLICIES)),
@@ -137,7 +137,7 @@ def test_each_choice_field_allows_exactly_what_its_registry_implements():
 
 def test_every_fixed_choice_field_is_a_literal_and_its_validation_allows_its_values_only(tmp_path):
     (tmp_path / "p.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n')
-    needs = {"math": {"task.dataset": str(tmp_path / "p.jsonl")}}
+    needs = {"math": {"task.dataset": str(tmp_path / "p.jsonl")}, "reasoning_gym": {"task.datasets": "chain_sum"}}
     cfg = RunConfig()
     found = set()
     for f in dataclasses.fields(cfg):
@@ -151,12 +151,13 @@ def test_every_fixed_choice_field_is_a_literal_and_its_validation_allows_its_val
                 assert got == ((value,) if many else value)
             with pytest.raises(ConfigError, match=rf"{f.name}\.{name}: must be .*{allowed[0]}"):
                 load_config(overrides={f"{f.name}.{name}": "no-such-choice"})
-    assert found == {"redis.appendfsync", "task.kind", "task.ops", "generator.backend", "generator.vllm_dtype",
-                     "verifier.dependence", "trainer.backend", "trainer.device", "trainer.advantage", "trainer.loss",
+    assert found == {"redis.appendfsync", "task.kind", "task.ops", "task.chat_template", "generator.backend",
+                     "generator.vllm_dtype",
+                     "verifier.dependence", "trainer.backend", "trainer.device",
                      "weights.transport", "chaos.targets", "chaos.kinds", "tracking.backends",
                      "tracking.wandb_mode"}
     # A section built directly, not loaded, is refused the same way.
-    with pytest.raises(ConfigError, match=r"trainer\.loss: must be decoupled_ppo\|tis"):
+    with pytest.raises(ConfigError, match=r"trainer\.loss: must be decoupled_ppo\|tis\|gspo, module:function"):
         dataclasses.replace(cfg, trainer=C.TrainerConfig(loss="ppo2")).validate()
 
 

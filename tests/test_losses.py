@@ -53,6 +53,19 @@ def test_importance_weight_is_truncated_at_the_cap():
     assert torch.isclose(loss, 2.0 * loss_on)
 
 
+def test_the_clip_fraction_counts_only_tokens_where_the_clip_binds():
+    """Above 1 + ε the clip binds only with A > 0, below 1 - ε only with A < 0 (elsewhere the
+    unclipped term is the minimum and the gradient flows)."""
+    logp, mask = _batch()
+    prox = logp.detach() - 1.0  # ratio e^1 > 1 + eps everywhere
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    loss, stats = LOSSES["decoupled_ppo"](logp, prox, prox, adv, mask, LossSettings(clip_eps=0.2))
+    loss.backward()
+    per_row = mask.sum(1)
+    assert stats["clip_frac"] == pytest.approx(float((per_row[0] + per_row[2]) / per_row.sum()))
+    assert torch.all(logp.grad[0] == 0) and torch.any(logp.grad[1] != 0)
+
+
 def test_ratio_clipping_stops_the_gradient_outside_the_trust_region():
     logp, mask = _batch()
     prox = logp.detach() - 1.0  # ratio e^1 > 1 + eps
@@ -128,8 +141,8 @@ def _reference(rows, adv, loss_kind, *, kl_coef, clip_eps, clip_eps_high, is_cap
                 clipped = torch.clamp(ratio, 1 - clip_eps, 1 + high)
                 weight = min(raw, is_cap)
                 term = -weight * torch.minimum(ratio * a, clipped * a)
-                r, c = float(ratio.detach()), float(clipped.detach())
-                sums["clip_frac"] += float(abs(r - c) > 1e-6)
+                r = float(ratio.detach())
+                sums["clip_frac"] += float((r > 1 + high and a > 0) or (r < 1 - clip_eps and a < 0))
                 sums["ratio_mean"] += r
             else:
                 weight = min(math.exp(prox - b), is_cap)
@@ -257,3 +270,48 @@ def test_unknown_variant_names_are_refused():
         LossSettings(loss="nope")
     with pytest.raises(ValueError, match="unknown advantage"):
         advantages([np.zeros(2, dtype=np.float32)], "nope")
+
+
+def test_reinforce_pp_centres_per_group_and_normalises_by_the_batch():
+    """Against the paper's rule written in numpy: r − group mean, divided by the batch std of that."""
+    rng = np.random.default_rng(3)
+    groups = [rng.random(4), rng.random(4), np.full(4, 0.5)]
+    centred = np.concatenate([g - g.mean() for g in groups])
+    want = centred / (centred.std() + 1e-6)
+    got = advantages([g.astype(np.float32) for g in groups], "reinforce_pp")
+    assert np.allclose(got.numpy(), want, atol=1e-5)
+    assert torch.all(got[8:] == 0), "a group without spread stays at 0 (its centred rewards are 0)"
+    assert torch.all(advantages([np.ones(4, np.float32)], "reinforce_pp") == 0)
+
+
+def test_gspo_matches_its_sequence_level_formula():
+    """GSPO written out per sequence in float64: the geometric-mean ratio, its clip, the
+    sequence weight, each sequence's term carried by its tokens, the token mean."""
+    torch.manual_seed(5)
+    n, t = 5, 6
+    logp = (-torch.rand(n, t, dtype=torch.float64)).requires_grad_()
+    prox = logp.detach() + 0.05 * torch.randn(n, t, dtype=torch.float64)
+    behav = prox + 0.1 * torch.randn(n, t, dtype=torch.float64)
+    mask = torch.ones(n, t, dtype=torch.float64)
+    mask[1, 4:] = 0
+    mask[3, 2:] = 0
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0], dtype=torch.float64)
+    s = LossSettings(loss="gspo", clip_eps=0.02, clip_eps_high=0.03, is_cap=1.5)
+    loss, stats = LOSSES["gspo"](logp, prox, behav, adv, mask, s)
+    total, count, binds = torch.zeros((), dtype=torch.float64), 0, 0
+    for i in range(n):
+        m = mask[i].bool()
+        ratio = torch.exp((logp[i][m] - prox[i][m]).mean())
+        clipped = torch.clamp(ratio, 1 - 0.02, 1 + 0.03)
+        weight = min(float(torch.exp((prox[i][m] - behav[i][m]).mean())), 1.5)
+        term = -weight * torch.minimum(ratio * adv[i], clipped * adv[i])
+        total = total + term * int(m.sum())
+        count += int(m.sum())
+        r = float(ratio)
+        binds += int(m.sum()) * ((r > 1.03 and adv[i] > 0) or (r < 0.98 and adv[i] < 0))
+    want = total / count
+    assert float(loss) == pytest.approx(float(want), rel=1e-12)
+    g1 = torch.autograd.grad(loss, logp, retain_graph=True)[0]
+    g2 = torch.autograd.grad(want, logp)[0]
+    assert torch.allclose(g1, g2, atol=1e-12)
+    assert stats["clip_frac"] == pytest.approx(binds / count)

@@ -29,6 +29,21 @@ LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] = {}
 statistic are token means over ``mask`` (what :func:`objective` rescales to its normaliser)."""
 
 
+def resolve(table: dict, kind: str, name: str):
+    """A built-in of ``table``, or user code: ``module:function``, ``path/to/file.py:function`` or a
+    name in the ``rlpipe.advantages`` / ``rlpipe.losses`` entry-point group (``pipeline.plugins``)."""
+    if name in table:
+        return table[name]
+    from pipeline import plugins
+
+    fn = plugins.find(kind, name)
+    if fn is None:
+        raise ValueError(f"unknown {kind} {name!r}; known: {', '.join(sorted(table))}, or your own as "
+                         f"module:function, path/to/file.py:function, or a name in the "
+                         f"{plugins.ENTRY_POINT_GROUPS[kind]!r} entry-point group")
+    return plugins.require_callable(fn, name, kind)
+
+
 def _register(table: dict, name: str):
     def deco(fn):
         table[name] = fn
@@ -55,19 +70,41 @@ def drgrpo_advantage(rewards: torch.Tensor) -> torch.Tensor:
     return rewards - rewards.mean()
 
 
+BATCH_ADVANTAGES: dict[str, Callable[[list[torch.Tensor]], torch.Tensor]] = {}
+"""Advantages that see the whole batch: ``[rewards [G_k] per group] -> advantages [N]``."""
+
+
+@_register(BATCH_ADVANTAGES, "reinforce_pp")
+def reinforce_pp_advantage(rewards_per_group: list[torch.Tensor]) -> torch.Tensor:
+    """REINFORCE++ with a group baseline (Hu et al. 2025): r − mean of its group, then the
+    whole batch normalised by the batch's std of those differences (global, not per group)."""
+    centred = torch.cat([r - r.mean() for r in rewards_per_group])
+    std = centred.std(unbiased=False)
+    if std < NO_SIGNAL_STD:
+        return torch.zeros_like(centred)
+    return centred / (std + 1e-6)
+
+
 def advantages(rewards_per_group: Iterable[Any], kind: str) -> torch.Tensor:
-    """Per-completion advantages [N] of consecutive groups, each group's from its own rewards.
+    """Per-completion advantages [N] of consecutive groups: each group's from its own rewards
+    (:data:`ADVANTAGES`), or the batch's at once (:data:`BATCH_ADVANTAGES`).
 
     ``rewards_per_group``: one 1-D array or tensor per group (a :class:`ScoredGroup`'s
-    ``rewards``), in completion order; ``kind``: a name in :data:`ADVANTAGES`.
+    ``rewards``), in completion order; ``kind``: a name in either table, or user code.
     """
-    if kind not in ADVANTAGES:
-        raise ValueError(f"unknown advantage {kind!r} (known: {', '.join(sorted(ADVANTAGES))})")
-    per_group = [ADVANTAGES[kind](r.detach().clone() if isinstance(r, torch.Tensor) else torch.from_numpy(np.array(r)))
-                 for r in rewards_per_group]
-    if not per_group:
+    groups = [r.detach().clone() if isinstance(r, torch.Tensor) else torch.from_numpy(np.array(r))
+              for r in rewards_per_group]
+    if not groups:
         raise ValueError("advantages needs at least one group")
-    return torch.cat(per_group)
+    if kind in BATCH_ADVANTAGES:
+        out = BATCH_ADVANTAGES[kind](groups)
+    else:
+        fn = resolve(ADVANTAGES, "advantage", kind)
+        out = torch.cat([fn(r) for r in groups])
+    if out.shape != (sum(len(r) for r in groups),):
+        raise ValueError(f"advantage {kind!r} returned shape {tuple(out.shape)} for "
+                         f"{sum(len(r) for r in groups)} completions")
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,9 +113,9 @@ class LossSettings:
     the trainer config's field of the same name."""
 
     advantage: str = "grpo"
-    """A name in :data:`ADVANTAGES`."""
+    """A name in :data:`ADVANTAGES`, or a plugin spec (``resolve``): ``rewards [G] -> advantages [G]``."""
     loss: str = "decoupled_ppo"
-    """A name in :data:`LOSSES`."""
+    """A name in :data:`LOSSES`, or a plugin spec with the same signature as they have."""
     clip_eps: float = 0.2
     clip_eps_high: float = 0.0
     """0: same as clip_eps."""
@@ -87,10 +124,9 @@ class LossSettings:
     """Weight of the k3 KL to the reference policy (used when reference log-probs are given)."""
 
     def __post_init__(self) -> None:
-        if self.advantage not in ADVANTAGES:
-            raise ValueError(f"unknown advantage {self.advantage!r} (known: {', '.join(sorted(ADVANTAGES))})")
-        if self.loss not in LOSSES:
-            raise ValueError(f"unknown loss {self.loss!r} (known: {', '.join(sorted(LOSSES))})")
+        if self.advantage not in BATCH_ADVANTAGES:
+            resolve(ADVANTAGES, "advantage", self.advantage)
+        resolve(LOSSES, "loss", self.loss)
 
     @classmethod
     def from_config(cls, cfg: Any) -> "LossSettings":
@@ -128,8 +164,37 @@ def decoupled_ppo_loss(logp, prox_logp, behav_logp, adv, mask, s: LossSettings):
     per_token = -weight * torch.minimum(ratio * a, clipped * a)
     loss = _masked_mean(per_token, mask)
     stats = {
-        "clip_frac": float(_masked_mean(((ratio - clipped).abs() > 1e-6).float(), mask)),
+        # Where the clip binds (the gradient is cut): above 1 + high with A > 0, below 1 - ε with A < 0.
+        "clip_frac": float(_masked_mean((((ratio > 1 + high) & (a > 0)) | ((ratio < 1 - s.clip_eps) & (a < 0)))
+                                        .float(), mask)),
         "ratio_mean": float(_masked_mean(ratio.detach(), mask)),
+        **_diagnostics(prox_logp, behav_logp, mask, weight),
+    }
+    return loss, stats
+
+
+@_register(LOSSES, "gspo")
+def gspo_loss(logp, prox_logp, behav_logp, adv, mask, s: LossSettings):
+    """GSPO (Zheng et al. 2025): one ratio per sequence, the geometric mean of its token ratios
+    s_i = exp(mean_t (log π_θ − log π_prox)), clipped to [1 − ε, 1 + ε_high]; the term
+    −min(s_i·A_i, clip(s_i)·A_i) is carried by each of the sequence's tokens (token-level
+    aggregation, as every loss here). The off-policy weight is the sequence's too:
+    exp(mean_t (log π_prox − log π_behav)), truncated at is_cap. The paper's ε is small
+    (3e-4 to 4e-4): set clip_eps accordingly."""
+    a = adv[:, None]
+    n_tok = mask.sum(dim=1).clamp(min=1.0)
+    seq_log_ratio = ((logp - prox_logp.detach()) * mask).sum(dim=1) / n_tok
+    ratio = torch.exp(seq_log_ratio)[:, None]
+    high = s.clip_eps_high or s.clip_eps
+    clipped = torch.clamp(ratio, 1 - s.clip_eps, 1 + high)
+    seq_weight = torch.exp(((prox_logp - behav_logp) * mask).sum(dim=1) / n_tok).detach().clamp(max=s.is_cap)
+    weight = seq_weight[:, None].expand_as(logp)
+    per_token = -weight * torch.minimum(ratio * a, clipped * a).expand_as(logp)
+    loss = _masked_mean(per_token, mask)
+    binds = ((ratio > 1 + high) & (a > 0)) | ((ratio < 1 - s.clip_eps) & (a < 0))
+    stats = {
+        "clip_frac": float(_masked_mean(binds.float().expand_as(logp), mask)),
+        "ratio_mean": float(_masked_mean(ratio.detach().expand_as(logp), mask)),
         **_diagnostics(prox_logp, behav_logp, mask, weight),
     }
     return loss, stats
@@ -152,11 +217,13 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 def objective(logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor,
               settings: LossSettings, *, ref_logp: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
-              tokens: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+              tokens: float | None = None, prox_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss to backpropagate for one optimizer step on a batch, and its statistics.
 
-    ``logp`` [N, T]: the trainer's log-probabilities of the completion tokens (with grad);
-    one optimizer step per batch, so the proximal policy is ``logp`` itself, detached.
+    ``logp`` [N, T]: the trainer's log-probabilities of the completion tokens (with grad).
+    ``prox_logp`` [N, T]: the proximal policy's, computed once per batch before its first
+    update (several PPO epochs or minibatches); None: one update per batch, so the proximal
+    policy is ``logp`` itself, detached (the ratio is 1 and only the importance weight acts).
     ``behav_logp`` [N, T]: the behaviour policy's; ``mask`` [N, T]: 1 on valid tokens;
     ``adv`` [N] (from :func:`advantages`). ``ref_logp`` [N, T]: the reference policy's, for
     the k3 KL term weighted by ``settings.kl_coef``; ``entropy`` [N, T]: reported only.
@@ -180,7 +247,8 @@ def objective(logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor, 
         raise ValueError(f"tokens: the normaliser must be > 0; got {tokens!r}")
     # The variants return token means over this part; ``share`` turns a mean into a sum over ``norm``.
     share = local / norm
-    mean_loss, variant_stats = LOSSES[settings.loss](logp, logp.detach(), behav_logp, adv, mask, settings)
+    prox = logp.detach() if prox_logp is None else prox_logp.detach()
+    mean_loss, variant_stats = resolve(LOSSES, "loss", settings.loss)(logp, prox, behav_logp, adv, mask, settings)
     loss = mean_loss * share
     kl = None
     if ref_logp is not None:

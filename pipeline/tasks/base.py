@@ -17,7 +17,12 @@ import numpy as np
 @dataclass(frozen=True)
 class Item:
     prompt: str
+    """The user message: the problem as the task words it (``pipeline.tasks.prompting`` renders it)."""
     reference: str
+    """The hidden reference, read only by the task's ``correctness``."""
+    source: str = ""
+    """Which part of the task it comes from (a reasoning-gym dataset's name); evaluation reports
+    the held-out accuracy per source when the items have one."""
 
 
 class Task(Protocol):

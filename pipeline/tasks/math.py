@@ -3,8 +3,9 @@ r"""The math task (``task.kind = "math"``): problems and reference answers from 
 Rows come from a ``.jsonl`` or ``.parquet`` file (``task.dataset``; columns
 ``task.prompt_field`` and ``task.answer_field``). A seeded shuffle puts
 ``task.heldout_size`` rows aside for evaluation; training cycles over the rest,
-reshuffled each epoch. A completion states its answer in ``\boxed{...}`` (the last one
-counts) and is right when ``math-verify`` finds it equal to the reference.
+reshuffled each epoch. A completion states its answer where ``task.answer_extract`` says
+(by default in ``\boxed{...}``, the last one counting; ``pipeline.tasks.answers``) and is
+right when ``math-verify`` finds it equal to the reference.
 
 ``math-verify``'s own timeouts rely on SIGALRM, which only works in the main thread;
 they are turned off here and the verifier stage's per-verifier deadline bounds the call.
@@ -22,7 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.tasks.answers import boxed_answer, make_extractor
 from pipeline.tasks.base import Item
+
+__all__ = ["MathTask", "boxed_answer", "equivalent", "parse_answer", "read_rows"]
 
 if TYPE_CHECKING:
     from pipeline.config import TaskConfig
@@ -42,24 +46,6 @@ def equivalent(a: list, b: list) -> bool:
     from math_verify import verify
 
     return bool(verify(a, b, timeout_seconds=None)) or bool(verify(b, a, timeout_seconds=None))
-
-
-def boxed_answer(text: str) -> str | None:
-    r"""Content of the last ``\boxed{...}`` (balanced braces), stripped; None when there is none."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    i = start + len("\\boxed{")
-    depth = 1
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                content = text[i:j].strip()
-                return content or None
-    return None
 
 
 def read_rows(path: str | Path) -> list[dict]:
@@ -106,6 +92,7 @@ class MathTask:
         self._heldout = [items[i] for i in order[: cfg.heldout_size]]
         self._train = [items[i] for i in order[cfg.heldout_size:]]
         self.eval_max_new_tokens = cfg.max_new_tokens
+        self.extract = make_extractor(cfg.answer_extract)
         try:
             import math_verify  # noqa: F401
         except ImportError as e:
@@ -125,14 +112,14 @@ class MathTask:
         return list(self._heldout)
 
     def answer(self, completion: str) -> str | None:
-        a = boxed_answer(completion)
+        a = self.extract(completion)
         return None if a is None else " ".join(a.split())
 
     def correctness(self, reference: str, completions: Sequence[str]) -> np.ndarray:
         ref = self._parse(f"${reference}$") or self._parse(reference)
         out = np.zeros(len(completions), dtype=np.float32)
         for i, c in enumerate(completions):
-            a = boxed_answer(c)
+            a = self.extract(c)
             if a is None or not ref:
                 continue
             if a == reference or self._equal(ref, self._parse(f"\\boxed{{{a}}}")):

@@ -72,14 +72,19 @@ class Kind:
     """``required``, ``optional`` or ``none``: whether the spec carries ``:<arg>``."""
     help: str
     """What the argument is, for error messages."""
+    check: str = ""
+    """Name of a function ``check(arg: str | None) -> None`` of ``module`` that raises ValueError for a
+    bad argument when the spec is checked (before anything starts); it must load no model and may
+    touch no file. Empty: only ``arg`` is checked."""
 
 
 KINDS: dict[str, Kind] = {
     "math_equiv": Kind(module="pipeline.verifiers.kinds.math_equiv", arg="none", help="no argument"),
     "reward_model": Kind(module="pipeline.verifiers.kinds.reward_model", arg="required",
                          help="a local HF sequence-classification checkpoint directory (safetensors)"),
-    "lm_judge": Kind(module="pipeline.verifiers.kinds.lm_judge", arg="optional",
-                     help="a causal-LM checkpoint directory of this project (default artifacts/base-model)"),
+    "lm_judge": Kind(module="pipeline.verifiers.kinds.lm_judge", arg="optional", check="check_arg",
+                     help="a causal-LM checkpoint directory (default artifacts/base-model) or a judge server's "
+                          "tcp://<host>:<port>, then optionally @<style> for a chat model"),
     "code_exec": Kind(module="pipeline.verifiers.kinds.code_exec", arg="none", help="no argument"),
 }
 """Verifier kinds beyond the rule-based functions, by the name before the colon."""

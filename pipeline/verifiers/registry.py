@@ -19,7 +19,8 @@ argument after a colon where the kind takes one (``KINDS``; imported on first us
 ==========================  ===============================================================
 ``math_equiv``              symbolic equivalence (``math-verify``) with the group's majority answer
 ``reward_model:<dir>``      a local HF sequence-classification checkpoint's score
-``lm_judge[:<dir>]``        P(yes) of a generator backend asked whether the completion is right
+``lm_judge[:<dir>][@<s>]``  P(yes) of a judge model asked whether the completion is right (style ``s``;
+                            ``lm_judge:tcp://<host>:<port>@<s>`` asks a judge server)
 ``code_exec``               share of the prompt's ``assert`` lines a sandboxed run of the code passes
 ==========================  ===============================================================
 
@@ -61,12 +62,25 @@ def check_spec(spec: str) -> None:
     name, sep, arg = spec.partition(":")
     kind = KINDS.get(name)
     if kind is None:
-        raise ValueError(f"unknown verifier {spec!r}; allowed: {sorted(VERIFIERS)} and kinds "
-                         f"{[k + (':<arg>' if v.arg == 'required' else '') for k, v in KINDS.items()]}")
+        from pipeline import plugins
+
+        found = plugins.find("verifier", spec)  # module:attr, file.py:attr, or an entry point
+        if found is not None:
+            plugins.require_callable(found, spec, "verifier (prompt, completions) -> scores [G]")
+            return
+        raise ValueError(f"unknown verifier {spec!r}; allowed: {sorted(VERIFIERS)}, kinds "
+                         f"{[k + (':<arg>' if v.arg == 'required' else '') for k, v in KINDS.items()]}, "
+                         "module:function or path/to/file.py:function (your own), or a name registered in the "
+                         "'rlpipe.verifiers' entry-point group")
     if kind.arg == "required" and not arg:
         raise ValueError(f"verifier {spec!r}: kind {name!r} needs ':<arg>', {kind.help}")
     if kind.arg == "none" and sep:
         raise ValueError(f"verifier {spec!r}: kind {name!r} takes no argument")
+    if kind.check:
+        try:
+            getattr(importlib.import_module(kind.module), kind.check)(arg or None)
+        except ValueError as e:
+            raise ValueError(f"verifier {spec!r}: {e}") from None
 
 
 _BUILT: dict[str, Verifier] = {}
@@ -81,8 +95,13 @@ def resolve(spec: str) -> Verifier:
     with _BUILD_LOCK:
         if spec not in _BUILT:
             name, _, arg = spec.partition(":")
-            module = importlib.import_module(KINDS[name].module)
-            _BUILT[spec] = module.build(arg or None)
+            if name not in KINDS:
+                from pipeline import plugins
+
+                _BUILT[spec] = plugins.find("verifier", spec)
+            else:
+                module = importlib.import_module(KINDS[name].module)
+                _BUILT[spec] = module.build(arg or None)
         return _BUILT[spec]
 
 

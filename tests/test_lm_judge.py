@@ -1,0 +1,264 @@
+"""HF chat judges (``lm_judge:<dir>@<style>``) and the shared judge server, on a tiny random chat model.
+
+The model is a ~40K-parameter LlamaForCausalLM with a BPE tokenizer trained here and a ChatML
+template in its tokenizer_config.json (``pipeline.verifiers.judge_fixtures``): its judgements
+are noise, the paths are real. No network, no hub.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+
+from pipeline.verifiers import registry as V
+from pipeline.verifiers.judge_fixtures import write_tiny_chat_model
+from pipeline.verifiers.judge_server import (JudgeClient, JudgeServer, JudgeServerError, JudgeServerUnavailable,
+                                             TIMEOUT_ENV)
+from pipeline.verifiers.kinds import lm_judge as LJ
+
+ADD = " 42+317="
+COMPLETIONS = ["359", "358", "The answer is \\boxed{359}.", "no idea",
+               "42 plus 317: 2+7 is 9, 4+1 is 5, 0+3 is 3, so it is 359.", "3590", "I would say 360"]
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    return write_tiny_chat_model(tmp_path_factory.mktemp("judge") / "tiny-chat")
+
+
+@pytest.fixture(scope="module")
+def judge_engine(chat_dir):
+    return LJ.ChatJudge(chat_dir, max_batch=3)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def server(chat_dir):
+    """A judge server on a thread of this process, on a free loopback port."""
+    engine = LJ.ChatJudge(chat_dir)
+    srv = JudgeServer(engine, f"tcp://127.0.0.1:{_free_port()}", max_batch=64, window_ms=150)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    assert srv.wait_bound(10)
+    yield srv
+    srv.stop()
+    t.join(5)
+
+
+# ------------------------------------------------------------------- the chat judge in process
+
+
+def test_the_yes_and_no_variants_of_the_vocabulary_are_found(judge_engine):
+    assert judge_engine.yes_tokens == ["Yes", "ĠYes", "yes", "Ġyes", "YES", "ĠYES"]
+    assert judge_engine.no_tokens == ["No", "ĠNo", "no", "Ġno", "NO", "ĠNO"]
+
+
+@pytest.mark.parametrize("style", sorted(LJ.STYLES))
+def test_batched_p_yes_equals_one_question_at_a_time(judge_engine, style):
+    seqs = [judge_engine.encode(style, ADD, c) for c in COMPLETIONS]
+    asked = [s for s in seqs if s is not None]
+    assert len({len(s) for s in asked}) > 2, "the questions must differ in length, so padding is exercised"
+    before = judge_engine.forwards
+    batched = judge_engine.p_yes_ids(asked)
+    assert judge_engine.forwards - before == math.ceil(len(asked) / 3)  # max_batch 3
+    single = np.array([judge_engine.p_yes_ids([s])[0] for s in asked])
+    np.testing.assert_allclose(batched, single, atol=1e-5, rtol=0)
+    assert ((batched > 0) & (batched < 1)).all()
+    scored = judge_engine.score(style, ADD, COMPLETIONS)
+    assert np.isnan(scored).tolist() == [s is None for s in seqs]
+    np.testing.assert_allclose(scored[~np.isnan(scored)], batched, atol=1e-6)
+
+
+def test_the_question_is_chat_templated_with_a_generation_prompt(judge_engine):
+    text = judge_engine.tokenizer.decode(judge_engine.encode("direct", ADD, "359"))
+    assert text.startswith("<|im_start|>user\nProblem:\n42+317=\n\nProposed solution:\n359\n\n")
+    assert text.endswith("Is the answer correct? Answer Yes or No.<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_styles_ask_different_questions_and_compare_reads_only_the_final_answer(judge_engine):
+    c = COMPLETIONS[4]
+    messages = {s: LJ.render(s, ADD, c) for s in LJ.STYLES}
+    assert len(set(messages.values())) == len(LJ.STYLES) >= 4
+    assert "2+7 is 9" not in messages["compare"] and "Proposed final answer: 359" in messages["compare"]
+    assert LJ.final_answer("so \\boxed{\\frac{1}{2}} it is 3") == "\\frac{1}{2}"
+    assert LJ.final_answer("no idea") is None
+    scores = {s: judge_engine.score(s, ADD, COMPLETIONS[:3]) for s in LJ.STYLES}
+    assert len({tuple(np.round(v, 6)) for v in scores.values()}) == len(LJ.STYLES)
+    assert math.isnan(judge_engine.score("compare", ADD, ["no idea"])[0])
+
+
+def test_an_over_long_completion_is_cut_from_the_left_and_keeps_its_end(chat_dir):
+    j = LJ.ChatJudge(chat_dir, max_tokens=80)
+    long = "words " * 300 + "so the answer is 359"
+    ids = j.encode("direct", ADD, long)
+    assert ids is not None and len(ids) <= 80
+    text = j.tokenizer.decode(ids)
+    assert "... " in text and "so the answer is 359" in text and text.count("words") < 20
+    assert 0 <= j.score("direct", ADD, [long])[0] <= 1
+    assert j.encode("direct", "x " * 400, "359") is None, "a prompt that alone does not fit abstains"
+
+
+def test_specs_through_the_scorer_share_one_model_and_match_the_engine(chat_dir):
+    specs = [f"lm_judge:{chat_dir}", f"lm_judge:{chat_dir}@stepwise", f"lm_judge:{chat_dir}@compare"]
+    scorer = V.Scorer(specs, default_timeout_s=60)
+    votes, outcome = scorer.score(ADD, COMPLETIONS)
+    assert set(outcome.values()) == {"ok"}
+    shared = LJ.engine(chat_dir)
+    assert LJ.engine(str(chat_dir) + "/") is shared and isinstance(shared, LJ.ChatJudge)
+    for j, style in enumerate(["direct", "stepwise", "compare"]):
+        np.testing.assert_allclose(votes[:, j], shared.score(style, ADD, COMPLETIONS), atol=1e-6)
+    assert np.isnan(votes[3, 2]) and not np.isnan(votes[3, :2]).any()  # 'no idea' states no final answer
+
+
+def test_a_bad_style_or_endpoint_is_refused_when_the_spec_is_checked(chat_dir):
+    with pytest.raises(ValueError, match=r"unknown lm_judge style 'chatty'.*\['compare', 'direct', 'grader', "
+                                         r"'stepwise'\]"):
+        V.check_spec(f"lm_judge:{chat_dir}@chatty")
+    with pytest.raises(ValueError, match="unknown lm_judge style"):
+        V.Scorer(["lm_judge:tcp://127.0.0.1:5600@chatty"])
+    with pytest.raises(ValueError, match="tcp://<host>:<port>"):
+        V.check_spec("lm_judge:tcp://127.0.0.1@direct")
+    with pytest.raises(ValueError, match="tcp://<host>:<port>"):
+        V.check_spec("lm_judge:tcp:127.0.0.1:5600")
+    for ok in ("lm_judge", "lm_judge:/no/such/dir", "lm_judge:/no/such/dir@grader",
+               "lm_judge:tcp://127.0.0.1:5600", "lm_judge:tcp://localhost:5600@compare",
+               "lm_judge:ipc:///tmp/j@direct"):
+        V.check_spec(ok)  # no file is touched at check time
+
+
+def test_a_style_on_a_character_policy_abstains_with_the_reason(tiny_base_model):
+    spec = f"lm_judge:{tiny_base_model}@direct"
+    scorer = V.Scorer([spec], default_timeout_s=60)
+    _, outcome = scorer.score(ADD, ["359"])
+    assert outcome == {spec: "error"} and "character policy" in scorer.stats[spec].last_error
+
+
+def test_a_checkpoint_without_a_chat_template_is_refused_with_the_reason(chat_dir, tmp_path):
+    import json
+    import shutil
+
+    d = tmp_path / "no-template"
+    shutil.copytree(chat_dir, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(LJ.ChatJudgeUnavailable, match="no chat template"):
+        LJ.ChatJudge(d)
+    spec = f"lm_judge:{d}@compare"
+    scorer = V.Scorer([spec], default_timeout_s=60)
+    for _ in range(2):  # the reason is kept, not re-learned by loading again on every group
+        _, outcome = scorer.score(ADD, ["359"])
+        assert outcome == {spec: "error"} and "no chat template" in scorer.stats[spec].last_error
+    assert isinstance(LJ._ENGINES[str(d.resolve())], LJ.ChatJudgeUnavailable)
+
+
+# ------------------------------------------------------------------- the judge server
+
+
+def test_the_server_returns_the_in_process_scores(server, chat_dir):
+    client = JudgeClient(server.endpoint, timeout_s=30)
+    ref = LJ.engine(chat_dir)
+    for style in LJ.STYLES:
+        np.testing.assert_allclose(client.score(style, ADD, COMPLETIONS), ref.score(style, ADD, COMPLETIONS),
+                                   atol=1e-6, equal_nan=True)
+    spec = f"lm_judge:{server.endpoint}@grader"
+    votes, outcome = V.Scorer([spec], default_timeout_s=30).score(ADD, COMPLETIONS)
+    assert outcome == {spec: "ok"}
+    np.testing.assert_allclose(votes[:, 0], ref.score("grader", ADD, COMPLETIONS), atol=1e-6)
+    info = client.info()
+    assert info["directory"] == str(chat_dir) and info["styles"] == sorted(LJ.STYLES) and info["errors"] == 0
+    with pytest.raises(JudgeServerError, match=r"unknown lm_judge style 'chatty'; styles: \["):
+        client.score("chatty", ADD, ["359"])
+    client.close()
+
+
+def test_concurrent_clients_share_forwards(server):
+    clients, rounds = 4, 3
+    barrier = threading.Barrier(clients)
+    results: dict[int, list] = {}
+
+    def work(k: int) -> None:
+        c = JudgeClient(server.endpoint, timeout_s=60)
+        out = []
+        for r in range(rounds):
+            barrier.wait()
+            out.append(c.score("direct", f" {k}+{r}=", ["1", "22", "333"]))
+        results[k] = out
+        c.close()
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(results) == clients
+    info = JudgeClient(server.endpoint, timeout_s=30).info()
+    assert info["requests"] == clients * rounds and info["questions"] == clients * rounds * 3
+    assert info["forwards"] < info["requests"], info  # requests of different clients were batched together
+    assert info["batches"] <= rounds + 2, info
+
+
+def test_an_unreachable_server_fails_the_verifier_quickly_and_clearly(monkeypatch):
+    monkeypatch.setenv(TIMEOUT_ENV, "0.5")
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    spec = f"lm_judge:{endpoint}@direct"
+    scorer = V.Scorer([spec], default_timeout_s=5)
+    t0 = time.monotonic()
+    votes, outcome = scorer.score(ADD, ["359", "358"])
+    assert time.monotonic() - t0 < 2.0
+    assert outcome == {spec: "error"} and np.isnan(votes).all()
+    assert f"cannot reach a judge server at {endpoint}" in scorer.stats[spec].last_error
+    assert "pipeline judge-serve" in scorer.stats[spec].last_error
+
+
+def test_a_server_that_never_answers_times_out_with_the_reason():
+    import zmq
+
+    ctx = zmq.Context()
+    mute = ctx.socket(zmq.ROUTER)
+    port = mute.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        client = JudgeClient(f"tcp://127.0.0.1:{port}", timeout_s=0.5)
+        t0 = time.monotonic()
+        with pytest.raises(JudgeServerUnavailable, match="did not answer within 0.5 s"):
+            client.score("direct", ADD, ["359"])
+        assert time.monotonic() - t0 < 2.0
+        peer, raw = mute.recv_multipart()
+        assert msgpack.unpackb(raw)["completions"] == ["359"]  # the wire is msgpack
+        client.close()
+    finally:
+        mute.close(linger=0)
+        ctx.term()
+
+
+def test_judge_serve_main_serves_and_stops_on_sigterm(chat_dir, tmp_path):
+    endpoint = f"ipc://{tmp_path}/judge.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.verifiers.judge_server", str(chat_dir), "--endpoint",
+                             endpoint, "--window-ms", "5", "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith(f"judge server ready: {endpoint}"), line
+        got = JudgeClient(endpoint, timeout_s=30).score("compare", ADD, ["359", "nothing"])
+        assert 0 <= got[0] <= 1 and math.isnan(got[1])
+        proc.terminate()
+        assert proc.wait(15) == 0
+        assert "judge server stopped: 1 requests, 2 questions" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
