@@ -232,7 +232,7 @@ class ModelConfig(_Section):
 
 @dataclass(frozen=True, kw_only=True)
 class TaskConfig(_Section):
-    kind: TaskKind = "arithmetic"
+    kind: str = "arithmetic"
     """``arithmetic``: the embedded integer task (generated, fixed-width prompts, the
     arithmetic weak verifiers). ``math``: prompts and reference answers from a local
     JSONL or Parquet file (``dataset``), answers judged by ``math-verify`` (``math`` extra).
@@ -287,11 +287,16 @@ class TaskConfig(_Section):
 
     def _validate(self, p: str) -> None:
         _check(1 <= self.max_new_tokens <= 32768, f"{p}.max_new_tokens", "in [1, 32768]", self.max_new_tokens)
-        if self.kind in ("math", "reasoning_gym"):
+        own = self.kind not in choices(TaskKind)
+        _check(not own or _plugin_shaped(self.kind, "rlpipe.tasks"), f"{p}.kind",
+               "|".join(choices(TaskKind)) + ", module:Class, path/to/file.py:Class or an entry-point name", self.kind)
+        if own or self.kind in ("math", "reasoning_gym"):
             _check("{problem}" in self.template, f"{p}.template", "a string containing {problem}", self.template)
             _check(self.heldout_size >= 1, f"{p}.heldout_size", ">= 1", self.heldout_size)
             why = answer_extract_problem(self.answer_extract)
             _check(why is None, f"{p}.answer_extract", why or "", self.answer_extract)
+        if own:
+            return  # the task checks the rest of its fields itself, when it is built
         if self.kind == "math":
             _check(self.dataset.endswith((".jsonl", ".parquet")) and Path(self.dataset).is_file(), f"{p}.dataset",
                    "an existing .jsonl or .parquet file", self.dataset)
@@ -1011,17 +1016,18 @@ def inert_fields(cfg: RunConfig, s: Situation) -> dict[str, str]:
         inert(["trainer.clip_eps", "trainer.clip_eps_high"],
               "with one update per batch (trainer.ppo_epochs = trainer.minibatches = 1) the ratio is 1 and never "
               "clipped; set trainer.ppo_epochs or trainer.minibatches above 1")
-    if cfg.task.kind != "math":
+    own_task = cfg.task.kind not in choices(TaskKind)  # a task of the user's (module:Class): reads any field
+    if cfg.task.kind != "math" and not own_task:
         inert(["task.dataset", "task.prompt_field", "task.answer_field"],
               f"only task.kind 'math' reads a dataset file; the task is {cfg.task.kind!r}")
-    if cfg.task.kind != "reasoning_gym":
+    if cfg.task.kind != "reasoning_gym" and not own_task:
         inert(["task.datasets", "task.dataset_params", "task.dataset_weights"],
               f"only task.kind 'reasoning_gym' draws from reasoning-gym datasets; the task is {cfg.task.kind!r}")
     if cfg.task.kind == "arithmetic":
         inert(["task.template", "task.chat_template", "task.system_prompt", "task.answer_extract"],
               "the arithmetic task's prompts are fixed-width character strings and its answers their leading "
               "digits; only task.kind 'math' and 'reasoning_gym' build prompts from text and read answers from it")
-    if cfg.task.kind != "arithmetic":
+    if cfg.task.kind != "arithmetic" and not own_task:
         inert(["task.digits", "task.ops"], f"only task.kind 'arithmetic' generates problems; the task is {cfg.task.kind!r}")
     if cfg.weights.transport == "shm":
         inert(["weights.tcp_port", "weights.fetch_timeout_s"],

@@ -123,7 +123,7 @@ def test_each_choice_field_allows_exactly_what_its_registry_implements():
     pairs = {
         "trainer.advantage": (C.Advantage, (*losses.ADVANTAGES, *losses.BATCH_ADVANTAGES)),  # built-ins; plugins too
         "trainer.loss": (C.Loss, tuple(losses.LOSSES)),
-        "task.kind": (hints[C.TaskConfig]["kind"], tuple(TASKS)),
+        "task.kind": (C.TaskKind, tuple(TASKS)),  # the built-ins; plugins beside them
         "weights.transport": (hints[C.WeightsConfig]["transport"], tuple(TRANSPORTS)),
         "verifier.dependence": (hints[C.VerifierConfig]["dependence"], tuple(labelmodel.DEPENDENCE_POLICIES)),
         "generator.backend": (hints[C.GeneratorConfig]["backend"], tuple(GENERATION_BACKENDS)),
@@ -151,7 +151,7 @@ def test_every_fixed_choice_field_is_a_literal_and_its_validation_allows_its_val
                 assert got == ((value,) if many else value)
             with pytest.raises(ConfigError, match=rf"{f.name}\.{name}: must be .*{allowed[0]}"):
                 load_config(overrides={f"{f.name}.{name}": "no-such-choice"})
-    assert found == {"redis.appendfsync", "task.kind", "task.ops", "task.chat_template", "generator.backend",
+    assert found == {"redis.appendfsync", "task.ops", "task.chat_template", "generator.backend",
                      "generator.vllm_dtype",
                      "verifier.dependence", "trainer.backend", "trainer.device",
                      "weights.transport", "chaos.targets", "chaos.kinds", "tracking.backends",

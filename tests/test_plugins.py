@@ -43,6 +43,40 @@ USER_CODE = textwrap.dedent('''
     def scaled_ppo(logp, prox_logp, behav_logp, adv, mask, s):
         loss, stats = LOSSES["decoupled_ppo"](logp, prox_logp, behav_logp, adv, mask, s)
         return loss * 0.5, {**stats, "scaled": 0.5}
+
+
+    class TwoDigitSums:
+        """A task of one's own: two-digit sums, the odd ones held out (so training never sees one)."""
+
+        eval_max_new_tokens = 4
+
+        def __init__(self, cfg):
+            from pipeline.tasks.base import Item
+
+            self.Item = Item
+            self.cfg = cfg
+
+        def _item(self, a, b):
+            return self.Item(prompt=f" {a:02d}+{b:02d}=", reference=str(a + b))
+
+        def training(self, seed):
+            import random
+
+            rng = random.Random(seed)
+            while True:
+                a, b = rng.randrange(100), rng.randrange(100)
+                if (a + b) % 2 == 0:
+                    yield self._item(a, b)
+
+        def heldout(self):
+            return [self._item(a, 7) for a in range(1, 40, 2)]
+
+        def answer(self, completion):
+            digits = "".join(c for c in completion.strip().split(" ")[0] if c.isdigit())
+            return digits or None
+
+        def correctness(self, reference, completions):
+            return np.array([1.0 if self.answer(c) == reference else 0.0 for c in completions], dtype=np.float32)
 ''')
 
 
@@ -89,9 +123,10 @@ def test_a_typo_in_any_spec_fails_before_launch_naming_the_field(user_dir):
     from pipeline.run.launch import registry_problems
 
     cfg = load_config(overrides={"verifier.verifiers": "format,my_ext:ends_in_digt", "verifier.reward": "my_ext:exct",
-                                 "trainer.advantage": "my_ext:centred", "trainer.loss": "my_ext:scaled_pp"})
+                                 "trainer.advantage": "my_ext:centred", "trainer.loss": "my_ext:scaled_pp",
+                                 "task.kind": "my_ext:TwoDigitSum"})
     problems = registry_problems(cfg)
-    for field in ("verifier.verifiers", "verifier.reward", "trainer.advantage", "trainer.loss"):
+    for field in ("verifier.verifiers", "verifier.reward", "trainer.advantage", "trainer.loss", "task.kind"):
         assert any(p.startswith(f"{field}: ") for p in problems), (field, problems)
     with pytest.raises(ConfigError, match=r"trainer\.loss"):
         load_config(overrides={"trainer.loss": "ppo2"})  # neither built in nor an entry point nor module:attr
@@ -108,7 +143,8 @@ def test_a_run_uses_the_users_verifier_labelled_reward_advantage_and_loss(tmp_pa
     args = [*CLI, "up", "--config", "run.toml", "--runs_dir", "runs", "--model.base_dir", str(tiny_base_model),
             "--run-id", "plugins", "--trainer.steps", "4", "--trainer.eval_every", "4",
             "--verifier.verifiers", "format,units_digit,my_ext:ends_in_digit", "--verifier.reward", "my_ext:exact",
-            "--trainer.advantage", "my_ext:centered", "--trainer.loss", "my_ext:scaled_ppo"]
+            "--trainer.advantage", "my_ext:centered", "--trainer.loss", "my_ext:scaled_ppo",
+            "--task.kind", "my_ext:TwoDigitSums", "--task.max_new_tokens", "4"]
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
     out = p.communicate(timeout=600)[0].decode()
@@ -120,3 +156,8 @@ def test_a_run_uses_the_users_verifier_labelled_reward_advantage_and_loss(tmp_pa
     assert steps and all(s.get("scaled") == 0.5 for s in steps if s["groups_trained"]), steps[-1]
     # The labelled reward is the task's own check here, so reward and sampled accuracy agree.
     assert all(abs(s["reward_mean"] - s["sample_accuracy"]) < 1e-6 for s in steps), steps
+    # The user's task made the prompts (even sums only) and the held-out set (20 odd sums).
+    evals = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"eval"' in x]
+    assert evals and all(e["n"] == 20 for e in evals), evals
+    ledger_ids = summary["accounting"]["issued"]
+    assert ledger_ids > 0

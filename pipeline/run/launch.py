@@ -365,7 +365,15 @@ def registry_problems(cfg: RunConfig) -> list[str]:
         if mode.verifier is not None and mode.verifier not in v.verifiers:
             problems.append(f"verifier.reward: {v.reward!r} must name a verifier of verifier.verifiers "
                             f"{list(v.verifiers)}; add {mode.verifier!r} to the list or pick another")
-    from pipeline.config import Advantage, Loss
+    from pipeline.config import Advantage, Loss, TaskKind
+
+    if cfg.task.kind not in choices(TaskKind):
+        from pipeline.tasks.registry import task_class
+
+        try:
+            task_class(cfg.task.kind)
+        except ValueError as e:
+            problems.append(f"task.kind: {e}".replace("task.kind: task.kind: ", "task.kind: "))
 
     for name, builtin in (("advantage", Advantage), ("loss", Loss)):
         spec = getattr(cfg.trainer, name)
@@ -391,8 +399,10 @@ def task_problems(cfg: RunConfig) -> list[str]:
 
         problems = check_datasets(t)
         return problems or prompt_problems(cfg)
-    if t.kind != "math":
+    if t.kind == "arithmetic":
         return []
+    if t.kind != "math":  # a task of the user's: it checks its own fields when built
+        return prompt_problems(cfg)
     problems = _math_problems(cfg)
     return problems or prompt_problems(cfg)
 

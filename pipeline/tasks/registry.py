@@ -35,8 +35,17 @@ __all__ = ["TASKS", "Item", "Task", "make_task"]
 
 def make_task(cfg: TaskConfig) -> Task:
     """The task ``cfg.kind`` names."""
-    try:
-        kind = TASKS[cfg.kind]
-    except KeyError:
-        raise ValueError(f"task.kind: unknown task {cfg.kind!r}; allowed: {sorted(TASKS)}") from None
+    kind = TASKS.get(cfg.kind) or task_class(cfg.kind)
     return kind(cfg)
+
+
+def task_class(spec: str):
+    """A task kind of the user's: ``module:Class``, ``path/to/file.py:Class`` or a name in the
+    ``rlpipe.tasks`` entry-point group (``pipeline.plugins``), built as ``Class(task_config)``."""
+    from pipeline import plugins
+
+    found = plugins.find("task", spec)
+    if found is None:
+        raise ValueError(f"task.kind: unknown task {spec!r}; allowed: {sorted(TASKS)}, or your own as module:Class, "
+                         "path/to/file.py:Class or a name in the 'rlpipe.tasks' entry-point group")
+    return plugins.require_callable(found, spec, "task (TaskConfig) -> Task")
