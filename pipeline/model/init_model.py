@@ -146,9 +146,9 @@ def write_rows(rows: list[dict], path: str | Path) -> Path:
     return path
 
 
-def corpus(rows: list[dict]) -> list[str]:
+def corpus(rows: list[dict], *, prompt_field: str = "problem", answer_field: str = "answer") -> list[str]:
     """Text a tokenizer for these rows should cover: problems, boxed answers, and the digits."""
-    return [r["problem"] for r in rows] + [f"The answer is \\boxed{{{r['answer']}}}." for r in rows] + \
+    return [str(r[prompt_field]) for r in rows] + [f"The answer is \\boxed{{{r[answer_field]}}}." for r in rows] + \
         ["0123456789 +-*/=()$\\{}^_.,?"]
 
 
@@ -193,7 +193,7 @@ def warm_up(directory: str | Path, rows: list[dict], *, template: str, steps: in
         opt.step()
         losses.append(float(loss.detach()))
         if progress is not None:
-            progress(step + 1, steps, float(loss))
+            progress(step + 1, steps, float(loss.detach()))
     model.eval()
     save_checkpoint(model, tok, directory, tokenizer_dir=directory)
     return {"warmup_steps": steps, "warmup_final_loss": sum(losses[-10:]) / max(1, len(losses[-10:]))}

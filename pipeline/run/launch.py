@@ -888,8 +888,10 @@ def up(cfg: RunConfig, *, chaos: bool = False) -> int:
     base_info = ensure_base_model(cfg)
     c = provision_cluster(cfg, chaos=chaos)
     try:
-        print(f"run {c.cfg.run_id}: redis {c.server.url}, logs in {c.cfg.run_dir}/logs, base accuracy "
-              f"{base_info.get('heldout_accuracy', float('nan')):.3f}", flush=True)
+        known = base_info.get("heldout_accuracy")
+        base = f"base accuracy {known:.3f}" if known is not None else \
+            "base accuracy: measured on the held-out set before the first step"
+        print(f"run {c.cfg.run_id}: redis {c.server.url}, logs in {c.cfg.run_dir}/logs, {base}", flush=True)
         status = supervise(c, start)
         code = finish(c, base_info, status, start)
     except BaseException:

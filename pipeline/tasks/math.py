@@ -74,6 +74,15 @@ def read_rows(path: str | Path) -> list[dict]:
     raise ValueError(f"{p}: prompt files are .jsonl or .parquet")
 
 
+def split(n_rows: int, cfg: TaskConfig) -> tuple[list[int], list[int]]:
+    """(training row indices, held-out row indices) of a file of ``n_rows`` rows: a shuffle
+    seeded by ``task.heldout_seed``, its first ``task.heldout_size`` held out. The task and
+    ``pipeline init-model``'s warm-up use the same split, so a warm-up never sees a held-out row."""
+    order = list(range(n_rows))
+    random.Random(cfg.heldout_seed).shuffle(order)
+    return order[cfg.heldout_size:], order[: cfg.heldout_size]
+
+
 class MathTask:
     def __init__(self, cfg: TaskConfig) -> None:
         rows = read_rows(cfg.dataset)
@@ -87,10 +96,9 @@ class MathTask:
         if cfg.heldout_size >= len(items):
             raise ValueError(f"task.heldout_size: must be below the {len(items)} rows of {cfg.dataset}; "
                              f"got {cfg.heldout_size}")
-        order = list(range(len(items)))
-        random.Random(cfg.heldout_seed).shuffle(order)
-        self._heldout = [items[i] for i in order[: cfg.heldout_size]]
-        self._train = [items[i] for i in order[cfg.heldout_size:]]
+        train, held = split(len(items), cfg)
+        self._heldout = [items[i] for i in held]
+        self._train = [items[i] for i in train]
         self.eval_max_new_tokens = cfg.max_new_tokens
         self.extract = make_extractor(cfg.answer_extract)
         try:
