@@ -326,14 +326,13 @@ class Run:
         self.r.set(self.keys.stop, 1)
 
     def logger(self, stage: str, worker: str):
-        """A structlog logger writing ``<run_dir>/logs/<worker>.jsonl`` (``observe.logs``)."""
-        if worker not in self._loggers:
-            import structlog
-
+        """A structlog logger bound to ``stage`` and ``worker``, writing ``<run_dir>/logs/api.jsonl`` (``observe.logs``)."""
+        if not self._loggers:
             from pipeline.observe.logs import setup_logging
 
-            setup_logging(self.cfg.run_dir / "logs", stage="api", worker="api")
-            self._loggers[worker] = structlog.get_logger().bind(stage=stage, worker=worker)
+            self._loggers["api"] = setup_logging(self.cfg.run_dir / "logs", stage="api", worker="api")
+        if worker not in self._loggers:
+            self._loggers[worker] = self._loggers["api"].bind(stage=stage, worker=worker)
         return self._loggers[worker]
 
     # ------------------------------------------------------------------ the objects of a loop

@@ -516,6 +516,8 @@ class Cluster:
     chaos: bool = False
     injector: subprocess.Popen | None = None
     server_restarts: int = 0
+    quick: Any = None
+    """A client that never retries, for the driver loop's own reads (``progress_line``)."""
     workers: dict[str, tuple[str, str | None]] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     restarts: int = 0
@@ -755,7 +757,7 @@ def supervise(c: Cluster, start: float) -> str:
                 print(f"pipeline: {status}; stopping every stage", file=sys.stderr, flush=True)
                 break
             if time.time() - last_print >= cfg.cluster.progress_every_s:
-                print(_progress_line(c.r, c.keys, start, cfg.trainer.steps), flush=True)
+                print(progress_line(c, start), flush=True)
                 last_print = time.time()
             time.sleep(0.2)
         if status == "finished" and c.procs["trainer"].returncode != 0:
@@ -767,13 +769,31 @@ def supervise(c: Cluster, start: float) -> str:
         c.failure, status = e, f"failed: {e}"
         report_failure(e)
     finally:
+        stop_injector(c)  # first: no fault from here on
         try:
+            revive_server(c)
             c.r.set(c.keys.stop, 1)
         except Exception:  # noqa: BLE001 - the server is gone: the signals of _stop_all still stop them
             pass
-        stop_injector(c)
         _stop_all(c.procs)
     return status
+
+
+def progress_line(c: Cluster, start: float) -> str:
+    """The live progress line, read through a client that does not retry: the driver's loop is
+    what starts a dead server again, so it must never wait on that server."""
+    import redis
+
+    from pipeline.bus.connection import connect
+
+    try:
+        if c.quick is None:
+            c.quick = connect(c.server.url, name=f"{c.cfg.run_id}:driver-progress", redis_cfg=c.cfg.redis, retries=0,
+                              socket_timeout=2.0)
+        return _progress_line(c.quick, c.keys, start, c.cfg.trainer.steps)
+    except redis.RedisError as e:
+        c.quick = None
+        return f"[{time.time() - start:6.0f}s] the Redis server does not answer ({e}); the workers wait for it"
 
 
 def start_injector(c: Cluster) -> subprocess.Popen:
@@ -822,6 +842,7 @@ def finish(c: Cluster, base_info: dict, status: str, start: float) -> int:
     from pipeline.run.accounting import account
 
     cfg, run_dir = c.cfg, c.cfg.run_dir
+    revive_server(c)  # killed by a last fault, the server still holds every acknowledged write
     print(_progress_line(c.r, c.keys, start, cfg.trainer.steps), flush=True)
     accounting = account(c.r, c.keys)
     extra = {}
