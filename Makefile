@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 ARGS ?=
 METRICS_PORT ?= 9400
 
-.PHONY: help setup up-cluster down pretrain test clean seeds gap-experiment hacking-experiment top dashboard report bench-verifier chaos bench-weights bench
+.PHONY: help setup up-cluster down pretrain test clean seeds gap-experiment hacking-experiment top dashboard report bench-verifier chaos chaos-bench soak bench-weights bench
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-19s %s\n", $$1, $$2}'
@@ -30,8 +30,15 @@ dashboard: ## the live view and its charts as a web page on http://127.0.0.1:876
 report: ## PNG plots and report.md of a run: make report RUN=runs/<id>
 	$(BIN)/pipeline report $(RUN)
 
-chaos: setup ## the embedded default while workers and Redis are SIGKILLed; then every prompt is checked (lost/duplicated/unexpected = 0)
+chaos: setup ## the embedded default while an injector beside it kills and pauses workers and the server; then every prompt is checked (lost/duplicated/unexpected = 0)
 	$(BIN)/pipeline chaos --redis.claim_idle_ms 5000 $(ARGS)
+
+chaos-bench: setup ## ten seeded chaos runs, then rising fault rates until one fails; bench/results/chaos.{json,md} (~45 min)
+	nice -n 10 $(BIN)/python bench/chaos.py seeds $(ARGS)
+	nice -n 10 $(BIN)/python bench/chaos.py rates
+
+soak: setup ## one chaos run kept going for an hour under steady faults: memory and stream lengths bounded? (bench/results/chaos.md)
+	nice -n 10 $(BIN)/python bench/chaos.py soak $(ARGS)
 
 down: ## stop a cluster left running
 	$(BIN)/pipeline down

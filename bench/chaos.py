@@ -205,7 +205,8 @@ def render(res: dict) -> str:
                f"`{s['command']}`: rising rates, one run each, until one fails. Highest rate survived: "
                f"**{best} faults/min** (gaps {s['highest_survived_gap_s']} s)." if best else "None survived.",
                (f"First failure at gaps {fail['gap_s']} s: status {fail.get('status')!r}, lost {fail.get('lost')}, "
-                f"duplicated {fail.get('duplicated')}." if fail else "No rate tried failed."), ""]
+                f"duplicated {fail.get('duplicated')}, exit code {fail.get('exit_code')}." if fail
+                else "No rate tried failed.") + (f" {s['note']}" if s.get("note") else ""), ""]
         md += [md_table(["gaps (s)", "faults/min", "faults", "passed", "status", "lost", "duplicated", "wall (s)"],
                         [[f"{r['gap_s'][0]:g}-{r['gap_s'][1]:g}", r.get("faults_per_min"), r.get("faults"),
                           "yes" if r["passed"] else "NO", r.get("status"), r.get("lost"), r.get("duplicated"),

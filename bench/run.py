@@ -323,7 +323,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--e2e-steps", type=int, default=40)
     p.add_argument("--markdown", default=str(ROOT / "BENCHMARKS.md"))
     p.add_argument("--json", default=str(RESULTS / "bench.json"))
+    p.add_argument("--render-only", action="store_true",
+                   help="measure nothing: rewrite the markdown from --json and the other results files")
     a = p.parse_args(argv)
+    if a.render_only:
+        result = json.loads(Path(a.json).read_text())
+        rows = [Row(**{k: v for k, v in r.items() if k not in ("ratio", "meets_aim")}) for r in result["rows"]]
+        Path(a.markdown).write_text(render_markdown(result, rows))
+        say(f"wrote {a.markdown} from {a.json}")
+        return 0
     parts = [x for x in a.only.split(",") if x]
     unknown = set(parts) - set(PARTS)
     if unknown or not parts:
@@ -437,6 +445,39 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any("failed" in v or "no results file" in v for v in status.values()) else 0
 
 
+def appendices() -> list[str]:
+    """Sections from results files other commands write (their own dates and commands): the
+    fault-tolerance runs of bench/chaos.py and the LLM-judge throughput of bench/bench_judge.py."""
+    out = []
+    chaos = RESULTS / "chaos.json"
+    if chaos.exists():
+        res = json.loads(chaos.read_text())
+        out.append("## Fault tolerance (bench/results/chaos.md)\n")
+        if s := res.get("seeds"):
+            out.append(f"- `{s['command']}` ({s['date']}): **{s['passed']} of {s['n']}** seeded runs finished with "
+                       f"lost 0, duplicated 0, unexpected 0, surviving {s['faults_total']} faults (SIGKILLs of any "
+                       f"worker and of the server, 8 s pauses, one every {s['gap_s'][0]:g}-{s['gap_s'][1]:g} s).")
+        if s := res.get("rates"):
+            fail = s.get("first_failure")
+            out.append(f"- `{s['command']}` ({s['date']}): highest fault rate survived (finished, lost 0, "
+                       f"duplicated 0): **{s['highest_survived_per_min']} faults/min** (gaps "
+                       f"{s['highest_survived_gap_s']} s)" + (f"; the next rate tried (gaps {fail['gap_s']} s) "
+                                                               f"failed (exit code {fail['exit_code']})." if fail else ".")
+                       + (f" {s['note']}" if s.get("note") else ""))
+        if s := res.get("soak"):
+            r, b = s["run"], s["bounded"]
+            out.append(f"- `{s['command']}` ({s['date']}): {s['minutes']:g} min under steady faults "
+                       f"({r.get('faults')} faults, {r.get('steps')} steps): lost {r.get('lost')}, duplicated "
+                       f"{r.get('duplicated')}; peak worker memory second half / first half "
+                       f"{b['rss']['ratio']}, scored-stream length {b['len_scored']['ratio']} -> "
+                       f"{'bounded' if s['passed'] else 'NOT bounded'}.")
+        out.append("")
+    judge = RESULTS / "judge.md"
+    if judge.exists():
+        out += ["## LLM judges (bench/results/judge.md)\n", judge.read_text().split("\n", 1)[1].strip() + "\n"]
+    return out
+
+
 def render_markdown(result: dict, rows: list[Row]) -> str:
     m = result["machine"]
     out = [
@@ -454,6 +495,7 @@ def render_markdown(result: dict, rows: list[Row]) -> str:
     ]
     if result["findings"]:
         out += ["## Findings\n", "\n".join(result["findings"]) + "\n"]
+    out += appendices()
     out += ["## Parts\n", "\n".join(f"- {k}: {v}" for k, v in result["parts"].items()) + "\n"]
     out.append(
         "Notes: the async figures run the stage functions users run (`run_feeder`, `run_generator`, "
