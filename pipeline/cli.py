@@ -109,8 +109,8 @@ def _init_model(args: argparse.Namespace, cfg: RunConfig) -> int:
         if t.heldout_size >= len(rows):
             raise ConfigError(f"task.heldout_size: must be below the {len(rows)} rows of {data}; "
                               f"got {t.heldout_size}")
-        train_idx, held_idx = split(len(rows), t)
-    train = [rows[i] for i in train_idx]
+        train_idx, held_idx = split([str(r.get(t.answer_field) or "").strip() != "" for r in rows], t)
+    train = [rows[i] for i in train_idx if str(rows[i].get(t.answer_field) or "").strip()]  # the warm-up needs answers
     texts = corpus(train, prompt_field=t.prompt_field, answer_field=t.answer_field)
     summary = init_model(args.out, preset=args.preset, texts=texts, tokenizer_vocab=args.tokenizer_vocab,
                          seed=args.seed)

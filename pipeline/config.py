@@ -1052,9 +1052,11 @@ LABEL_MODEL_REWARDS = ("weaver", "weaver-hard")
 
 
 def _uses_label_model(reward: str) -> bool:
-    # The mode's name is the part before any ':' (``single:<name>``, ``distilled:<dir>``);
-    # whether the whole spec is valid is the preflight's check (pipeline.algo.rewards).
-    return reward.partition(":")[0] in LABEL_MODEL_REWARDS
+    # Each term's name is the part before any ':' (``single:<name>``, ``distilled:<dir>``), after
+    # any weight (``0.2*weaver``); combinations join terms with '+' and '|'. Whether the whole
+    # spec is valid is the preflight's check (pipeline.algo.rewards).
+    terms = [t.strip().rpartition("*")[2].strip() for part in reward.split("|") for t in part.split("+")]
+    return any(t.partition(":")[0] in LABEL_MODEL_REWARDS for t in terms)
 
 
 def refuse_inert(cfg: RunConfig, s: Situation) -> None:

@@ -55,9 +55,12 @@ def test_jsonl_and_parquet_give_the_same_rows(tmp_path, math_data):
 
 def test_bad_rows_are_refused_naming_the_row_and_field(tmp_path):
     p = tmp_path / "bad.jsonl"
-    p.write_text(json.dumps({"problem": "1+1", "answer": "2"}) + "\n" + json.dumps({"problem": "2+2"}) + "\n")
-    with pytest.raises(ValueError, match=r"row 2 has no 'answer'"):
+    p.write_text(json.dumps({"problem": "1+1", "answer": "2"}) + "\n" + json.dumps({"answer": "4"}) + "\n")
+    with pytest.raises(ValueError, match=r"row 2 has no 'problem'"):
         MathTask(TaskConfig(kind="math", dataset=str(p), heldout_size=1))
+    # A row without an answer is an unlabelled one (trained on, never held out), not a bad row.
+    p.write_text(json.dumps({"problem": "1+1", "answer": "2"}) + "\n" + json.dumps({"problem": "2+2"}) + "\n")
+    assert [i.reference for i in MathTask(TaskConfig(kind="math", dataset=str(p), heldout_size=1)).heldout()] == ["2"]
     p.write_text("{not json\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:1: not a JSON object"):
         read_rows(p)

@@ -62,3 +62,25 @@ def test_the_split_is_the_tasks_and_a_missing_field_is_named(tmp_path, gsm, caps
     err = capsys.readouterr().err
     assert code == 2 and "task.prompt_field: " in err and "has no field 'problem'" in err, err
     assert "'question'" in err, "the file's own fields are listed"
+
+
+def test_rows_without_an_answer_are_trained_on_never_held_out(tmp_path):
+    from pipeline.tasks.math import MathTask
+
+    rows = _rows(40)
+    for r in rows[::2]:
+        r["answer"] = ""  # half the file unlabelled
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(overrides={"task.kind": "math", "task.dataset": str(path), "task.prompt_field": "question",
+                                 "task.answer_field": "answer", "task.heldout_size": "8"})
+    task = MathTask(cfg.task)
+    held = task.heldout()
+    assert len(held) == 8 and all(item.reference for item in held), "only labelled rows are held out"
+    stream = task.training(0)
+    train = [next(stream) for _ in range(32)]
+    assert sum(not item.reference for item in train) == 20, "every unlabelled row is a training row"
+    assert not ({i.prompt for i in held} & {i.prompt for i in train})
+    assert list(task.correctness("", ["\\boxed{1}"])) == [0.0]
+    with pytest.raises(ValueError, match="task.heldout_size"):
+        MathTask(cfg.task.__class__(**{**cfg.task.__dict__, "heldout_size": 25}))

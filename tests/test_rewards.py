@@ -140,3 +140,36 @@ def test_single_accepts_a_verifier_kind_spec():
     assert mode.kind == "single" and mode.verifier == "reward_model:/models/rm"
     with pytest.raises(ValueError, match="needs ':<arg>'"):
         parse_reward_mode("single:reward_model")
+
+
+def test_a_weighted_sum_of_modes_is_the_sum_of_their_rewards():
+    from pipeline.algo.rewards import parse_reward_mode
+
+    mode = parse_reward_mode("0.8*ground_truth + 0.2*single:format")
+    assert mode.uses_truth and not mode.needs_label_model and mode.verifiers == ("format",)
+    votes = np.array([[1.0], [0.0], [1.0], [np.nan]])
+    truth = np.array([1.0, 1.0, 0.0, 0.0])
+    got = mode(votes=votes, names=["format"], truth=truth, completions=["a", "b", "c", "d"], reference="7")
+    assert np.allclose(got, [1.0, 0.8, 0.2, 0.0])
+
+
+def test_labels_where_the_row_has_one_and_the_weak_mode_where_not():
+    from pipeline.algo.rewards import parse_reward_mode
+
+    mode = parse_reward_mode("ground_truth|average")
+    assert mode.uses_truth and not mode.needs_label_model
+    votes = np.array([[1.0, 0.0], [0.5, 0.5]])
+    truth = np.array([0.0, 1.0])
+    labelled = mode(votes=votes, names=["a", "b"], truth=truth, completions=["x", "y"], reference="3")
+    unlabelled = mode(votes=votes, names=["a", "b"], truth=np.zeros(2), completions=["x", "y"], reference="")
+    assert list(labelled) == [0.0, 1.0], "the row's label rules"
+    assert np.allclose(unlabelled, [0.5, 0.5]), "no label: the weak verifiers' mean"
+    assert parse_reward_mode("ground_truth|weaver").needs_label_model
+
+
+@pytest.mark.parametrize("spec", ["ground_truth|nope", "0.5*weaver + single:no_such", "2*"])
+def test_a_bad_term_of_a_combination_is_refused(spec):
+    from pipeline.algo.rewards import parse_reward_mode
+
+    with pytest.raises(ValueError):
+        parse_reward_mode(spec)

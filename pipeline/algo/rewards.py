@@ -16,6 +16,10 @@ A mode is chosen by a spec string in the config (``verifier.reward``):
                     ``function(prompts, completions, reference, **kw) -> list[float]``
 ==================  ==========================================================================
 
+Modes combine: ``0.8*ground_truth + 0.2*single:format`` (a weighted sum) and
+``ground_truth|weaver`` (the first where the group's row has a reference answer, the second
+where it has none); ``CombinedReward``.
+
 A labelled reward is called once per group with lists of length G: the prompt repeated,
 the completions, the row's reference answer repeated (``reference``, also passed as
 ``answer``), and ``extracted``, each completion's answer as the task extracts it. It returns G
@@ -150,6 +154,11 @@ class RewardMode:
         return self.kind in LABEL_MODEL_REWARDS
 
     @property
+    def verifiers(self) -> tuple[str, ...]:
+        """The verifiers a ``single:`` mode reads (they must be scored)."""
+        return (self.verifier,) if self.verifier else ()
+
+    @property
     def uses_truth(self) -> bool:
         """Only ``ground_truth`` and labelled rewards read the reference."""
         return self.kind in ("ground_truth", "labelled")
@@ -214,11 +223,71 @@ def allowed_reward_modes() -> list[str]:
     return [*REWARD_MODES, *(f"{SINGLE_PREFIX}{n}" for n in sorted(VERIFIERS)), *kinds]
 
 
-def parse_reward_mode(spec: str) -> RewardMode:
-    """Validate a reward spec and return its ``RewardMode``; ValueError lists the allowed specs."""
+@dataclass(frozen=True)
+class CombinedReward:
+    """``w1*a + w2*b + ...`` (a weighted sum of modes, e.g. a labelled reward plus a format
+    bonus) or ``a|b`` (``a`` where the group's row has a reference answer, ``b`` where it has
+    none: labels where they exist, Weaver elsewhere). Called like a ``RewardMode``."""
+
+    spec: str
+    terms: tuple[tuple[float, "RewardMode | CombinedReward"], ...] = ()
+    fallback: "tuple[RewardMode | CombinedReward, RewardMode | CombinedReward] | None" = None
+
+    def _parts(self):
+        return [m for _, m in self.terms] if self.fallback is None else list(self.fallback)
+
+    @property
+    def needs_label_model(self) -> bool:
+        return any(m.needs_label_model for m in self._parts())
+
+    @property
+    def uses_truth(self) -> bool:
+        return any(m.uses_truth for m in self._parts())
+
+    @property
+    def verifiers(self) -> tuple[str, ...]:
+        return tuple(v for m in self._parts() for v in m.verifiers)
+
+    def __call__(self, *, votes, reference: str | None = None, **kw) -> np.ndarray:
+        if self.fallback is not None:
+            labelled, unlabelled = self.fallback
+            if reference is not None and str(reference).strip():
+                return labelled(votes=votes, reference=reference, **kw)
+            return unlabelled(votes=votes, reference=reference, **kw)
+        out = None
+        for w, m in self.terms:
+            r = w * m(votes=votes, reference=reference, **kw).astype(np.float64)
+            out = r if out is None else out + r
+        return out.astype(np.float32)
+
+
+def _weighted(term: str) -> tuple[float, str]:
+    head, star, rest = term.partition("*")
+    if star:
+        try:
+            return float(head), rest.strip()
+        except ValueError:
+            pass
+    return 1.0, term.strip()
+
+
+def parse_reward_mode(spec: str) -> "RewardMode | CombinedReward":
+    """Validate a reward spec and return its mode; ValueError lists the allowed specs.
+
+    Besides one mode: ``labelled|weak`` (the first where the row has a reference answer, the
+    second where not) and weighted sums ``0.8*ground_truth + 0.2*single:format``."""
     if not isinstance(spec, str):
         raise ValueError(f"reward mode must be a string, got {spec!r}; allowed: {allowed_reward_modes()}")
     s = spec.strip()
+    if "|" in s:
+        first, _, second = s.partition("|")
+        return CombinedReward(spec=s, fallback=(parse_reward_mode(first), parse_reward_mode(second)))
+    if "+" in s:
+        terms = tuple((w, parse_reward_mode(t)) for w, t in map(_weighted, s.split("+")))
+        return CombinedReward(spec=s, terms=terms)
+    w, one = _weighted(s)
+    if w != 1.0 or one != s:
+        return CombinedReward(spec=s, terms=((w, parse_reward_mode(one)),))
     if s in REWARD_MODES:
         return RewardMode(spec=s, kind=s)
     if s.startswith(SINGLE_PREFIX):

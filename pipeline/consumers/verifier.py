@@ -115,8 +115,9 @@ def reward_mode(v: VerifierConfig) -> RewardMode:
         mode = parse_reward_mode(v.reward)
     except ValueError as e:
         raise ConfigError(f"verifier.reward: {e}") from None
-    if mode.verifier is not None and mode.verifier not in v.verifiers:
-        raise ConfigError(f"verifier.reward: {v.reward!r} names a verifier not in verifier.verifiers {v.verifiers}")
+    missing = [n for n in mode.verifiers if n not in v.verifiers]
+    if missing:
+        raise ConfigError(f"verifier.reward: {v.reward!r} names {missing}, not in verifier.verifiers {v.verifiers}")
     return mode
 
 

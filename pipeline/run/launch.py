@@ -362,9 +362,10 @@ def registry_problems(cfg: RunConfig) -> list[str]:
     except ValueError as e:
         problems.append(f"verifier.reward: {e}")
     else:
-        if mode.verifier is not None and mode.verifier not in v.verifiers:
-            problems.append(f"verifier.reward: {v.reward!r} must name a verifier of verifier.verifiers "
-                            f"{list(v.verifiers)}; add {mode.verifier!r} to the list or pick another")
+        for name in mode.verifiers:
+            if name not in v.verifiers:
+                problems.append(f"verifier.reward: {v.reward!r} must name a verifier of verifier.verifiers "
+                                f"{list(v.verifiers)}; add {name!r} to the list or pick another")
     from pipeline.config import Advantage, Loss, TaskKind
 
     if cfg.task.kind not in choices(TaskKind):

@@ -74,13 +74,19 @@ def read_rows(path: str | Path) -> list[dict]:
     raise ValueError(f"{p}: prompt files are .jsonl or .parquet")
 
 
-def split(n_rows: int, cfg: TaskConfig) -> tuple[list[int], list[int]]:
-    """(training row indices, held-out row indices) of a file of ``n_rows`` rows: a shuffle
-    seeded by ``task.heldout_seed``, its first ``task.heldout_size`` held out. The task and
-    ``pipeline init-model``'s warm-up use the same split, so a warm-up never sees a held-out row."""
-    order = list(range(n_rows))
+def split(labelled: int | list[bool], cfg: TaskConfig) -> tuple[list[int], list[int]]:
+    """(training row indices, held-out row indices) of a file's rows (``labelled``: how many
+    rows, all with a reference answer, or per row whether it has one): a shuffle seeded by
+    ``task.heldout_seed``, whose first ``task.heldout_size`` rows with an answer are held out
+    (a row without one can only be trained on, with a reward that needs no label). The task
+    and ``pipeline init-model``'s warm-up use the same split, so a warm-up never sees a
+    held-out row."""
+    has = [True] * labelled if isinstance(labelled, int) else list(labelled)
+    order = list(range(len(has)))
     random.Random(cfg.heldout_seed).shuffle(order)
-    return order[cfg.heldout_size:], order[: cfg.heldout_size]
+    held = [i for i in order if has[i]][: cfg.heldout_size]
+    chosen = set(held)
+    return [i for i in order if i not in chosen], held
 
 
 class MathTask:
@@ -88,15 +94,21 @@ class MathTask:
         rows = read_rows(cfg.dataset)
         items = []
         for n, row in enumerate(rows, 1):
-            for name in (cfg.prompt_field, cfg.answer_field):
-                if name not in row or row[name] is None or str(row[name]).strip() == "":
-                    raise ValueError(f"{cfg.dataset}: row {n} has no {name!r} (task.prompt_field / task.answer_field)")
+            if cfg.prompt_field not in row or row[cfg.prompt_field] is None or not str(row[cfg.prompt_field]).strip():
+                raise ValueError(f"{cfg.dataset}: row {n} has no {cfg.prompt_field!r} (task.prompt_field)")
+            # A row without an answer is unlabelled: trained on with a label-free reward
+            # (``ground_truth|weaver``: Weaver there), never held out.
+            answer = row.get(cfg.answer_field)
             items.append(Item(cfg.template.replace("{problem}", str(row[cfg.prompt_field])),
-                              str(row[cfg.answer_field]).strip()))
-        if cfg.heldout_size >= len(items):
-            raise ValueError(f"task.heldout_size: must be below the {len(items)} rows of {cfg.dataset}; "
-                             f"got {cfg.heldout_size}")
-        train, held = split(len(items), cfg)
+                              "" if answer is None else str(answer).strip()))
+        labelled = [bool(it.reference) for it in items]
+        if not any(labelled):
+            raise ValueError(f"{cfg.dataset}: no row has an answer in {cfg.answer_field!r} (task.answer_field); "
+                             "the held-out set needs reference answers")
+        if cfg.heldout_size >= len(items) or cfg.heldout_size > sum(labelled):
+            raise ValueError(f"task.heldout_size: must be below the {len(items)} rows of {cfg.dataset} and at most "
+                             f"its {sum(labelled)} rows with an answer; got {cfg.heldout_size}")
+        train, held = split(labelled, cfg)
         self._heldout = [items[i] for i in held]
         self._train = [items[i] for i in train]
         self.eval_max_new_tokens = cfg.max_new_tokens
@@ -124,8 +136,10 @@ class MathTask:
         return None if a is None else " ".join(a.split())
 
     def correctness(self, reference: str, completions: Sequence[str]) -> np.ndarray:
-        ref = self._parse(f"${reference}$") or self._parse(reference)
         out = np.zeros(len(completions), dtype=np.float32)
+        if not reference:
+            return out  # an unlabelled row: nothing to be right against
+        ref = self._parse(f"${reference}$") or self._parse(reference)
         for i, c in enumerate(completions):
             a = self.extract(c)
             if a is None or not ref:
