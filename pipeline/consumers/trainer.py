@@ -266,6 +266,8 @@ class Trainer:
         self.version = 0
         self.evals: dict[int, float] = {}
         self.uncommitted: list[StepRecord] = []
+        self.refills = 0
+        """Extra reads of the last step under dynamic sampling."""
         self.held: set[str] = set()
         self.labelmodel_versions: set[int] = set()
 
@@ -342,6 +344,8 @@ class Trainer:
         row = step_metrics(batch, fresh, signal, version=self.version, stats=stats, wait_s=wait_s,
                            step_s=time.perf_counter() - t_step)
         row["groups_consumed"] = len(batch)
+        if t.dynamic_sampling:
+            row["refills"] = self.refills
         self.uncommitted.append(step_record(batch, kinds, version=self.version, row=row))
         self.held.update(g.rollout.prompt_id for _, g in batch)
         self.labelmodel_versions.update(g.labelmodel_version for g in fresh)
@@ -358,11 +362,13 @@ class Trainer:
         ``groups_per_step`` groups against the staleness bound. The give-back's token is the
         step's version and the refill's number: a step redone after a crash gives back nothing twice."""
         t = self.cfg.trainer
+        self.refills = 0
         for n in range(t.max_refills):
             kinds = classify(batch, version=self.version, max_staleness=t.max_staleness)
             missing = t.groups_per_step - sum(kind == Outcome.TRAINED for kind in kinds)
             if missing <= 0:
                 break
+            self.refills = n + 1
             release_once(self.r, self.keys, missing, writer_id="trainer:refills",
                          seq=(self.version + 1) * 10_000 + n)
             more = collect_batch(self.stage, size=missing,
