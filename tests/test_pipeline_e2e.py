@@ -103,11 +103,22 @@ def test_a_malformed_rollout_is_dead_lettered_and_the_verifier_keeps_going(tmp_p
     assert info["verifiers"]["pending"] == 0, "everything was acked: scored or dead-lettered"
 
 
-def test_a_stage_without_a_server_fails_with_a_clear_message(tmp_path, tiny_base_model):
+def test_a_stage_without_a_server_says_so_and_waits_or_fails_with_a_clear_message(tmp_path, tiny_base_model):
+    """A stage waits for its server by default (redis.worker_retries -1), saying so on its
+    output; with a finite budget it gives up, exit code 3, with the URL it could not reach."""
     cfg, path = _config(tmp_path, tiny_base_model, "redis://127.0.0.1:1/0", "noserver")
+    waiting = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "feed", "--config", str(path)],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(4)
+        assert waiting.poll() is None, "the default is to wait for the server"
+    finally:
+        waiting.kill()
+    out = waiting.communicate(timeout=30)[0]
+    assert "redis_unreachable" in out and "Connection refused" in out and "until it answers" in out, out
     t0 = time.time()
-    p = subprocess.run([sys.executable, "-m", "pipeline.cli", "feed", "--config", str(path)],
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-m", "pipeline.cli", "feed", "--config", str(path),
+                        "--redis.worker_retries", "3"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 3
     assert "cannot reach Redis at redis://127.0.0.1:1/0" in p.stderr
     assert time.time() - t0 > 1, "it retried with backoff before giving up"

@@ -112,12 +112,19 @@ def test_a_single_verifier_reward_must_name_a_verifier_of_the_list(tmp_path, tin
     assert "verifier.reward: 'single:mod7' must name a verifier of verifier.verifiers" in err
 
 
-@pytest.mark.parametrize("renamed, field", [("problem", "task.prompt_field"), ("answer", "task.answer_field")])
-def test_a_math_dataset_missing_the_field_is_refused_naming_it(tmp_path, tiny_base_model, renamed, field):
-    data = _math_rows(tmp_path / "rows.jsonl", 100, **{renamed: "question"})
+def test_a_math_dataset_missing_the_prompt_field_is_refused_naming_it(tmp_path, tiny_base_model):
+    data = _math_rows(tmp_path / "rows.jsonl", 100, problem="question")
     err, _ = _refused(tmp_path, tiny_base_model, "--task.kind", "math", "--task.dataset", str(data))
-    assert f"{field}: must name a column every row of {data} has" in err, err
-    assert f"row 1 has no '{renamed}'" in err
+    assert f"task.prompt_field: must name a column every row of {data} has" in err, err
+    assert "row 1 has no 'problem'" in err
+
+
+def test_a_math_dataset_without_any_answer_is_refused_naming_the_field(tmp_path, tiny_base_model):
+    """Rows without an answer are unlabelled (trained on with a label-free reward), but a file
+    where none has one leaves no held-out set."""
+    data = _math_rows(tmp_path / "rows.jsonl", 100, answer="solution")
+    err, _ = _refused(tmp_path, tiny_base_model, "--task.kind", "math", "--task.dataset", str(data))
+    assert "task.answer_field: " in err and "no row has an answer in 'answer'" in err, err
 
 
 def test_a_heldout_set_as_large_as_the_dataset_is_refused_naming_the_field(tmp_path, tiny_base_model):

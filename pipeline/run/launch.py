@@ -463,6 +463,8 @@ def _math_problems(cfg: RunConfig) -> list[str]:
         for name in ("prompt_field", "answer_field"):
             if f"has no {getattr(t, name)!r}" in msg:
                 return [f"task.{name}: must name a column every row of {t.dataset} has; {msg}"]
+        if "no row has an answer" in msg:
+            return [f"task.answer_field: must name the column holding the reference answers; {msg}"]
         return [f"task.dataset: must be a .jsonl or .parquet file of problem rows; {msg}"]
     return []
 
