@@ -170,7 +170,7 @@ def check_arg(arg: str | None) -> None:
     if style is not None:
         check_style(style)
     if is_endpoint(target):
-        from pipeline.verifiers.judge_server import check_endpoint
+        from pipeline.verifiers.judge_client import check_endpoint
 
         check_endpoint(target)
     elif target is not None and target.startswith(("tcp:", "ipc:")):
@@ -458,7 +458,7 @@ def build(arg: str | None, *, backend: JudgeBackend | None = None) -> object:
     if backend is not None:
         return lambda prompt, completions: judge(backend, prompt, completions)
     if is_endpoint(target):
-        from pipeline.verifiers.judge_server import JudgeClient
+        from pipeline.verifiers.judge_client import JudgeClient
 
         client = JudgeClient(target)
 
