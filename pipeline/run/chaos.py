@@ -196,13 +196,16 @@ class Injector:
         info = self.info
         if kind == "redis":
             pids = list(info.get("server_pids") or ([info["server_pid"]] if info.get("server_pid") else []))
-            live = [p for p in pids if recorded_identity(info, p) == "same"]
-            if not live:
+            if not pids:
                 return None
-            pid = self.plan.rng.choice(live)
-            send_signal(pid, signal.SIGKILL)
-            node = f" (one of {len(pids)} masters)" if len(pids) > 1 else ""
-            return Fault(time.time() - self.started, kind, "redis", f"SIGKILL of the server pid {pid}{node}", version)
+            # In a Redis Cluster, one master at a time, in turn (master 0 first).
+            i = sum(f.kind == "redis" for f in self.faults) % len(pids)
+            pid = pids[i]
+            if recorded_identity(info, pid) != "same" or not send_signal(pid, signal.SIGKILL):
+                return None  # down already, or not yet recorded again: the next fault
+            urls = info.get("server_urls") or []
+            node = f" of master {urls[i]}" if len(pids) > 1 and i < len(urls) else ""
+            return Fault(time.time() - self.started, kind, "redis", f"SIGKILL{node} (server pid {pid})", version)
         pid = (info.get("workers") or {}).get(target)
         if pid is None or recorded_identity(info, pid) != "same" or pid in self.paused:
             return None  # not started, between two lives, or paused already: the next fault

@@ -548,7 +548,8 @@ class Cluster:
             "run_id": cfg.run_id, "url": server.url, "ns": self.keys.ns, "stop_key": self.keys.stop,
             "redis_cluster": cfg.redis.cluster, "shards": cfg.redis.shards,
             "server_pid": server.process.pid if server.process else None,
-            "server_pids": server_pids, "driver_pid": os.getpid(), "workers": workers,
+            "server_pids": server_pids, "server_urls": getattr(server, "urls", [server.url]),
+            "driver_pid": os.getpid(), "workers": workers,
             "start_times": starts, "run_dir": str(cfg.run_dir),
             "shm_dir": str(default_root() / self.keys.ns) if cfg.weights.transport == "shm" else None}))
         os.replace(tmp, self.cluster_file)  # a reader never sees half of it
