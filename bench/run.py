@@ -468,9 +468,12 @@ def appendices() -> list[str]:
             r, b = s["run"], s["bounded"]
             out.append(f"- `{s['command']}` ({s['date']}): {s['minutes']:g} min under steady faults "
                        f"({r.get('faults')} faults, {r.get('steps')} steps): lost {r.get('lost')}, duplicated "
-                       f"{r.get('duplicated')}; peak worker memory second half / first half "
-                       f"{b['rss']['ratio']}, scored-stream length {b['len_scored']['ratio']} -> "
-                       f"{'bounded' if s['passed'] else 'NOT bounded'}.")
+                       f"{r.get('duplicated')}; worker memory "
+                       f"{b['rss']['ratio']}, scored-stream length {b['len_scored']['ratio']} (last quarter's "
+                       f"median / first quarter's) -> {'bounded' if s['passed'] else 'NOT bounded'}; the server's "
+                       f"memory {b['server_used_mib']['first_quarter_median']} -> "
+                       f"{b['server_used_mib']['last_quarter_median']} MiB (the ledger and the training log: one "
+                       "entry per prompt).")
         out.append("")
     judge = RESULTS / "judge.md"
     if judge.exists():
