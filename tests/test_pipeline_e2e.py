@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -108,7 +109,8 @@ def test_a_stage_without_a_server_says_so_and_waits_or_fails_with_a_clear_messag
     output; with a finite budget it gives up, exit code 3, with the URL it could not reach."""
     cfg, path = _config(tmp_path, tiny_base_model, "redis://127.0.0.1:1/0", "noserver")
     waiting = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "feed", "--config", str(path)],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})  # its output survives the kill
     try:
         time.sleep(4)
         assert waiting.poll() is None, "the default is to wait for the server"
