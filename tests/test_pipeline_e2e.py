@@ -120,7 +120,7 @@ def test_a_stage_without_a_server_says_so_and_waits_or_fails_with_a_clear_messag
     assert "redis_unreachable" in out and "Connection refused" in out and "until it answers" in out, out
     t0 = time.time()
     p = subprocess.run([sys.executable, "-m", "pipeline.cli", "feed", "--config", str(path),
-                        "--redis.worker_retries", "3"], capture_output=True, text=True, timeout=120)
+                        "--redis.worker_retries", "10"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 3
     assert "cannot reach Redis at redis://127.0.0.1:1/0" in p.stderr
     assert time.time() - t0 > 1, "it retried with backoff before giving up"
