@@ -332,13 +332,9 @@ def import_gguf(source: str | os.PathLike[str], out_dir: str | os.PathLike[str],
         (tmp / "import.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
 
         _refuse_or_clear(out, force)  # again: something may have appeared meanwhile
-        old: Path | None = None
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{tag}"
-            os.rename(out, old)
-        os.rename(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        from pipeline.model.qwen import replace_dir
+
+        replace_dir(tmp, out, tag)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -148,17 +148,23 @@ def save_checkpoint(model: torch.nn.Module, tokenizer, directory: str | os.PathL
                     shutil.copy2(Path(tokenizer_dir) / name, tmp / name)
         if not (tmp / "model.safetensors").exists():
             raise RuntimeError(f"save_pretrained wrote no model.safetensors in {tmp}")
-        old: Path | None = None
-        if final.exists():
-            old = final.parent / f".{final.name}.old-{tag}"
-            os.rename(final, old)
-        os.rename(tmp, final)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, final, tag)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def replace_dir(tmp: Path, final: Path, tag: str) -> None:
+    """Put the finished directory ``tmp`` in place of ``final``: the old one is renamed aside
+    first and removed after, so a reader sees the old or the new directory, never a mix."""
+    old: Path | None = None
+    if final.exists():
+        old = final.parent / f".{final.name}.old-{tag}"
+        os.rename(final, old)
+    os.rename(tmp, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def safetensors_files(directory: str | os.PathLike[str]) -> list[Path]:
