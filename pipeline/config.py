@@ -45,6 +45,8 @@ Op = Literal["+", "*"]
 GenerationBackendName = Literal["torch", "vllm"]
 """Implemented by ``pipeline.engines.make_generation_backend``."""
 VllmDtype = Literal["auto", "float32", "bfloat16", "float16"]
+SwapMode = Literal["batch", "step", "drain"]
+KvOnSwap = Literal["keep", "recompute"]
 Dependence = Literal["drop", "merge"]
 """Implemented by ``pipeline.algo.labelmodel.DEPENDENCE_POLICIES``."""
 TrainBackendName = Literal["torch", "torchtitan"]
@@ -388,7 +390,25 @@ class GeneratorConfig(_Section):
     group_size: int = 8
     """Completions sampled per prompt (G)."""
     prompts_per_batch: int = 16
-    """Prompts sampled together in one generation batch; weights swap only between batches."""
+    """``swap = "batch"``: prompts sampled together in one generation batch. Otherwise the
+    most prompts read at once when slots are free."""
+    swap: SwapMode = "batch"
+    """How generation meets a new policy version. ``batch``: a batch of prompts is sampled to
+    completion, then the weights swap (every token of a group has one version). ``step``:
+    continuous batching in ``slots`` sequence slots (a finished group leaves at once, new
+    prompts take free slots) and the new weights are swapped in between two decode steps,
+    while sequences are in flight; each token carries the version that sampled it.
+    ``drain``: continuous batching, but on a new version no prompt is admitted until the
+    sequences in flight finish, then the swap. In step and drain a stopping generator
+    (SIGTERM) writes its unfinished completions back as resumable work. torch backend only."""
+    slots: int = 0
+    """``swap`` step/drain: sequences decoded together (0: ``prompts_per_batch`` × ``group_size``)."""
+    kv_on_swap: KvOnSwap = "keep"
+    """``swap = "step"``: what happens to the KV cache of sequences in flight at a swap.
+    ``keep``: kept (the prefix's keys and values stay those of the older weights; the
+    behaviour log-probs are still those of the distribution actually sampled). ``recompute``:
+    every sequence in flight is re-run under the new weights first (exactly that policy's
+    conditionals, at the cost of one forward over every prefix)."""
     temperature: float = 1.0
     """Sampling temperature; the behaviour log-probs are those of this distribution."""
     threads: int = 1
@@ -417,6 +437,10 @@ class GeneratorConfig(_Section):
                self.vllm_tensor_parallel_size)
         _check(2 <= self.group_size <= 256, f"{p}.group_size", "in [2, 256]", self.group_size)
         _check(self.prompts_per_batch >= 1, f"{p}.prompts_per_batch", ">= 1", self.prompts_per_batch)
+        _check(self.slots == 0 or self.slots >= self.group_size, f"{p}.slots",
+               f"0 or at least group_size ({self.group_size})", self.slots)
+        _check(self.swap == "batch" or self.backend == "torch", f"{p}.swap",
+               '"batch" with backend "vllm" (continuous batching is the torch backend\'s)', self.swap)
         _check(0 <= self.temperature <= 10, f"{p}.temperature", "in [0, 10]", self.temperature)
         _check(self.threads >= 1, f"{p}.threads", ">= 1", self.threads)
 

@@ -95,6 +95,37 @@ def _unpack(data: bytes, expected_type: str) -> dict:
     return d
 
 
+def _runs(d: dict, name: str, n_tokens: int, lo: int, hi: int) -> np.ndarray | None:
+    """An optional ``version_runs`` field: (start, version) int32 pairs over ``n_tokens`` tokens."""
+    if d.get(name) is None:
+        return None
+    runs = _blob(d, name, "<i4")
+    if runs.size % 2 or not 0 < runs.size <= 2 * max(n_tokens, 1):
+        raise RecordError(f"field {name!r}: {runs.size} values are not (start, version) pairs for {n_tokens} tokens")
+    starts, versions = runs[0::2], runs[1::2]
+    if int(starts[0]) != 0 or (np.diff(starts) <= 0).any() or int(starts[-1]) >= max(n_tokens, 1):
+        raise RecordError(f"field {name!r}: run starts must rise from 0 below {n_tokens}")
+    if int(versions.min()) != lo or int(versions.max()) != hi:
+        raise RecordError(f"field {name!r}: versions {int(versions.min())}..{int(versions.max())} "
+                          f"do not span min/max version {lo}..{hi}")
+    return runs
+
+
+def version_runs(per_token: np.ndarray) -> np.ndarray:
+    """Per-token policy versions as (start, version) int32 pairs, one per run of equal versions."""
+    per_token = np.asarray(per_token)
+    if per_token.size == 0:
+        raise ValueError("no tokens")
+    starts = np.flatnonzero(np.r_[True, per_token[1:] != per_token[:-1]])
+    return np.stack([starts, per_token[starts]], axis=1).astype(np.int32).reshape(-1)
+
+
+def expand_runs(runs: np.ndarray, n_tokens: int) -> np.ndarray:
+    """The per-token versions (int64 [n_tokens]) that :func:`version_runs` encoded."""
+    starts, versions = runs[0::2].astype(np.int64), runs[1::2].astype(np.int64)
+    return np.repeat(versions, np.diff(np.r_[starts, n_tokens]))
+
+
 def _pack(kind: str, body: dict) -> bytes:
     return msgpack.packb({"schema": SCHEMA_VERSION, "type": kind, **body}, use_bin_type=True)
 
@@ -113,12 +144,16 @@ class PromptTask:
     """Hidden reference answer: for evaluation and the ``ground_truth`` reward only, never shown to weak verifiers."""
     issued_at: float
     """Unix time the feeder issued it, seconds."""
+    partial: Partial | None = None
+    """Completions a stopped generator had begun (``generator.swap`` step/drain): the next
+    generator continues them from their saved tokens instead of starting over."""
 
     def encode(self) -> bytes:
-        return _pack("PromptTask", {
-            "prompt_id": self.prompt_id, "prompt": self.prompt, "prompt_ids": _i4(self.prompt_ids),
-            "reference": self.reference, "issued_at": self.issued_at,
-        })
+        body = {"prompt_id": self.prompt_id, "prompt": self.prompt, "prompt_ids": _i4(self.prompt_ids),
+                "reference": self.reference, "issued_at": self.issued_at}
+        if self.partial is not None:
+            body["partial"] = self.partial._body()
+        return _pack("PromptTask", body)
 
     @classmethod
     def decode(cls, data: bytes) -> "PromptTask":
@@ -126,8 +161,56 @@ class PromptTask:
         ids = _blob(d, "prompt_ids", "<i4")
         if not 0 < ids.size <= MAX_TOKENS:
             raise RecordError(f"prompt_ids has {ids.size} tokens")
+        partial = d.get("partial")
         return cls(prompt_id=_get(d, "prompt_id", str), prompt=_get(d, "prompt", str), prompt_ids=ids,
-                   reference=_get(d, "reference", str), issued_at=_get(d, "issued_at", float))
+                   reference=_get(d, "reference", str), issued_at=_get(d, "issued_at", float),
+                   partial=None if partial is None else Partial._from_body(_get(d, "partial", dict)))
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Partial:
+    """The G completions of one prompt as far as a generator got: every row's tokens,
+    behaviour log-probs and policy versions so far, and which rows are finished."""
+
+    lens: np.ndarray
+    """Tokens so far per completion, int32 [G] (0: not begun)."""
+    ids: np.ndarray
+    """Their token ids concatenated, int32 [sum(lens)]."""
+    logprobs: np.ndarray
+    """Behaviour log-prob of each, float32 [sum(lens)]."""
+    versions: np.ndarray
+    """Policy version of each, as (start, version) runs (:func:`version_runs`); empty when no token."""
+    done: np.ndarray
+    """bool [G]: the completion is finished (eos, or ``max_new_tokens`` reached)."""
+
+    def _body(self) -> dict:
+        return {"lens": _i4(self.lens), "ids": _i4(self.ids), "logprobs": _f4(self.logprobs),
+                "versions": _i4(self.versions), "done": np.asarray(self.done, dtype=np.uint8).tobytes()}
+
+    @classmethod
+    def _from_body(cls, d: dict) -> "Partial":
+        lens, ids, logprobs = _blob(d, "lens", "<i4"), _blob(d, "ids", "<i4"), _blob(d, "logprobs", "<f4")
+        done = d.get("done")
+        if not isinstance(done, bytes) or len(done) != lens.size:
+            raise RecordError(f"partial: 'done' must be {lens.size} bytes")
+        if not 0 < lens.size <= MAX_GROUP_SIZE or (lens < 0).any() or int(lens.sum()) != ids.size:
+            raise RecordError(f"partial: completion lengths (sum {int(lens.sum())}) do not match {ids.size} tokens")
+        done_rows = np.frombuffer(done, dtype=np.uint8).astype(bool)
+        if (done_rows & (lens == 0)).any():
+            raise RecordError("partial: a finished completion without tokens")
+        if logprobs.size != ids.size or not np.isfinite(logprobs).all() or (logprobs > 1e-4).any():
+            raise RecordError("partial: behaviour log-probs missing, NaN, inf or positive")
+        if ids.size:
+            versions = _blob(d, "versions", "<i4")
+            if versions.size < 2:
+                raise RecordError("partial: no policy versions for its tokens")
+            lo, hi = int(versions[1::2].min()), int(versions[1::2].max())
+            if lo < 0:
+                raise RecordError("partial: negative policy version")
+            versions = _runs(d, "versions", ids.size, lo, hi)
+        else:
+            versions = np.zeros(0, dtype=np.int32)
+        return cls(lens=lens, ids=ids, logprobs=logprobs, versions=versions, done=done_rows)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -157,10 +240,20 @@ class RolloutGroup:
     """Newest policy version that produced any token (equal to min_version when weights didn't change mid-group)."""
     created_at: float
     """Unix time the group was finished, seconds."""
+    version_runs: np.ndarray | None = None
+    """Policy version of every token, as (start, version) int32 pairs over the flat
+    ``completion_ids`` (:func:`version_runs`); None: every token is ``min_version`` (weights
+    swapped only between generation batches)."""
 
     @property
     def group_size(self) -> int:
         return int(self.completion_lens.size)
+
+    def token_versions(self) -> np.ndarray:
+        """The policy version that sampled each token, int64 aligned with ``completion_ids``."""
+        if self.version_runs is None:
+            return np.full(self.completion_ids.size, self.min_version, dtype=np.int64)
+        return expand_runs(self.version_runs, self.completion_ids.size)
 
     def split(self, flat: np.ndarray) -> list[np.ndarray]:
         """Split a flat per-token array (ids or log-probs) into per-completion arrays."""
@@ -173,6 +266,7 @@ class RolloutGroup:
             "completions": list(self.completions), "completion_ids": _i4(self.completion_ids),
             "completion_lens": _i4(self.completion_lens), "behaviour_logprobs": _f4(self.behaviour_logprobs),
             "min_version": self.min_version, "max_version": self.max_version, "created_at": self.created_at,
+            **({} if self.version_runs is None else {"version_runs": _i4(self.version_runs)}),
         }
 
     def encode(self) -> bytes:
@@ -204,7 +298,8 @@ class RolloutGroup:
                    generator_id=_get(d, "generator_id", str), prompt=_get(d, "prompt", str),
                    prompt_ids=prompt_ids, reference=_get(d, "reference", str), completions=completions,
                    completion_ids=ids, completion_lens=lens, behaviour_logprobs=logprobs,
-                   min_version=min_v, max_version=max_v, created_at=_get(d, "created_at", float))
+                   min_version=min_v, max_version=max_v, created_at=_get(d, "created_at", float),
+                   version_runs=_runs(d, "version_runs", ids.size, min_v, max_v))
 
     @classmethod
     def decode(cls, data: bytes) -> "RolloutGroup":

@@ -45,6 +45,9 @@ TRIM_EVERY = 10
 #       inputs descend from an admitted prompt);
 #       n entries to ack, then per entry: id, 1/0 (has an output), output (written in the
 #       field ``d``, bus.streams.FIELD);
+#       n entries to hand back, then per entry: id, the record that replaces it (written to
+#       the source stream: unfinished work a stopping stage returns; its admission slot is
+#       given back, as the next reader is admitted anew);
 #       n counters, then (name, kind, value) each (bus.streams.counter_args).
 # Returns {applied (0: a replay, nothing changed), admission slots to give back}.
 _EMIT = """
@@ -66,8 +69,15 @@ for _ = 1, nw do
   redis.call('XACK', KEYS[1], group, ARGV[i])
   i = i + 3
 end
+local nback = tonumber(ARGV[i])
+i = i + 1
+for _ = 1, nback do
+  redis.call('XADD', KEYS[1], '*', 'd', ARGV[i + 1])
+  redis.call('XACK', KEYS[1], group, ARGV[i])
+  i = i + 2
+end
 add_counters(KEYS[4], i + 1, tonumber(ARGV[i]))
-local releases = ndead
+local releases = ndead + nback
 txn_done(KEYS[5], ARGV[1], ARGV[2], releases)
 return {1, releases}
 """
@@ -98,6 +108,9 @@ class Output:
 
     written: Sequence[tuple[Entry, bytes | None]] = ()
     counters: dict[str, float] = field(default_factory=dict)
+    handed_back: Sequence[tuple[Entry, bytes]] = ()
+    """Input entries replaced by a record written back to the input stream (a stopping
+    generator's unfinished completions), in the same transaction as their acks."""
     after: Callable[[], None] | None = None
 
 
@@ -159,13 +172,16 @@ class Stage:
         acks: list = []
         for e, payload in out.written:
             acks += [e.id, 0, b""] if payload is None else [e.id, 1, payload]
+        back: list = []
+        for e, payload in out.handed_back:
+            back += [e.id, payload]
         counters = counter_args(out.counters)
-        if batch.bad or out.written or counters:
+        if batch.bad or out.written or out.handed_back or counters:
             with self.txn.token() as seq:
                 applied, releases = self._emit(
                     keys=[src, dst, shard.dead, shard.stats, shard.txn],
                     args=[self.txn.id, seq, self.group, len(batch.bad), *dead,
-                          len(out.written), *acks, len(counters) // 3, *counters])
+                          len(out.written), *acks, len(out.handed_back), *back, len(counters) // 3, *counters])
             if not applied:
                 self.log.info("emit_replay_skipped", shard=shard.index, seq=seq)
             release_admissions(self.r, self.keys, int(releases), writer=self.txn)

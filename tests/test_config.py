@@ -152,7 +152,7 @@ def test_every_fixed_choice_field_is_a_literal_and_its_validation_allows_its_val
             with pytest.raises(ConfigError, match=rf"{f.name}\.{name}: must be .*{allowed[0]}"):
                 load_config(overrides={f"{f.name}.{name}": "no-such-choice"})
     assert found == {"redis.appendfsync", "task.ops", "task.chat_template", "generator.backend",
-                     "generator.vllm_dtype",
+                     "generator.vllm_dtype", "generator.swap", "generator.kv_on_swap",
                      "verifier.dependence", "trainer.backend", "trainer.device",
                      "weights.transport", "chaos.targets", "chaos.kinds", "tracking.backends",
                      "tracking.wandb_mode"}
