@@ -405,10 +405,11 @@ class GeneratorConfig(_Section):
     """``swap`` step/drain: sequences decoded together (0: ``prompts_per_batch`` × ``group_size``)."""
     kv_on_swap: KvOnSwap = "keep"
     """``swap = "step"``: what happens to the KV cache of sequences in flight at a swap.
-    ``keep``: kept (the prefix's keys and values stay those of the older weights; the
-    behaviour log-probs are still those of the distribution actually sampled). ``recompute``:
-    every sequence in flight is re-run under the new weights first (exactly that policy's
-    conditionals, at the cost of one forward over every prefix)."""
+    ``keep``: the prefix's keys and values stay those of the older weights and only each
+    sequence's last position is re-run (one decode step), so the next token already comes
+    from the new weights; the behaviour log-probs are those of the distribution actually
+    sampled. ``recompute``: every prefix in flight is re-run under the new weights (exactly
+    that policy's conditionals, at the cost of one forward over every prefix)."""
     temperature: float = 1.0
     """Sampling temperature; the behaviour log-probs are those of this distribution."""
     threads: int = 1
@@ -547,7 +548,32 @@ class TrainerConfig(_Section):
     own (``module:function``, ``path/to/file.py:function``, an ``rlpipe.losses`` entry point)
     with their signature: ``(logp, prox_logp, behav_logp, adv, mask, settings) -> (loss, stats)``."""
     is_cap: float = 2.0
-    """Cap on the behaviour importance weight π_prox/π_behav."""
+    """Cap on the behaviour importance weight π_prox/π_behav (``tis``: π_θ/π_behav; ``gspo``: the
+    sequence's geometric mean of them)."""
+    is_mode: Literal["truncate", "mask"] = "truncate"
+    """What the cap does to a weight above is_cap: ``truncate`` lowers it to is_cap (truncated
+    IS; the fraction is reported as ``is_truncated_frac``) or ``mask`` sets it to 0, so the
+    token (``gspo``: the sequence) leaves the gradient (masked IS; ``is_masked_frac``)."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "constant"] = "token-mean"
+    """How the per-token losses of an update are summed into its loss: ``token-mean`` (the sum
+    over valid tokens / their count: a long completion weighs more), ``seq-mean-token-mean``
+    (each completion's token mean, averaged over completions: each weighs the same) or
+    ``constant`` (Dr. GRPO: the sum / (completions × loss_norm_tokens), no length bias; pair
+    it with advantage ``drgrpo``). The two others need a built-in loss and trainer.backend
+    ``torch``; micro-batches still give the same update as one pass."""
+    loss_norm_tokens: int = 0
+    """``loss_agg = "constant"``: the tokens per completion in its normaliser; 0: task.max_new_tokens."""
+    overlong_filter: bool = False
+    """DAPO's over-long filtering: completions cut off at task.max_new_tokens (no end-of-sequence
+    token) are masked out of the loss; their rewards still count in their group's advantages.
+    The batch's fraction of them is reported as ``overlong_frac`` either way (torch backend)."""
+    overlong_buffer: int = 0
+    """DAPO's soft over-long punishment, tokens (0: off): a completion longer than
+    task.max_new_tokens − overlong_buffer loses overlong_penalty × (length −
+    (task.max_new_tokens − overlong_buffer)) / overlong_buffer of its reward (at most
+    overlong_penalty), before the advantages. At most task.max_new_tokens."""
+    overlong_penalty: float = 1.0
+    """The most reward overlong_buffer takes off (at task.max_new_tokens tokens)."""
     ppo_epochs: int = 1
     """Passes over each batch (``trainer.backend = "torch"``). With more than one update per
     batch (epochs × minibatches > 1) the proximal policy is the one before the first update,
@@ -598,6 +624,23 @@ class TrainerConfig(_Section):
         _check(0 < self.clip_eps < 1, f"{p}.clip_eps", "in (0, 1)", self.clip_eps)
         _check(0 <= self.clip_eps_high < 1, f"{p}.clip_eps_high", "in [0, 1)", self.clip_eps_high)
         _check(self.is_cap >= 1, f"{p}.is_cap", ">= 1", self.is_cap)
+        _check(self.loss_norm_tokens >= 0, f"{p}.loss_norm_tokens", ">= 0 (0: task.max_new_tokens)",
+               self.loss_norm_tokens)
+        _check(self.loss_norm_tokens == 0 or self.loss_agg == "constant", f"{p}.loss_norm_tokens",
+               "0 unless loss_agg is constant (only that aggregation reads it)", self.loss_norm_tokens)
+        _check(self.loss_agg == "token-mean" or self.loss in choices(Loss), f"{p}.loss_agg",
+               f"token-mean with a loss of your own (it returns its own aggregate; {self.loss!r})", self.loss_agg)
+        _check(self.overlong_buffer >= 0, f"{p}.overlong_buffer", ">= 0 (0: off)", self.overlong_buffer)
+        _check(math.isfinite(self.overlong_penalty) and self.overlong_penalty >= 0, f"{p}.overlong_penalty", ">= 0",
+               self.overlong_penalty)
+        if self.backend == "torchtitan":
+            # The torchtitan engine normalises by tokens only and trains on the rewards as scored.
+            _check(self.loss_agg == "token-mean", f"{p}.loss_agg", "token-mean with backend torchtitan",
+                   self.loss_agg)
+            _check(not self.overlong_filter, f"{p}.overlong_filter", "false with backend torchtitan",
+                   self.overlong_filter)
+            _check(self.overlong_buffer == 0, f"{p}.overlong_buffer", "0 with backend torchtitan",
+                   self.overlong_buffer)
         _check(self.kl_coef >= 0, f"{p}.kl_coef", ">= 0", self.kl_coef)
         _check(self.ppo_epochs >= 1, f"{p}.ppo_epochs", ">= 1", self.ppo_epochs)
         _check(0 <= self.max_refills <= 1000, f"{p}.max_refills", "in [0, 1000]", self.max_refills)

@@ -117,7 +117,11 @@ def step_metrics(batch, fresh, signal, *, version: int, stats: dict, wait_s: flo
     """One metrics.jsonl row: the step's counts, reward and hidden accuracy, staleness, timing, loss stats."""
     rewards = np.concatenate([g.rewards for g in fresh]) if fresh else np.zeros(0)
     truth = np.concatenate([g.truth for g in fresh]) if fresh else np.zeros(0)
+    # Each token's own version (in-flight swaps give a group several): its lag behind the policy trained.
+    lag = (version - 1 - np.concatenate([g.rollout.token_versions() for g in signal])) if signal else np.zeros(0)
     return {
+        "token_lag_mean": float(lag.mean()) if lag.size else 0.0, "token_lag_max": int(lag.max()) if lag.size else 0,
+        "groups_mixed_versions": sum(g.rollout.min_version != g.rollout.max_version for g in fresh),
         "version": version, "groups_trained": len(signal), "groups_nosignal": len(fresh) - len(signal),
         "groups_stale": len(batch) - len(fresh), "reward_mean": float(rewards.mean()) if rewards.size else 0.0,
         "reward_std": float(rewards.std()) if rewards.size else 0.0,

@@ -15,20 +15,25 @@ sample G completions per prompt → emit the groups and ack the prompts in one M
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pipeline.bus.flow import Admission, VersionWatch
-from pipeline.bus.streams import Entry
+from pipeline.bus.streams import Entry, unacked_all
 from pipeline.config import RunConfig
 from pipeline.engines import GenerationBackend, Sampled, make_generation_backend
 from pipeline.keys import GENERATORS_GROUP, VERIFIERS_GROUP, Keys
 from pipeline.model.tokenizer import model_context_length
-from pipeline.records import PromptTask, RecordError, RolloutGroup, check_token_ids
+from pipeline.records import PromptTask, RecordError, RolloutGroup, check_token_ids, version_runs
 from pipeline.stage import Batch, Output, Stage
 from pipeline.tasks.arithmetic import prompt_length
 from pipeline.weights import WeightsError, fetcher_options, make_fetcher
+
+if TYPE_CHECKING:
+    from pipeline.engines.slots import Finished
 
 
 def swap_weights(fetcher, backend: GenerationBackend, version: int, log) -> int:
@@ -48,13 +53,23 @@ def swap_weights(fetcher, backend: GenerationBackend, version: int, log) -> int:
     return new_version
 
 
-def check_prompt(t: PromptTask, *, prompt_len: int | None, max_len: int, vocab_size: int) -> None:
-    """Defects only the generator can see: a prompt of the wrong length or with unknown tokens."""
+def check_prompt(t: PromptTask, *, prompt_len: int | None, max_len: int, vocab_size: int,
+                 group_size: int | None = None, max_new_tokens: int | None = None) -> None:
+    """Defects only the generator can see: a prompt of the wrong length or with unknown tokens,
+    a partial group of the wrong size or beyond the token budget."""
     if prompt_len is not None and t.prompt_ids.size != prompt_len:
         raise RecordError(f"prompt has {t.prompt_ids.size} tokens, this task's prompts have {prompt_len}")
     if not 1 <= t.prompt_ids.size <= max_len:
         raise RecordError(f"prompt has {t.prompt_ids.size} tokens; 1 to {max_len} leave room for the completion")
     check_token_ids("prompt", t.prompt_ids, vocab_size)
+    if t.partial is not None:
+        if group_size is not None and t.partial.lens.size != group_size:
+            raise RecordError(f"partial group of {t.partial.lens.size} completions, generator.group_size is "
+                              f"{group_size}")
+        if max_new_tokens is not None and int(t.partial.lens.max()) > max_new_tokens:
+            raise RecordError(f"partial completion of {int(t.partial.lens.max())} tokens exceeds "
+                              f"task.max_new_tokens = {max_new_tokens}")
+        check_token_ids("partial completion", t.partial.ids, vocab_size)
 
 
 def to_groups(tasks: list[PromptTask], samples: list[Sampled], *, tok, worker_id: str, batch: int,
@@ -72,6 +87,22 @@ def to_groups(tasks: list[PromptTask], samples: list[Sampled], *, tok, worker_id
             behaviour_logprobs=np.concatenate([s.logprobs[j, : s.lengths[j]] for j in rows]).astype(np.float32),
             min_version=version, max_version=version, created_at=time.time()))
     return out
+
+
+def finished_group(t: PromptTask, fin: Finished, *, tok, worker_id: str, serial: int) -> RolloutGroup:
+    """The RolloutGroup of a group the slot sampler finished, with every token's version."""
+    lens = np.array([len(x) for x in fin.tokens], dtype=np.int32)
+    versions = np.concatenate([np.asarray(v, dtype=np.int64) for v in fin.versions])
+    lo, hi = int(versions.min()), int(versions.max())
+    return RolloutGroup(
+        prompt_id=t.prompt_id, group_id=f"{t.prompt_id}:{worker_id}:s{serial}", generator_id=worker_id, prompt=t.prompt,
+        prompt_ids=t.prompt_ids, reference=t.reference,
+        completions=tuple(tok.decode(x) for x in fin.tokens),
+        completion_ids=np.concatenate([np.asarray(x, dtype=np.int32) for x in fin.tokens]),
+        completion_lens=lens,
+        behaviour_logprobs=np.concatenate([np.asarray(x, dtype=np.float32) for x in fin.logprobs]),
+        min_version=lo, max_version=hi, created_at=time.time(),
+        version_runs=None if lo == hi else version_runs(versions))
 
 
 NO_PROMPT_WAIT_S = 0.05
@@ -95,14 +126,17 @@ class Generator:
                            group=GENERATORS_GROUP, decode=PromptTask.decode, sink="rollouts",
                            sink_group=VERIFIERS_GROUP,
                            check=lambda t: check_prompt(t, prompt_len=plen, max_len=max_len,
-                                                        vocab_size=self.backend.vocab_size))
+                                                        vocab_size=self.backend.vocab_size,
+                                                        group_size=cfg.generator.group_size,
+                                                        max_new_tokens=cfg.task.max_new_tokens))
         self.version, self.produced = 0, 0
 
     def swap_weights(self) -> None:
         self.version = swap_weights(self.fetcher, self.backend, self.version, self.log)
 
-    def read_admitted(self, count: int) -> list[Entry]:
-        """Prompts already admitted (own or a dead generator's), else as many new ones as admission grants."""
+    def read_admitted(self, count: int, *, wait: bool = True) -> list[Entry]:
+        """Prompts already admitted (own or a dead generator's), else as many new ones as admission
+        grants; ``wait``: block a while when admission has no room or no prompt came."""
         entries = self.stage.reader.read_owned(count)
         if entries:
             return entries
@@ -115,10 +149,11 @@ class Generator:
         else:  # one script: a kill at any point leaks no slot
             room, entries = self.admission.admit_read(self.stage.reader, count, self.version)
         if not room:
-            self.stage.heartbeat("waiting_admission", version=self.version, groups=self.produced)
-            self.watch.wait(self.cfg.redis.block_ms)
+            if wait:
+                self.stage.heartbeat("waiting_admission", version=self.version, groups=self.produced)
+                self.watch.wait(self.cfg.redis.block_ms)
             return []
-        if not entries:
+        if not entries and wait:
             time.sleep(NO_PROMPT_WAIT_S)
         return entries
 
@@ -126,6 +161,9 @@ class Generator:
         """G completions of every prompt, as one RolloutGroup each."""
         g = self.cfg.generator
         tasks = batch.records
+        for t in tasks:
+            if t.partial is not None:  # batch generation starts every completion afresh
+                self.log.info("partial_restarted", prompt_id=t.prompt_id, tokens=int(t.partial.ids.size))
         self.stage.heartbeat("generating", version=self.version, groups=self.produced)
         t0 = time.perf_counter()
         samples = self.backend.generate([t.prompt_ids for t in tasks], n=g.group_size,
@@ -145,6 +183,163 @@ class Generator:
         self.backend.close()
 
 
+HEARTBEAT_EVERY_S = 1.0
+"""Seconds between heartbeats while the slot sampler decodes."""
+
+
+class Streamer:
+    """``generator.swap`` step/drain: continuous batching over the engine's slot sampler.
+
+    The loop: stop requested → hand every group in flight back to the prompts stream as
+    resumable work and leave; a newer version published → swap it in now (``step``: between
+    two decode steps, the sequences in flight keep going) or stop admitting until they
+    finish (``drain``); free slots for a group and room downstream → read admitted prompts
+    (without blocking while sequences are in flight) and put them in flight; then one decode
+    step; every group that finished is emitted at once (its XADD and its prompt's XACK in one
+    transaction, as in batch mode).
+    """
+
+    def __init__(self, gen: Generator) -> None:
+        self.gen = gen
+        g = gen.cfg.generator
+        self.g = g
+        self.sampler = gen.backend.continuous(slots=g.slots or g.prompts_per_batch * g.group_size)
+        self.inflight: dict[tuple[int, bytes], tuple[Entry, PromptTask]] = {}
+        self.draining = False
+        self.serial = 0
+        self.decode_s, self.steps, self.slot_steps = 0.0, 0, 0
+        self._beat = 0.0
+
+    # ------------------------------------------------------------------ weights
+
+    def maybe_swap(self) -> None:
+        gen = self.gen
+        latest = gen.fetcher.latest_version()
+        if latest <= gen.version:
+            return
+        if self.g.swap == "drain" and self.sampler.active:
+            if not self.draining:
+                gen.log.info("draining_for_version", version=latest, in_flight=self.sampler.active)
+            self.draining = True
+            return
+        before = gen.version
+        gen.swap_weights()
+        self.draining = False
+        if gen.version != before:
+            gen.log.info("swapped_in_flight", version=gen.version, in_flight=self.sampler.active,
+                         kv=self.g.kv_on_swap)
+            # The next token sampled comes from the new weights: re-run every prefix, or only
+            # the last position of each (its keys and values and its next-token logits).
+            if self.g.kv_on_swap == "recompute":
+                self.sampler.recompute(gen.version)
+            else:
+                self.sampler.refresh(gen.version)
+
+    # ------------------------------------------------------------------ prompts in
+
+    def room_downstream(self) -> bool:
+        st = self.gen.stage
+        return unacked_all(st.r, st.keys.stream_keys("rollouts"), VERIFIERS_GROUP,
+                           cap=st.cfg.redis.max_stream_lag + 1) <= st.cfg.redis.max_stream_lag
+
+    def admit(self) -> bool:
+        """Read admitted prompts into free slots; returns whether a read returned entries."""
+        gen, st = self.gen, self.gen.stage
+        want = min(self.g.prompts_per_batch, self.sampler.free // self.g.group_size)
+        if want < 1 or self.draining:
+            return False
+        if self.sampler.active:
+            if not self.room_downstream():
+                return False
+            entries = gen.read_admitted(want, wait=False)
+        else:
+            st.wait_for_room()
+            entries = gen.read_admitted(want)
+        entries = [e for e in entries if (e.shard, e.id) not in self.inflight]  # our own, reclaimed
+        if not entries:
+            return False
+        batch = st.take(entries)
+        if batch.bad:
+            st.emit(dataclasses.replace(batch, good=[]), Output())
+        for e, task in batch.good:
+            key = (e.shard, e.id)
+            self.inflight[key] = (e, task)
+            done = self.sampler.add(key, task.prompt_ids, n=self.g.group_size,
+                                    max_new_tokens=gen.cfg.task.max_new_tokens, version=gen.version,
+                                    partial=task.partial)
+            if task.partial is not None:
+                gen.log.info("partial_resumed", prompt_id=task.prompt_id, tokens=int(task.partial.ids.size))
+            if done is not None:
+                self.emit([done])
+        return True
+
+    # ------------------------------------------------------------------ groups out
+
+    def emit(self, finished: list[Finished]) -> None:
+        gen, st = self.gen, self.gen.stage
+        by_shard: dict[int, list] = {}
+        tokens = 0
+        for fin in finished:
+            e, task = self.inflight.pop(fin.key)
+            self.serial += 1
+            grp = finished_group(task, fin, tok=gen.backend.tokenizer, worker_id=gen.worker_id, serial=self.serial)
+            tokens += int(grp.completion_ids.size)
+            by_shard.setdefault(e.shard, []).append((e, grp.encode()))
+            gen.log.info("group_generated", prompt_id=task.prompt_id, min_version=grp.min_version,
+                         max_version=grp.max_version, tokens=int(grp.completion_ids.size))
+        gen.produced += len(finished)
+        for shard, written in by_shard.items():
+            seconds, self.decode_s = self.decode_s, 0.0
+            st.emit(Batch(shard=gen.keys.shard(shard), good=[], bad=[]),
+                    Output(written=written, counters={"groups_generated_total": len(written),
+                                                      "tokens_generated_total": tokens,
+                                                      "generate_seconds_total": seconds}))
+            tokens = 0
+
+    def hand_back(self) -> None:
+        """Every group in flight back to its prompts shard, with what it has so far."""
+        gen, st = self.gen, self.gen.stage
+        by_shard: dict[int, list] = {}
+        for key, partial in self.sampler.unfinished():
+            e, task = self.inflight.pop(key)
+            by_shard.setdefault(e.shard, []).append(
+                (e, dataclasses.replace(task, partial=partial).encode()))
+            gen.log.info("partial_handed_back", prompt_id=task.prompt_id, tokens=int(partial.ids.size),
+                         done=int(partial.done.sum()))
+        self.sampler.clear()
+        for shard, back in by_shard.items():
+            st.emit(Batch(shard=gen.keys.shard(shard), good=[], bad=[]),
+                    Output(handed_back=back, counters={"partials_handed_back_total": len(back)}))
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self, max_batches: int | None = None) -> None:
+        gen, st = self.gen, self.gen.stage
+        reads = 0
+        while True:
+            if st.stopped():
+                self.hand_back()
+                return
+            self.maybe_swap()
+            admitting = max_batches is None or reads < max_batches
+            if admitting and self.admit():
+                reads += 1
+            if not self.sampler.active:
+                if not admitting:
+                    return
+                continue
+            now = time.perf_counter()
+            if now - self._beat > HEARTBEAT_EVERY_S:
+                self._beat = now
+                st.heartbeat("generating", version=gen.version, groups=gen.produced, in_flight=self.sampler.active)
+            self.steps += 1
+            self.slot_steps += self.sampler.active
+            finished = self.sampler.step(gen.version)
+            self.decode_s += time.perf_counter() - now
+            if finished:
+                self.emit(finished)
+
+
 def run_generator(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batches: int | None = None,
                   backend: GenerationBackend | None = None) -> int:
     """Generate until stopped (or ``max_batches`` reads); returns groups produced.
@@ -153,10 +348,17 @@ def run_generator(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_bat
     """
     gen = Generator(cfg, r, keys, worker_id, log, backend=backend)
     log.info("generator_started", group_size=cfg.generator.group_size, transport=cfg.weights.transport,
-             backend=cfg.generator.backend)
+             backend=cfg.generator.backend, swap=cfg.generator.swap)
     try:
-        gen.stage.run(gen.step, count=cfg.generator.prompts_per_batch, read=gen.read_admitted,
-                      before=gen.swap_weights, max_batches=max_batches)
+        if cfg.generator.swap == "batch":
+            gen.stage.run(gen.step, count=cfg.generator.prompts_per_batch, read=gen.read_admitted,
+                          before=gen.swap_weights, max_batches=max_batches)
+        else:
+            streamer = Streamer(gen)
+            gen.swap_weights()
+            streamer.run(max_batches)
+            log.info("slot_utilisation", steps=streamer.steps,
+                     mean=round(streamer.slot_steps / max(streamer.steps * streamer.sampler.slots, 1), 4))
     finally:
         gen.close()
     log.info("generator_stopped", groups=gen.produced, version=gen.version)

@@ -1,0 +1,332 @@
+"""Continuous batching for the torch generator: a fixed number of sequence slots, one KV cache.
+
+:class:`SlotSampler` decodes every sequence in flight together, one token per
+:meth:`~SlotSampler.step`. A prompt's ``n`` completions take ``n`` free slots (the prompt's
+forward runs once and its keys and values are copied to the others); a completion leaves
+its slot the moment it samples eos or reaches its token budget, and the last occupied slot
+moves into the hole, so the slots in flight are always ``[0, active)`` and every tensor the
+step touches is a view. A group is handed back (:class:`Finished`) as soon as its last
+completion is done.
+
+The forward is the model's own layers (embeddings, norms, projections, rotary embedding,
+MLP) with attention over the slot cache: rows sit at different positions, so each row
+attends to its own prefix under a length mask. The weights are the model's parameters, so
+replacing them in place (``load_state_tensors``) takes effect at the next step: that is
+the in-flight weight update. Each sampled token records the policy version whose forward
+produced its logits. :meth:`SlotSampler.recompute` re-runs every prefix in flight under
+the current weights (``generator.kv_on_swap = "recompute"``); :meth:`SlotSampler.refresh`
+recomputes only the next-token logits (``keep``), so in both cases the first token sampled
+after a swap comes from the new weights.
+
+The sampler works for the decoder-only families ``transformers`` implements as
+``Qwen3ForCausalLM`` and ``LlamaForCausalLM`` (the embedded default and the imported
+chat models); its log-probabilities agree with the trainer's re-scoring
+(``tests/test_continuous.py``).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pipeline.records import Partial, expand_runs, version_runs
+
+
+@dataclass
+class _Row:
+    """One completion: its prompt's group, its tokens so far and where it sits."""
+
+    key: object
+    member: int
+    prompt: np.ndarray
+    budget: int
+    """Most tokens this completion may have (``max_new_tokens``)."""
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    done: bool = False
+    slot: int = -1
+    length: int = 0
+    """Positions in the slot's cache (prompt plus the tokens fed so far)."""
+    logit_version: int = 0
+    """Policy version of the forward that produced this row's next-token logits."""
+
+
+@dataclass
+class Finished:
+    """A group whose ``n`` completions are all done."""
+
+    key: object
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    versions: list[list[int]]
+
+
+class SlotSampler:
+    """``slots`` sequences decoded together over a slot KV cache (see the module docstring)."""
+
+    def __init__(self, model, *, slots: int, temperature: float, eos_id: int, pad_id: int,
+                 generator: torch.Generator | None = None) -> None:
+        cfg = model.config
+        self.model, self.slots = model, slots
+        self.temperature, self.eos_id, self.pad_id, self.rng = temperature, eos_id, pad_id, generator
+        self.n_layers = cfg.num_hidden_layers
+        self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.context = cfg.max_position_embeddings
+        self._rope = sys.modules[type(model).__module__].apply_rotary_pos_emb
+        self._capacity = 0
+        self._k: list[torch.Tensor] = []
+        self._v: list[torch.Tensor] = []
+        self._logits = torch.zeros((slots, cfg.vocab_size))
+        self._order: list[_Row] = []
+        """Rows in flight, by slot: ``_order[s].slot == s``."""
+        self._groups: dict[object, list[_Row]] = {}
+
+    # ------------------------------------------------------------------ occupancy
+
+    @property
+    def active(self) -> int:
+        """Slots in flight."""
+        return len(self._order)
+
+    @property
+    def free(self) -> int:
+        return self.slots - len(self._order)
+
+    @property
+    def groups(self) -> list[object]:
+        """Keys of the groups not yet finished."""
+        return list(self._groups)
+
+    def _grow(self, positions: int) -> None:
+        """Room for ``positions`` positions in every slot (doubling, up to the model's context)."""
+        if positions <= self._capacity:
+            return
+        if positions > self.context:
+            raise ValueError(f"{positions} positions exceed the model's context of {self.context}")
+        cap = min(self.context, max(positions, 2 * self._capacity, 64))
+        shape = (self.slots, self.n_kv, cap, self.head_dim)
+        k, v = [], []
+        for layer in range(self.n_layers):
+            nk, nv = torch.zeros(shape), torch.zeros(shape)
+            if self._capacity:
+                nk[:, :, : self._capacity] = self._k[layer]
+                nv[:, :, : self._capacity] = self._v[layer]
+            k.append(nk)
+            v.append(nv)
+        self._k, self._v, self._capacity = k, v, cap
+
+    # ------------------------------------------------------------------ the forward
+
+    def _layers(self, h: torch.Tensor, positions: torch.Tensor, write, attend) -> torch.Tensor:
+        """The decoder over hidden states ``h [B, L, H]`` at ``positions [B, L]``; ``write(layer,
+        k, v)`` stores the new keys/values, ``attend(layer, q)`` returns attention outputs."""
+        inner = self.model.model
+        cos, sin = inner.rotary_emb(h, positions)
+        b, n = h.shape[:2]
+        for i, layer in enumerate(inner.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(b, n, self.n_heads, self.head_dim)
+            k = attn.k_proj(x).view(b, n, self.n_kv, self.head_dim)
+            v = attn.v_proj(x).view(b, n, self.n_kv, self.head_dim).transpose(1, 2)
+            if hasattr(attn, "q_norm"):
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = self._rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            write(i, k, v)
+            o = attend(i, q, k, v, attn.scaling)
+            h = h + attn.o_proj(o.transpose(1, 2).reshape(b, n, self.n_heads * self.head_dim))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.model.lm_head(inner.norm(h[:, -1:])).float()[:, 0]
+
+    @torch.no_grad()
+    def _prefill(self, ids: np.ndarray, slots: list[int]) -> torch.Tensor:
+        """Run ``ids`` (one sequence) forward, store its keys/values in every slot of ``slots``;
+        returns the next-token logits."""
+        n = int(ids.size)
+        self._grow(n + 1)
+        x = torch.from_numpy(ids.astype(np.int64)).unsqueeze(0)
+        h = self.model.model.embed_tokens(x)
+        index = torch.tensor(slots)
+
+        def write(i, k, v):
+            self._k[i][index, :, :n] = k[0]
+            self._v[i][index, :, :n] = v[0]
+
+        def attend(i, q, k, v, scale):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+
+        return self._layers(h, torch.arange(n).unsqueeze(0), write, attend)[0]
+
+    @torch.no_grad()
+    def _decode(self, tokens: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed one token to every slot in flight (``tokens [active]``, at ``pos``: default each
+        row's next position); returns their next logits."""
+        a = len(self._order)
+        if pos is None:
+            pos = torch.tensor([r.length for r in self._order])
+        self._grow(int(pos.max()) + 1)
+        width = int(pos.max()) + 1
+        h = self.model.model.embed_tokens(tokens.unsqueeze(1))
+        rows = torch.arange(a)
+        mask = (torch.arange(width).unsqueeze(0) <= pos.unsqueeze(1))[:, None, None, :]
+
+        def write(i, k, v):
+            self._k[i][rows, :, pos] = k[:, :, 0]
+            self._v[i][rows, :, pos] = v[:, :, 0]
+
+        def attend(i, q, k, v, scale):
+            return F.scaled_dot_product_attention(q, self._k[i][:a, :, :width], self._v[i][:a, :, :width],
+                                                  attn_mask=mask, scale=scale, enable_gqa=True)
+
+        return self._layers(h, pos.unsqueeze(1), write, attend)
+
+    # ------------------------------------------------------------------ groups in and out
+
+    def add(self, key, prompt: np.ndarray, *, n: int, max_new_tokens: int, version: int,
+            partial: Partial | None = None) -> Finished | None:
+        """Put ``n`` completions of ``prompt`` in flight (``partial``: continue them from their
+        saved tokens); returns the group at once if every completion of it was already done."""
+        if key in self._groups:
+            raise ValueError(f"group {key!r} is already in flight")
+        rows = [_Row(key=key, member=j, prompt=prompt, budget=max_new_tokens) for j in range(n)]
+        if partial is not None:
+            if partial.lens.size != n:
+                raise ValueError(f"partial has {partial.lens.size} completions, the group {n}")
+            per_token = expand_runs(partial.versions, partial.ids.size) if partial.ids.size else np.zeros(0)
+            starts = np.r_[0, np.cumsum(partial.lens)]
+            for j, row in enumerate(rows):
+                a, b = int(starts[j]), int(starts[j + 1])
+                row.tokens = partial.ids[a:b].astype(np.int64).tolist()
+                row.logprobs = partial.logprobs[a:b].astype(np.float64).tolist()
+                row.versions = per_token[a:b].astype(np.int64).tolist()
+                row.done = bool(partial.done[j]) or len(row.tokens) >= max_new_tokens
+        live = [r for r in rows if not r.done]
+        if len(live) > self.free:
+            raise ValueError(f"{len(live)} completions for {self.free} free slots")
+        self._groups[key] = rows
+        if not live:
+            return self._finish(key)
+        fresh = [r for r in live if not r.tokens]
+        for r in live:
+            r.slot = len(self._order)
+            self._order.append(r)
+            r.logit_version = version
+        if fresh:  # one prompt forward, fanned out
+            logits = self._prefill(prompt, [r.slot for r in fresh])
+            for r in fresh:
+                r.length = int(prompt.size)
+                self._logits[r.slot] = logits
+        for r in live:
+            if r.tokens:
+                self._refill(r)
+        return None
+
+    def _refill(self, r: _Row) -> None:
+        seq = np.concatenate([r.prompt.astype(np.int64), np.asarray(r.tokens, dtype=np.int64)])
+        self._logits[r.slot] = self._prefill(seq, [r.slot])
+        r.length = int(seq.size)
+
+    @torch.no_grad()
+    def refresh(self, version: int) -> None:
+        """After a swap: the next-token logits of every row in flight under the current weights,
+        by feeding each row's last token again at its own position (one decode step; the keys
+        and values of the earlier positions stay those of the weights that computed them)."""
+        if not self._order:
+            return
+        last = torch.tensor([int(r.tokens[-1]) if r.tokens else int(r.prompt[-1]) for r in self._order])
+        pos = torch.tensor([r.length - 1 for r in self._order])
+        self._logits[: len(self._order)] = self._decode(last, pos)
+        for r in self._order:
+            r.logit_version = version
+
+    def recompute(self, version: int) -> None:
+        """Re-run every prefix in flight under the current weights (their next logits included)."""
+        for r in self._order:
+            if r.tokens:
+                self._refill(r)
+            else:
+                self._logits[r.slot] = self._prefill(r.prompt, [r.slot])
+            r.logit_version = version
+
+    def _finish(self, key) -> Finished:
+        rows = self._groups.pop(key)
+        return Finished(key=key, tokens=[r.tokens for r in rows], logprobs=[r.logprobs for r in rows],
+                        versions=[r.versions for r in rows])
+
+    def _vacate(self, r: _Row) -> None:
+        """Free ``r``'s slot: the last slot in flight moves into it."""
+        last = self._order.pop()
+        if last is not r:
+            s, t = r.slot, last.slot
+            for i in range(self.n_layers):
+                self._k[i][s, :, : last.length] = self._k[i][t, :, : last.length]
+                self._v[i][s, :, : last.length] = self._v[i][t, :, : last.length]
+            self._logits[s] = self._logits[t]
+            last.slot = s
+            self._order[s] = last
+        r.slot = -1
+
+    @torch.no_grad()
+    def step(self, version: int) -> list[Finished]:
+        """Sample one token in every slot in flight, then feed the continuing ones forward
+        under the current weights (``version``); returns the groups that finished."""
+        a = len(self._order)
+        if a == 0:
+            return []
+        logits = self._logits[:a]
+        if self.temperature == 0:
+            logp = F.log_softmax(logits, dim=-1)
+            nxt = logp.argmax(dim=-1)
+        else:
+            logp = F.log_softmax(logits / self.temperature, dim=-1)
+            nxt = torch.multinomial(logp.exp(), 1, generator=self.rng).squeeze(1)
+        lp = logp.gather(1, nxt.unsqueeze(1)).squeeze(1).tolist()
+        ids = nxt.tolist()
+        ended: list[_Row] = []
+        for r, tok, l in zip(list(self._order), ids, lp):
+            r.tokens.append(tok)
+            r.logprobs.append(l)
+            r.versions.append(r.logit_version)
+            if tok == self.eos_id or len(r.tokens) >= r.budget:
+                r.done = True
+                ended.append(r)
+        fed = {id(r): tok for r, tok in zip(self._order, ids) if not r.done}
+        # Vacate from the highest slot down, so a row moved into a hole never ends this step.
+        for r in sorted(ended, key=lambda r: -r.slot):
+            self._vacate(r)
+        if self._order:
+            tokens = torch.tensor([fed[id(r)] for r in self._order])
+            self._logits[: len(self._order)] = self._decode(tokens)
+            for r in self._order:
+                r.length += 1
+                r.logit_version = version
+        out = []
+        for key in dict.fromkeys(r.key for r in ended):
+            if all(x.done for x in self._groups[key]):
+                out.append(self._finish(key))
+        return out
+
+    def unfinished(self) -> list[tuple[object, Partial]]:
+        """Every group in flight as a :class:`Partial` (tokens, log-probs, versions so far)."""
+        out = []
+        for key, rows in self._groups.items():
+            toks = [t for r in rows for t in r.tokens]
+            vers = [v for r in rows for v in r.versions]
+            out.append((key, Partial(
+                lens=np.array([len(r.tokens) for r in rows], dtype=np.int32),
+                ids=np.array(toks, dtype=np.int32),
+                logprobs=np.array([x for r in rows for x in r.logprobs], dtype=np.float32),
+                versions=version_runs(np.array(vers)) if vers else np.zeros(0, dtype=np.int32),
+                done=np.array([r.done for r in rows], dtype=bool))))
+        return out
+
+    def clear(self) -> None:
+        """Drop every group in flight."""
+        self._order.clear()
+        self._groups.clear()
