@@ -18,8 +18,9 @@ import torch
 
 from pipeline.run import checkpoint
 from pipeline.engines import Sampled
+from pipeline.engines.slots import SlotSampler
 from pipeline.config import RunConfig
-from pipeline.algo.losses import LossSettings, advantages, objective
+from pipeline.algo.losses import LossSettings, advantages, objective, overlong_penalty, sequence_count, truncated
 from pipeline.model.qwen import (load_checkpoint, load_state_tensors, ragged_completion_logprobs, sample,
                                  save_checkpoint)
 from pipeline.records import ScoredGroup
@@ -70,6 +71,7 @@ class TorchGenerator:
         self.model.eval()
         self.vocab_size = int(self.model.config.vocab_size)
         self.rng = torch.Generator().manual_seed(g.seed * 1_000_003 + zlib.crc32(worker_id.encode()))
+        self.temperature = g.temperature
 
     def generate(self, prompts: list[np.ndarray], *, n: int, max_new_tokens: int, temperature: float) -> list[Sampled]:
         return sample_prompts(self.model, prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -77,6 +79,12 @@ class TorchGenerator:
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         load_state_tensors(self.model, tensors)
+
+    def continuous(self, *, slots: int) -> SlotSampler:
+        """A slot sampler on this engine's model (``generator.swap`` step/drain); weights loaded
+        into the model take effect at its next decode step."""
+        return SlotSampler(self.model, slots=slots, temperature=self.temperature, eos_id=self.tokenizer.eos_id,
+                           pad_id=self.tokenizer.pad_id, generator=self.rng)
 
     def close(self) -> None:
         pass
@@ -122,21 +130,53 @@ def microbatches(rows: torch.Tensor, mask: torch.Tensor, max_tokens: int) -> lis
     return pieces
 
 
-def train_step(model, opt, groups: list[ScoredGroup], cfg: RunConfig, *, pad_id: int, ref_model=None,
-               step: int = 0) -> dict:
+def train_step(model, opt, groups: list[ScoredGroup], cfg: RunConfig, *, pad_id: int, eos_id: int | None = None,
+               ref_model=None, step: int = 0) -> dict:
     """One trainer step (docs/design.md §4) on ``groups``: ``trainer.ppo_epochs`` passes over the
     batch, each in ``trainer.minibatches`` optimizer updates (clip, AdamW), each update's
     gradient accumulated over micro-batches of at most ``trainer.max_tokens_per_microbatch``
     tokens (the same update as one pass over the minibatch: every piece is normalised by the
-    minibatch's token count). With more than one update the proximal log-probabilities are
-    computed once, before the first (AReaL's decoupled objective clips against them); with
-    one epoch and one minibatch the proximal policy is the current one and the ratio is 1.
-    The statistics are token means over every update of the step."""
+    minibatch's token count, or its completion count under ``trainer.loss_agg``). With more
+    than one update the proximal log-probabilities are computed once, before the first
+    (AReaL's decoupled objective clips against them); with one epoch and one minibatch the
+    proximal policy is the current one and the ratio is 1. The statistics are token means
+    over every update of the step.
+
+    Over-long completions (DAPO), before the advantages: ``trainer.overlong_buffer`` lowers
+    the rewards of long completions (:func:`pipeline.algo.losses.overlong_penalty`), and
+    ``trainer.overlong_filter`` masks the truncated ones out of the loss. A completion is
+    truncated when it has ``task.max_new_tokens`` tokens and its last is not ``eos_id``
+    (the tokenizer's; without it the step cannot tell, and refuses the filter). Statistics
+    beside the loss's: ``overlong_frac`` (the batch's truncated completions, with
+    ``eos_id``) and ``overlong_penalty_mean`` (with a buffer)."""
     t = cfg.trainer
-    settings = LossSettings.from_config(t)
+    max_new = cfg.task.max_new_tokens
+    settings = LossSettings.from_config(t, max_new_tokens=max_new)
     prompts, comp_ids, behav, mask = pad_batch(groups, pad_id)
-    adv = advantages([g.rewards for g in groups], settings.advantage)
     n = comp_ids.shape[0]
+    lengths = mask.sum(dim=1).long()
+    extra: dict[str, float] = {}
+    cut = None
+    if eos_id is not None:
+        last = comp_ids.gather(1, (lengths - 1).clamp(min=0)[:, None])[:, 0]
+        cut = truncated(lengths, last, max_new_tokens=max_new, eos_id=eos_id)
+        extra["overlong_frac"] = float(cut.float().mean())
+    elif t.overlong_filter:
+        raise ValueError("trainer.overlong_filter: the step needs the tokenizer's eos_id to tell truncated "
+                         "completions (train_step(..., eos_id=))")
+    rewards = [g.rewards for g in groups]
+    if t.overlong_buffer > max_new:
+        raise ValueError(f"trainer.overlong_buffer: must be at most task.max_new_tokens ({max_new}); "
+                         f"got {t.overlong_buffer!r}")
+    if t.overlong_buffer > 0:
+        pen = overlong_penalty(lengths, max_new_tokens=max_new, buffer=t.overlong_buffer, penalty=t.overlong_penalty)
+        rewards = [torch.as_tensor(np.asarray(r)) for r in rewards]
+        rewards = [r - p.to(r.dtype) for r, p in zip(rewards, torch.split(pen, [len(r) for r in rewards]))]
+        extra["overlong_penalty_mean"] = float(pen.mean())
+    adv = advantages(rewards, settings.advantage)
+    # The loss's mask: the truncated completions out under the filter. Micro-batches are cut by
+    # ``mask`` (what a piece costs to run), normalisers count ``loss_mask``.
+    loss_mask = mask * (~cut).to(mask.dtype)[:, None] if t.overlong_filter else mask
     # The policy being optimised is the one the generators sample: softmax(logits / temperature).
     temp = cfg.generator.temperature
 
@@ -159,7 +199,8 @@ def train_step(model, opt, groups: list[ScoredGroup], cfg: RunConfig, *, pad_id:
         rows_all = torch.randperm(n, generator=order) if min(t.minibatches, n) > 1 else everyone
         for mb in torch.tensor_split(rows_all, min(t.minibatches, n)):
             opt.zero_grad(set_to_none=True)
-            mb_tokens = float(mask[mb].sum())
+            mb_tokens = float(loss_mask[mb].sum())
+            mb_seqs = float(sequence_count(loss_mask[mb], settings))
             pieces = microbatches(mb, mask, t.max_tokens_per_microbatch)
             stats_mb: dict[str, float] = {}
             for rows in pieces:
@@ -169,8 +210,9 @@ def train_step(model, opt, groups: list[ScoredGroup], cfg: RunConfig, *, pad_id:
                     with torch.no_grad():
                         ref_logp = logprobs(ref_model, rows)
                 whole = len(pieces) == 1 and prox is None
-                loss, st = objective(logp, behav[rows], mask[rows], adv[rows], settings, ref_logp=ref_logp,
+                loss, st = objective(logp, behav[rows], loss_mask[rows], adv[rows], settings, ref_logp=ref_logp,
                                      entropy=entropy, tokens=None if whole else max(mb_tokens, 1.0),
+                                     sequences=None if whole else max(mb_seqs, 1.0),
                                      prox_logp=None if prox is None else prox[rows])
                 loss.backward()
                 for k, v in st.items():
@@ -188,7 +230,7 @@ def train_step(model, opt, groups: list[ScoredGroup], cfg: RunConfig, *, pad_id:
         stats = {k: v / max(weight_sum, 1.0) for k, v in totals.items() if k != "tokens"}
         stats["tokens"] = int(totals["tokens"] / t.ppo_epochs)  # the batch's tokens, once
         stats["updates"] = len(norms)
-    return {"loss": stats["loss"], "grad_norm": norms[-1] if len(norms) == 1 else max(norms), **stats}
+    return {"loss": stats["loss"], "grad_norm": norms[-1] if len(norms) == 1 else max(norms), **stats, **extra}
 
 
 def warmup_schedule(opt: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
@@ -215,7 +257,7 @@ class TorchEngine:
     def train_step(self, groups: list[ScoredGroup]) -> dict:
         self.steps += 1
         return train_step(self.model, self.opt, groups, self.cfg, pad_id=self.tokenizer.pad_id,
-                          ref_model=self.ref_model, step=self.steps)
+                          eos_id=self.tokenizer.eos_id, ref_model=self.ref_model, step=self.steps)
 
     def lr_step(self) -> None:
         self.sched.step()
