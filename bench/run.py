@@ -10,7 +10,8 @@ Parts, each its own script run as a child process (its progress lines pass throu
 2. records   bench/bench_records.py   record encode + decode vs a plain msgpack round trip of the same bytes
 3. async     bench/bench_async.py     η = 0 vs η ≥ 1 step time on the real plumbing with calibrated waits, vs ideal
 4. e2e       bench/bench_e2e.py       `pipeline up` (embedded default, 40 steps) for η = 0 and η = 1
-5. verifier  bench/bench_verifier.py  label-model fit and posterior speed, selection accuracy (its own results file)
+5. generation bench/bench_generation.py continuous + in-flight generation vs batch-synchronous (long-tailed lengths)
+6. verifier  bench/bench_verifier.py  label-model fit and posterior speed, selection accuracy (its own results file)
    weights   bench/bench_weights.py   weight-sync bandwidth per transport vs its ceiling (a shortened run)
 
 A part whose script is missing or fails is reported as such in the table; the verifier and
@@ -33,7 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-PARTS = ("streams", "records", "async", "e2e", "verifier", "weights")
+PARTS = ("streams", "records", "async", "e2e", "generation", "verifier", "weights")
 
 from common import progress
 
@@ -188,6 +189,25 @@ def e2e_rows(res: dict) -> list[Row]:
     return out
 
 
+def generation_rows(res: dict) -> list[Row]:
+    runs = {x["swap"]: x for x in res["runs"]}
+    base, x, cmd = runs["batch"], runs["step"], res["command"]
+    wl = res["workload"]
+    shape = (f"{wl['prompts']} prompts × {wl['group_size']}, lengths log-normal median {wl['median']:g}, "
+             f"σ {wl['sigma']:g}, cut at {wl['max_new_tokens']}; a version every {wl['publish_s']:g} s")
+    return [
+        Row("generation", f"tokens/s, continuous + in-flight (swap = step), {shape}", x["tokens_per_s"],
+            "batch-synchronous (swap = batch)", base["tokens_per_s"], "tok/s", cmd, aim=res["aim"],
+            note=f"slots used {x['slot_utilisation']:.0%} vs {base['slot_utilisation']:.0%}"),
+        Row("generation", "publish → first token under the new version (median)", x["publish_to_first_token_s"],
+            "batch-synchronous", base["publish_to_first_token_s"], "s", cmd, better="lower",
+            note=f"fetch → first token: median {x['fetch_to_first_token_steps_median']:g} forward (the swap's)"),
+        Row("generation", "version lag of emitted tokens (mean)", x["token_version_lag_mean"], "batch-synchronous",
+            base["token_version_lag_mean"], "", cmd, better="lower",
+            note=f"{x['groups_mixed_versions']} of {x['groups']} groups span two versions or more"),
+    ]
+
+
 def verifier_rows(res: dict, command: str) -> list[Row]:
     sp, out = res["speed"], []
     out.append(Row("verifier", f"label-model fit, {sp['rows']:,} rows × {sp['verifiers']} verifiers",
@@ -323,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--e2e-steps", type=int, default=40)
     p.add_argument("--markdown", default=str(ROOT / "BENCHMARKS.md"))
     p.add_argument("--json", default=str(RESULTS / "bench.json"))
+    p.add_argument("--merge", action="store_true",
+                   help="keep the figures of the parts not run from --json (re-measure some parts only)")
     p.add_argument("--render-only", action="store_true",
                    help="measure nothing: rewrite the markdown from --json and the other results files")
     a = p.parse_args(argv)
@@ -384,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     if "e2e" in parts and (res := own("e2e", "bench_e2e.py",
                                       ["--steps", str(4 if q else a.e2e_steps)], 900)):
         rows += e2e_rows(res)
+    if "generation" in parts and (res := own("generation", "bench_generation.py",
+                                             ["--seconds", "4"] if q else [], 300)):
+        rows += generation_rows(res)
 
     # Other parts of the project with their own scripts and results files.
     for name, script, args, results_file in (
@@ -436,6 +461,18 @@ def main(argv: list[str] | None = None) -> int:
 
     seconds = time.time() - started
     shutil.rmtree(tmp, ignore_errors=True)
+    if a.merge and Path(a.json).exists():
+        old = json.loads(Path(a.json).read_text())
+        kept = [Row(**{k: v for k, v in r.items() if k not in ("ratio", "meets_aim")}) for r in old["rows"]
+                if r["part"] not in parts]
+        order = {name: i for i, name in enumerate(PARTS)}
+        rows = sorted(kept + rows, key=lambda r: order.get(r.part, len(PARTS)))
+        status = {**{k: f"{v} (an earlier run)" if "earlier run" not in v else v
+                     for k, v in old.get("parts", {}).items() if k not in parts}, **status}
+        raw = {**{k: v for k, v in old.get("raw", {}).items() if k not in parts}, **raw}
+        # Findings come from the streams part, or from the async part ("- Async ...").
+        findings = [f for f in old.get("findings", [])
+                    if ("async" if f.startswith("- Async") else "streams") not in parts] + findings
     result = {"machine": info, "seconds": seconds, "parts": status, "rows": [r.as_dict() for r in rows],
               "findings": findings, "raw": raw}
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
