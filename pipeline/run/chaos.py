@@ -11,6 +11,9 @@ drawn from ``chaos.kinds``:
   as the generator pool);
 - ``pause``: SIGSTOP of a worker's group for ``chaos.pause_s`` seconds, then SIGCONT (a
   consumer that hangs: its peers reclaim its entries, and it wakes up holding stale ones);
+- ``term``: SIGTERM of a worker: the graceful stop a scheduler sends (a generator with
+  ``generator.swap`` step/drain hands its unfinished completions back as resumable work;
+  every stage finishes or returns what it holds), after which the driver starts it again;
 - ``redis``: SIGKILL of the Redis server (in a Redis Cluster, one master).
 
 The driver learns of a fault only as it learns of any fault, by a process exiting, and
@@ -213,6 +216,10 @@ class Injector:
             if not send_signal(pid, signal.SIGKILL, group=True):
                 return None
             return Fault(time.time() - self.started, kind, target, f"SIGKILL of pid {pid}'s group", version)
+        if kind == "term":
+            if not send_signal(pid, signal.SIGTERM):
+                return None
+            return Fault(time.time() - self.started, kind, target, f"SIGTERM of pid {pid}", version)
         if not send_signal(pid, signal.SIGSTOP, group=True):
             return None
         self.paused[pid] = (target, time.time() + self.cfg.chaos.pause_s)
@@ -264,7 +271,7 @@ class Injector:
 
 
 def by_kind(faults: list[Fault] | list[dict]) -> dict[str, int]:
-    """Faults per kind: ``redis``, and ``kill``/``pause`` of each stage kind (``kill generator``)."""
+    """Faults per kind: ``redis``, and ``kill``/``pause``/``term`` of each stage kind (``kill generator``)."""
     out: dict[str, int] = {}
     for f in faults:
         d = f if isinstance(f, dict) else f.as_dict()
