@@ -9,6 +9,13 @@ Arrays travel as little-endian byte blobs (``<i4`` token ids, ``<f4`` floats), w
 far faster and smaller than lists of numbers. Decoding never executes code (no pickle),
 checks the schema version, the type, every field's type and the sizes, and turns any
 defect into ``RecordError`` with a reason the consumer writes to the dead-letter stream.
+
+Decoding takes one of two paths. The fast one decodes the map into typed msgspec structs
+(the field types checked in C, unknown fields refused) and checks sizes and values on the
+blobs with as few array operations as it can; it accepts nothing the field-by-field path
+would refuse and builds the same record. Whatever it does not accept (a defect, or a
+record shaped other than the encoder writes it) goes through the field-by-field path,
+which accepts it or names the defect in its ``RecordError``.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import msgspec
 import numpy as np
 
 SCHEMA_VERSION = 1
@@ -40,12 +48,15 @@ def check_token_ids(name: str, ids: np.ndarray, vocab_size: int) -> None:
         raise RecordError(f"{name} token id outside the vocabulary [0, {vocab_size})")
 
 
+_I4, _F4 = np.dtype("<i4"), np.dtype("<f4")
+
+
 def _i4(a: np.ndarray) -> bytes:
-    return np.ascontiguousarray(a, dtype="<i4").tobytes()
+    return np.ascontiguousarray(a, dtype=_I4).tobytes()
 
 
 def _f4(a: np.ndarray) -> bytes:
-    return np.ascontiguousarray(a, dtype="<f4").tobytes()
+    return np.ascontiguousarray(a, dtype=_F4).tobytes()
 
 
 def _blob(d: dict, name: str, dtype: str) -> np.ndarray:
@@ -111,6 +122,27 @@ def _runs(d: dict, name: str, n_tokens: int, lo: int, hi: int) -> np.ndarray | N
     return runs
 
 
+def _episode(d: dict, n_tokens: int, g: int) -> dict:
+    """The optional episode fields of a RolloutGroup (all three or none), checked."""
+    present = [k for k in ("loss_mask", "turns", "env_rewards") if d.get(k) is not None]
+    if not present:
+        return {}
+    if len(present) != 3:
+        raise RecordError(f"episode fields loss_mask, turns and env_rewards come together; got only {present}")
+    raw = d["loss_mask"]
+    if not isinstance(raw, bytes) or len(raw) != n_tokens:
+        raise RecordError(f"field 'loss_mask': expected {n_tokens} bytes, one per completion token")
+    mask = np.frombuffer(raw, dtype=np.uint8)
+    if (mask > 1).any():
+        raise RecordError("field 'loss_mask': values other than 0 and 1")
+    turns, env = _blob(d, "turns", "<i4"), _blob(d, "env_rewards", "<f4")
+    if turns.size != g or (turns < 0).any():
+        raise RecordError(f"field 'turns': expected {g} non-negative counts")
+    if env.size != g or np.isinf(env).any():
+        raise RecordError(f"field 'env_rewards': expected {g} finite values or NaN")
+    return {"loss_mask": mask, "turns": turns, "env_rewards": env}
+
+
 def version_runs(per_token: np.ndarray) -> np.ndarray:
     """Per-token policy versions as (start, version) int32 pairs, one per run of equal versions."""
     per_token = np.asarray(per_token)
@@ -126,8 +158,20 @@ def expand_runs(runs: np.ndarray, n_tokens: int) -> np.ndarray:
     return np.repeat(versions, np.diff(np.r_[starts, n_tokens]))
 
 
+def _builtin(obj: Any) -> Any:
+    """A subclass of a builtin scalar (a numpy float64) as that builtin, as ``msgpack.packb`` packs it."""
+    for kind in (float, int, str, bytes):
+        if isinstance(obj, kind):
+            return kind(obj)
+    raise TypeError(f"can not serialize {type(obj).__name__!r} object")
+
+
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_builtin)
+"""Writes the same bytes as ``msgpack.packb(..., use_bin_type=True)``, faster."""
+
+
 def _pack(kind: str, body: dict) -> bytes:
-    return msgpack.packb({"schema": SCHEMA_VERSION, "type": kind, **body}, use_bin_type=True)
+    return _ENCODER.encode({"schema": SCHEMA_VERSION, "type": kind, **body})
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -157,6 +201,12 @@ class PromptTask:
 
     @classmethod
     def decode(cls, data: bytes) -> "PromptTask":
+        rec = _fast_prompt(cls, data)
+        return rec if rec is not None else cls._decode_fields(data)
+
+    @classmethod
+    def _decode_fields(cls, data: bytes) -> "PromptTask":
+        """The field-by-field path: every check in turn, the first defect named (module docstring)."""
         d = _unpack(data, "PromptTask")
         ids = _blob(d, "prompt_ids", "<i4")
         if not 0 < ids.size <= MAX_TOKENS:
@@ -244,6 +294,15 @@ class RolloutGroup:
     """Policy version of every token, as (start, version) int32 pairs over the flat
     ``completion_ids`` (:func:`version_runs`); None: every token is ``min_version`` (weights
     swapped only between generation batches)."""
+    loss_mask: np.ndarray | None = None
+    """Episodes (``env.kind``): uint8 aligned with ``completion_ids``, 1 on the tokens the policy
+    sampled, 0 on the observation tokens the environment appended (their behaviour log-prob
+    is 0 and the loss never reads them). None: every token was sampled."""
+    turns: np.ndarray | None = None
+    """Episodes: model turns per completion, int32 [G]."""
+    env_rewards: np.ndarray | None = None
+    """Episodes: the environment's reward of each completion, float32 [G] (NaN: it gave none);
+    a labelled signal (reward mode ``environment``), never shown to weak verifiers."""
 
     @property
     def group_size(self) -> int:
@@ -267,6 +326,9 @@ class RolloutGroup:
             "completion_lens": _i4(self.completion_lens), "behaviour_logprobs": _f4(self.behaviour_logprobs),
             "min_version": self.min_version, "max_version": self.max_version, "created_at": self.created_at,
             **({} if self.version_runs is None else {"version_runs": _i4(self.version_runs)}),
+            **({} if self.loss_mask is None else {
+                "loss_mask": np.ascontiguousarray(self.loss_mask, dtype=np.uint8).tobytes(),
+                "turns": _i4(self.turns), "env_rewards": _f4(self.env_rewards)}),
         }
 
     def encode(self) -> bytes:
@@ -299,10 +361,16 @@ class RolloutGroup:
                    prompt_ids=prompt_ids, reference=_get(d, "reference", str), completions=completions,
                    completion_ids=ids, completion_lens=lens, behaviour_logprobs=logprobs,
                    min_version=min_v, max_version=max_v, created_at=_get(d, "created_at", float),
-                   version_runs=_runs(d, "version_runs", ids.size, min_v, max_v))
+                   version_runs=_runs(d, "version_runs", ids.size, min_v, max_v), **_episode(d, ids.size, lens.size))
 
     @classmethod
     def decode(cls, data: bytes) -> "RolloutGroup":
+        rec = _fast_rollout_record(cls, data)
+        return rec if rec is not None else cls._decode_fields(data)
+
+    @classmethod
+    def _decode_fields(cls, data: bytes) -> "RolloutGroup":
+        """The field-by-field path: every check in turn, the first defect named (module docstring)."""
         return cls._from_body(_unpack(data, "RolloutGroup"))
 
 
@@ -335,6 +403,12 @@ class ScoredGroup:
 
     @classmethod
     def decode(cls, data: bytes) -> "ScoredGroup":
+        rec = _fast_scored(cls, data)
+        return rec if rec is not None else cls._decode_fields(data)
+
+    @classmethod
+    def _decode_fields(cls, data: bytes) -> "ScoredGroup":
+        """The field-by-field path: every check in turn, the first defect named (module docstring)."""
         d = _unpack(data, "ScoredGroup")
         body = _get(d, "rollout", dict)
         rollout = RolloutGroup._from_body(body)
@@ -352,6 +426,187 @@ class ScoredGroup:
                    rewards=rewards, truth=truth, reward_mode=_get(d, "reward_mode", str),
                    labelmodel_version=_get(d, "labelmodel_version", int),
                    verifier_id=_get(d, "verifier_id", str), scored_at=_get(d, "scored_at", float))
+
+
+# ---------------------------------------------------------------- the fast decoding path
+#
+# Each function returns the record, or None: then the field-by-field path decides (it
+# accepts the record or names its defect). Every test here is one the field-by-field path
+# makes, or a stricter one, so the fast path never accepts what the other refuses. The
+# structs list each record's fields as its encoder writes them and refuse any other field:
+# a field added to a record and not here sends the records carrying it down the
+# field-by-field path (correct, only slower); the ``_make`` calls must list every field.
+
+
+class _RolloutBody(msgspec.Struct, forbid_unknown_fields=True):
+    """A RolloutGroup's fields as ``RolloutGroup._body`` writes them."""
+
+    prompt_id: str
+    group_id: str
+    generator_id: str
+    prompt: str
+    prompt_ids: bytes
+    reference: str
+    completions: tuple[str, ...]
+    completion_ids: bytes
+    completion_lens: bytes
+    behaviour_logprobs: bytes
+    min_version: int
+    max_version: int
+    created_at: float
+    version_runs: bytes | None = None
+    loss_mask: None = None
+    turns: None = None
+    env_rewards: None = None
+    """Episodes take the field-by-field path."""
+
+
+class _RolloutWire(_RolloutBody, kw_only=True):
+    schema: int
+    type: str
+
+
+class _PromptWire(msgspec.Struct, forbid_unknown_fields=True):
+    schema: int
+    type: str
+    prompt_id: str
+    prompt: str
+    prompt_ids: bytes
+    reference: str
+    issued_at: float
+    partial: None = None
+    """A task carrying a partial takes the field-by-field path."""
+
+
+class _ScoredWire(msgspec.Struct, forbid_unknown_fields=True):
+    schema: int
+    type: str
+    rollout: _RolloutBody
+    verifier_names: tuple[str, ...]
+    votes: bytes
+    rewards: bytes
+    truth: bytes
+    reward_mode: str
+    labelmodel_version: int
+    verifier_id: str
+    scored_at: float
+
+
+_PROMPT_WIRE = msgspec.msgpack.Decoder(_PromptWire)
+_ROLLOUT_WIRE = msgspec.msgpack.Decoder(_RolloutWire)
+_SCORED_WIRE = msgspec.msgpack.Decoder(_ScoredWire)
+
+_new, _setattr = object.__new__, object.__setattr__
+_imax = np.maximum.reduce
+
+
+def _make(cls: type, fields: dict) -> Any:
+    """A frozen record from the dict of all its fields (what the dataclass ``__init__`` builds,
+    without its one ``setattr`` per field)."""
+    rec = _new(cls)
+    _setattr(rec, "__dict__", fields)
+    return rec
+
+
+def _wire(decoder: msgspec.msgpack.Decoder, data: Any, kind: str) -> Any:
+    """``data`` decoded into the typed struct of a ``kind`` record, or None."""
+    if type(data) is not bytes or len(data) > MAX_RECORD_BYTES:
+        return None
+    try:
+        w = decoder.decode(data)
+    except Exception:  # msgspec's DecodeError and ValidationError, and anything else
+        return None
+    return w if w.schema == SCHEMA_VERSION and w.type == kind else None
+
+
+# The float tests read the blobs' bytes first: the last byte of a little-endian float32 holds
+# its sign and the top seven bits of its exponent, which settle most values at once.
+_FINITE_TOP = bytes(b for b in range(256) if b & 0x7F != 0x7F)
+"""Top bytes of float32s that are finite whatever their other bytes (exponent not all ones)."""
+_NONPOSITIVE_TOP = bytes([0x00, *range(0x80, 0xFF)])
+"""Top bytes of float32s that are finite and at most 1e-4 whatever their other bytes: 0x00
+(below 2**-125) and 0x80-0xFE (negative, exponent not all ones)."""
+_NEGATIVE_FINITE_I4 = -(1 << 23) - 1
+"""-FLT_MAX read as an int32: the negative finite float32s are exactly the int32s at or below it."""
+_BYTE_TEST_MAX = 1024
+"""Blobs up to this many bytes are tested byte-wise; longer ones with one numpy reduction."""
+
+
+def _finite(raw: bytes, a: np.ndarray) -> bool:
+    """No NaN or infinity in the float32 blob ``raw`` (``a`` its array)."""
+    return not raw[3::4].translate(None, _FINITE_TOP) or bool(np.isfinite(a).all())
+
+
+def _logprobs_ok(raw: bytes, a: np.ndarray) -> bool:
+    """Every value of the float32 blob ``raw`` (``a`` its array) finite and at most 1e-4."""
+    if len(raw) <= _BYTE_TEST_MAX:
+        if not raw[3::4].translate(None, _NONPOSITIVE_TOP):
+            return True
+    elif int(_imax(np.frombuffer(raw, _I4))) <= _NEGATIVE_FINITE_I4:
+        return True  # all negative and finite
+    return bool(np.isfinite(a).all()) and not bool((a > 1e-4).any())
+
+
+def _fast_prompt(cls: type, data: Any) -> PromptTask | None:
+    w = _wire(_PROMPT_WIRE, data, "PromptTask")
+    if w is None or len(w.prompt_ids) & 3 or not 0 < len(w.prompt_ids) >> 2 <= MAX_TOKENS:
+        return None
+    return _make(cls, {"prompt_id": w.prompt_id, "prompt": w.prompt, "prompt_ids": np.frombuffer(w.prompt_ids, _I4),
+                       "reference": w.reference, "issued_at": w.issued_at, "partial": None})
+
+
+def _fast_rollout(cls: type, w: _RolloutBody) -> RolloutGroup | None:
+    lens_b, ids_b, lp_b, prompt_b = w.completion_lens, w.completion_ids, w.behaviour_logprobs, w.prompt_ids
+    if (len(lens_b) | len(ids_b) | len(lp_b) | len(prompt_b)) & 3:
+        return None
+    g, n = len(lens_b) >> 2, len(ids_b) >> 2
+    min_v, max_v = w.min_version, w.max_version
+    if not (0 < g <= MAX_GROUP_SIZE and n <= MAX_TOKENS and len(lp_b) == len(ids_b) and len(w.completions) == g
+            and 0 < len(prompt_b) >> 2 <= MAX_TOKENS and 0 <= min_v <= max_v):
+        return None
+    lens = np.frombuffer(lens_b, _I4)
+    per = lens.tolist()
+    if min(per) < 1 or sum(per) != n:
+        return None
+    logprobs = np.frombuffer(lp_b, _F4)
+    if not _logprobs_ok(lp_b, logprobs):
+        return None
+    runs = None
+    if w.version_runs is not None:
+        try:
+            runs = _runs({"version_runs": w.version_runs}, "version_runs", n, min_v, max_v)
+        except RecordError:
+            return None
+    return _make(cls, {
+        "prompt_id": w.prompt_id, "group_id": w.group_id, "generator_id": w.generator_id, "prompt": w.prompt,
+        "prompt_ids": np.frombuffer(prompt_b, _I4), "reference": w.reference, "completions": w.completions,
+        "completion_ids": np.frombuffer(ids_b, _I4), "completion_lens": lens, "behaviour_logprobs": logprobs,
+        "min_version": min_v, "max_version": max_v, "created_at": w.created_at, "version_runs": runs,
+        "loss_mask": None, "turns": None, "env_rewards": None})
+
+
+def _fast_rollout_record(cls: type, data: Any) -> RolloutGroup | None:
+    w = _wire(_ROLLOUT_WIRE, data, "RolloutGroup")
+    return None if w is None else _fast_rollout(cls, w)
+
+
+def _fast_scored(cls: type, data: Any) -> ScoredGroup | None:
+    w = _wire(_SCORED_WIRE, data, "ScoredGroup")
+    if w is None or (rollout := _fast_rollout(RolloutGroup, w.rollout)) is None:
+        return None
+    g, m = rollout.group_size, len(w.verifier_names)
+    votes_b, rewards_b, truth_b = w.votes, w.rewards, w.truth
+    if (len(votes_b) | len(rewards_b) | len(truth_b)) & 3 or len(votes_b) >> 2 != g * m \
+            or len(rewards_b) >> 2 != g or len(truth_b) >> 2 != g:
+        return None
+    rewards = np.frombuffer(rewards_b, _F4)
+    if not _finite(rewards_b, rewards):
+        return None
+    return _make(cls, {"rollout": rollout, "verifier_names": w.verifier_names,
+                       "votes": np.frombuffer(votes_b, _F4).reshape(g, m), "rewards": rewards,
+                       "truth": np.frombuffer(truth_b, _F4), "reward_mode": w.reward_mode,
+                       "labelmodel_version": w.labelmodel_version, "verifier_id": w.verifier_id,
+                       "scored_at": w.scored_at})
 
 
 RECORD_TYPES = {"PromptTask": PromptTask, "RolloutGroup": RolloutGroup, "ScoredGroup": ScoredGroup}

@@ -43,39 +43,52 @@ TRIM_EVERY = 10
 # ARGV: writer id, seq (the TxnWriter token), group; n dead letters, then per dead letter:
 #       entry id, n fields, fields... (each gives its admission slot back: every stage's
 #       inputs descend from an admitted prompt);
-#       n entries to ack, then per entry: id, 1/0 (has an output), output (written in the
-#       field ``d``, bus.streams.FIELD);
+#       n entries to ack, then their ids; n outputs, then the outputs (written in order, in
+#       the field ``d``, bus.streams.FIELD);
 #       n entries to hand back, then per entry: id, the record that replaces it (written to
 #       the source stream: unfinished work a stopping stage returns; its admission slot is
 #       given back, as the next reader is admitted anew);
 #       n counters, then (name, kind, value) each (bus.streams.counter_args).
+# Each part's entries are acked with one variadic XACK (per ACK_CHUNK ids: unpack's limit).
 # Returns {applied (0: a replay, nothing changed), admission slots to give back}.
 _EMIT = """
 local seen = txn_seen(KEYS[5], ARGV[1], ARGV[2])
 if seen then return {0, tonumber(seen)} end
 local group, i = ARGV[3], 5
+local ACK_CHUNK = 1000
+local function ack(ids, first, last)
+  for s = first, last, ACK_CHUNK do
+    redis.call('XACK', KEYS[1], group, unpack(ids, s, math.min(s + ACK_CHUNK - 1, last)))
+  end
+end
 local ndead = tonumber(ARGV[4])
-for _ = 1, ndead do
-  local id, nf = ARGV[i], tonumber(ARGV[i + 1])
+local dead_ids = {}
+for k = 1, ndead do
+  local nf = tonumber(ARGV[i + 1])
   redis.call('XADD', KEYS[3], '*', unpack(ARGV, i + 2, i + 1 + nf))
-  redis.call('XACK', KEYS[1], group, id)
+  dead_ids[k] = ARGV[i]
   i = i + 2 + nf
 end
+ack(dead_ids, 1, ndead)
 if ndead > 0 then redis.call('HINCRBY', KEYS[4], 'dead_letters_total', ndead) end
 local nw = tonumber(ARGV[i])
-i = i + 1
-for _ = 1, nw do
-  if ARGV[i + 1] == '1' then redis.call('XADD', KEYS[2], '*', 'd', ARGV[i + 2]) end
-  redis.call('XACK', KEYS[1], group, ARGV[i])
-  i = i + 3
+local first_id = i + 1
+i = first_id + nw
+local nout = tonumber(ARGV[i])
+for k = i + 1, i + nout do
+  redis.call('XADD', KEYS[2], '*', 'd', ARGV[k])
 end
+ack(ARGV, first_id, first_id + nw - 1)
+i = i + 1 + nout
 local nback = tonumber(ARGV[i])
 i = i + 1
-for _ = 1, nback do
+local back_ids = {}
+for k = 1, nback do
   redis.call('XADD', KEYS[1], '*', 'd', ARGV[i + 1])
-  redis.call('XACK', KEYS[1], group, ARGV[i])
+  back_ids[k] = ARGV[i]
   i = i + 2
 end
+ack(back_ids, 1, nback)
 add_counters(KEYS[4], i + 1, tonumber(ARGV[i]))
 local releases = ndead + nback
 txn_done(KEYS[5], ARGV[1], ARGV[2], releases)
@@ -169,9 +182,8 @@ class Stage:
             self.log.warning("dead_letter", id=e.id, reason=reason)
             fields = dead_letter_fields(stream=src, entry=e, reason=reason, consumer=self.worker_id)
             dead += [e.id, len(fields), *fields]
-        acks: list = []
-        for e, payload in out.written:
-            acks += [e.id, 0, b""] if payload is None else [e.id, 1, payload]
+        acks = [e.id for e, _ in out.written]
+        outputs = [payload for _, payload in out.written if payload is not None]
         back: list = []
         for e, payload in out.handed_back:
             back += [e.id, payload]
@@ -181,7 +193,8 @@ class Stage:
                 applied, releases = self._emit(
                     keys=[src, dst, shard.dead, shard.stats, shard.txn],
                     args=[self.txn.id, seq, self.group, len(batch.bad), *dead,
-                          len(out.written), *acks, len(out.handed_back), *back, len(counters) // 3, *counters])
+                          len(acks), *acks, len(outputs), *outputs, len(out.handed_back), *back,
+                          len(counters) // 3, *counters])
             if not applied:
                 self.log.info("emit_replay_skipped", shard=shard.index, seq=seq)
             release_admissions(self.r, self.keys, int(releases), writer=self.txn)

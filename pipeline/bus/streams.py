@@ -40,7 +40,7 @@ def ensure_all_groups(r: redis.Redis, keys: Keys) -> None:
             ensure_group(r, key, group)
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     id: bytes
     payload: bytes | None
@@ -103,7 +103,8 @@ class GroupReader:
             self._pending_cursor = None
             return []
         self._pending_cursor = entries[-1][0]
-        return self._with_deliveries([Entry(i, f.get(FIELD) if f else None, shard=self.shard) for i, f in entries])
+        shard = self.shard
+        return self._with_deliveries([Entry(i, f.get(FIELD) if f else None, 1, shard) for i, f in entries])
 
     def claim(self, count: int) -> list[Entry]:
         """Take over up to ``count`` entries idle in other consumers for ``claim_idle_ms`` or more.
@@ -117,7 +118,8 @@ class GroupReader:
         resp = self.r.xautoclaim(self.stream, self.group, self.consumer, self.claim_idle_ms,
                                  start_id=self._claim_cursor, count=count)
         self._claim_cursor = resp[0]
-        entries = [Entry(i, f.get(FIELD) if f else None, shard=self.shard) for i, f in resp[1] if i is not None]
+        shard = self.shard
+        entries = [Entry(i, f.get(FIELD) if f else None, 1, shard) for i, f in resp[1] if i is not None]
         if self._claim_cursor in (b"0-0", "0-0") and not entries:
             self._next_claim = now + self.claim_every_s
         self.claimed_total += len(entries)
@@ -130,8 +132,10 @@ class GroupReader:
     def read_new(self, count: int, block_ms: int | None) -> list[Entry]:
         """Entries never delivered to the group, waiting up to ``block_ms`` for one (None: not at all)."""
         resp = self.r.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms)
-        entries = resp[0][1] if resp else []
-        return [Entry(i, f.get(FIELD) if f else None, shard=self.shard) for i, f in entries]
+        if not resp:
+            return []
+        shard = self.shard
+        return [Entry(i, f.get(FIELD) if f else None, 1, shard) for i, f in resp[0][1]]
 
     def read(self, count: int, block_ms: int) -> list[Entry]:
         """Own pending entries first, then reclaimed ones, then new ones."""
@@ -146,6 +150,11 @@ class GroupReader:
         for e in entries:
             e.deliveries = counts.get(e.id, e.deliveries)
         return entries
+
+    @property
+    def delivery_floor(self) -> int:
+        """An entry delivered at most this many times is never over the limit (``decode_entries``)."""
+        return self.max_deliveries
 
     def over_limit(self, e: Entry) -> str | None:
         """The dead-letter reason for an entry delivered too many times, else None."""
@@ -176,6 +185,11 @@ class ShardedReader:
     @property
     def claimed_total(self) -> int:
         return sum(x.claimed_total for x in self.readers)
+
+    @property
+    def delivery_floor(self) -> int:
+        """The lowest delivery limit of the shards' readers."""
+        return min(x.max_deliveries for x in self.readers)
 
     def _turn(self) -> list[int]:
         n = len(self.readers)
@@ -234,9 +248,11 @@ def decode_entries(entries: list[Entry], decode, check=None, *, reader: GroupRea
     ``reader``, an entry past its delivery limit is a defect before it is even decoded.
     """
     good, bad = [], []
+    # Only an entry delivered more often than the lowest limit can be over its shard's limit.
+    over, floor = (None, 0) if reader is None else (reader.over_limit, reader.delivery_floor)
     for e in entries:
         try:
-            if reader is not None and (reason := reader.over_limit(e)):
+            if over is not None and e.deliveries > floor and (reason := over(e)):
                 raise RecordError(reason)
             if e.payload is None:
                 raise RecordError("entry has no payload field")
@@ -417,9 +433,48 @@ def unacked_all(r: redis.Redis, streams: str | list[str], group: str, *, cap: in
     return total
 
 
-def _next_id(entry_id: bytes | str) -> str:
-    ms, _, seq = (entry_id.decode() if isinstance(entry_id, bytes) else entry_id).partition("-")
-    return f"{ms}-{int(seq or 0) + 1}"
+# What ``trim_acked`` removes, in one round trip. KEYS: the stream. Returns how many went.
+# Ids are compared and stepped as decimal strings (their sequence part may exceed a Lua
+# number's 53 exact bits): without leading zeros, a shorter string is a smaller number.
+_TRIM_ACKED = """
+local function field(flat, name)
+  for i = 1, #flat, 2 do if flat[i] == name then return flat[i + 1] end end
+  return nil
+end
+local function split(id)
+  local dash = string.find(id, '-', 1, true)
+  if not dash then return id, '' end
+  return string.sub(id, 1, dash - 1), string.sub(id, dash + 1)
+end
+local function plus_one(s)
+  local i = #s
+  while i > 0 and string.sub(s, i, i) == '9' do i = i - 1 end
+  if i == 0 then return '1' .. string.rep('0', #s) end
+  return string.sub(s, 1, i - 1) .. string.char(string.byte(s, i) + 1) .. string.rep('0', #s - i)
+end
+local function below(a, b)
+  if #a ~= #b then return #a < #b end
+  return a < b
+end
+local groups = redis.pcall('XINFO', 'GROUPS', KEYS[1])
+if type(groups) ~= 'table' or groups.err or #groups == 0 then return 0 end
+local floor_ms, floor_seq
+for _, g in ipairs(groups) do
+  local ms, seq
+  local summary = redis.call('XPENDING', KEYS[1], field(g, 'name'))
+  if summary[1] > 0 then
+    ms, seq = split(summary[2])
+  else
+    ms, seq = split(field(g, 'last-delivered-id'))
+    if seq == '' then seq = '0' end
+    seq = plus_one(seq)
+  end
+  if not floor_ms or below(ms, floor_ms) or ms == floor_ms and below(seq, floor_seq) then
+    floor_ms, floor_seq = ms, seq
+  end
+end
+return redis.call('XTRIM', KEYS[1], 'MINID', floor_ms .. '-' .. floor_seq)
+"""
 
 
 def trim_acked(r: redis.Redis, stream: str) -> int:
@@ -428,21 +483,7 @@ def trim_acked(r: redis.Redis, stream: str) -> int:
     The floor is, over all groups, the oldest pending entry and the first entry not yet
     delivered; ``XTRIM MINID`` removes only entries strictly below it, so nothing a
     group still needs (pending or never delivered) is ever trimmed. A stream without
-    groups is left alone.
+    groups (or no stream) is left alone. One script: one round trip, and no read of the
+    groups can slip in between.
     """
-    try:
-        groups = r.xinfo_groups(stream)
-    except redis.ResponseError:
-        return 0
-    if not groups:
-        return 0
-    floor: tuple[int, int] | None = None
-    for g in groups:
-        summary = r.xpending(stream, g["name"])
-        if summary["pending"]:
-            cand = summary["min"]
-        else:
-            cand = _next_id(g["last-delivered-id"])
-        key = tuple(int(x) for x in (cand.decode() if isinstance(cand, bytes) else cand).split("-"))
-        floor = key if floor is None or key < floor else floor
-    return int(r.xtrim(stream, minid=f"{floor[0]}-{floor[1]}", approximate=False))
+    return int(r.register_script(_TRIM_ACKED)(keys=[stream]))
