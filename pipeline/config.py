@@ -59,7 +59,7 @@ Loss = Literal["decoupled_ppo", "tis", "gspo"]
 Transport = Literal["shm", "tcp", "ucx"]
 """Implemented by ``pipeline.weights.TRANSPORTS``."""
 StageKind = Literal["generator", "verifier", "trainer", "feeder"]
-FaultKind = Literal["kill", "pause", "redis"]
+FaultKind = Literal["kill", "pause", "redis", "term"]
 
 DEFAULT_BASE_DIR = "artifacts/base-model"
 """Where the base model lives unless configured otherwise; ``pipeline up`` builds it there when missing."""
@@ -440,8 +440,6 @@ class GeneratorConfig(_Section):
         _check(self.prompts_per_batch >= 1, f"{p}.prompts_per_batch", ">= 1", self.prompts_per_batch)
         _check(self.slots == 0 or self.slots >= self.group_size, f"{p}.slots",
                f"0 or at least group_size ({self.group_size})", self.slots)
-        _check(self.swap == "batch" or self.backend == "torch", f"{p}.swap",
-               '"batch" with backend "vllm" (continuous batching is the torch backend\'s)', self.swap)
         _check(0 <= self.temperature <= 10, f"{p}.temperature", "in [0, 10]", self.temperature)
         _check(self.threads >= 1, f"{p}.threads", ">= 1", self.threads)
 
@@ -453,7 +451,8 @@ class VerifierConfig(_Section):
     ``single:<verifier>`` (one verifier, 1[s >= 0.5]), ``majority`` (the group's most frequent
     answer), ``average`` (plain mean of the verifiers' scores, no label model),
     ``distilled:<dir>`` (a cross-encoder trained on a run's posteriors by ``pipeline distill``),
-    ``ground_truth`` (the task's own check against the reference answers: labelled RLVR), or a
+    ``ground_truth`` (the task's own check against the reference answers: labelled RLVR),
+    ``environment`` (an episode's environment reward, with ``env.kind``), or a
     labelled reward of your own, ``module:function`` (docs/extending.md)."""
     verifiers: tuple[str, ...] = DEFAULT_VERIFIERS
     """Weak verifiers in the ensemble, by registry name or kind spec (``math_equiv``,
@@ -748,7 +747,8 @@ class ChaosConfig(_Section):
     kinds: tuple[FaultKind, ...] = ("kill", "pause", "redis")
     """What a random fault does, drawn uniformly: ``kill`` (SIGKILL of a worker's process
     group), ``pause`` (SIGSTOP of it for pause_s, then SIGCONT), ``redis`` (SIGKILL of the
-    server, which the driver starts again on its port and data)."""
+    server, which the driver starts again on its port and data), ``term`` (SIGTERM of a
+    worker: its graceful stop, then a restart)."""
     targets: tuple[StageKind, ...] = ("generator", "verifier", "trainer", "feeder")
     """Stage kinds a kill or a pause picks from (``generator``, ``verifier``, ``trainer``,
     ``feeder``): a kind uniformly, then one of its workers."""
@@ -756,7 +756,7 @@ class ChaosConfig(_Section):
     """How long a paused worker stays stopped."""
     schedule: tuple[str, ...] = ()
     """Fixed fault sequence instead of random picks: worker names to kill (``gen-0``,
-    ``ver-1``, ``trainer``, ``feeder``), ``pause:<worker>``, and ``redis``. Fault k of n comes
+    ``ver-1``, ``trainer``, ``feeder``), ``pause:<worker>``, ``term:<worker>``, and ``redis``. Fault k of n comes
     once the policy reaches version k·steps/(n+2), so the faults land mid-run however fast
     the machine is."""
     seed: int = 0
@@ -773,10 +773,11 @@ class ChaosConfig(_Section):
 
         def entry_ok(x: str) -> bool:
             kind, _, name = x.rpartition(":")
-            return x == "redis" or (kind in ("", "kill", "pause")
+            return x == "redis" or (kind in ("", "kill", "pause", "term")
                                     and (name in ("trainer", "feeder") or name.startswith(("gen-", "ver-"))))
         _check(all(entry_ok(x) for x in self.schedule), f"{p}.schedule",
-               "worker names (gen-N, ver-N, trainer, feeder), pause:<worker> or redis", self.schedule)
+               "worker names (gen-N, ver-N, trainer, feeder), pause:<worker>, term:<worker> or redis",
+               self.schedule)
         _check(self.max_faults >= 0, f"{p}.max_faults", ">= 0", self.max_faults)
 
 
@@ -803,6 +804,43 @@ class TrackingConfig(_Section):
         _check(len(set(self.backends)) == len(self.backends), f"{p}.backends", "each backend at most once",
                self.backends)
         _check(bool(self.project), f"{p}.project", "a non-empty name", self.project)
+
+
+EnvErrorPolicy = Literal["end", "retry"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EnvConfig(_Section):
+    """Multi-turn episodes in an environment (``pipeline.envs``); needs ``generator.swap``
+    ``step`` or ``drain`` (the slot sampler keeps an episode's sequence while its
+    environment answers)."""
+
+    kind: str = ""
+    """The environment: empty for single-turn completions, ``calculator`` (a calculator
+    tool for the arithmetic task), or your own factory as ``module:function`` /
+    ``path/to/file.py:function`` (docs/extending.md)."""
+    max_turns: int = 4
+    """Model turns per episode at most (each one ends with the model's eos)."""
+    workers: int = 32
+    """Environment steps run at once per generator (threads), overlapping generation."""
+    step_timeout_s: float = 30.0
+    """An environment step slower than this fails (see on_error)."""
+    on_error: EnvErrorPolicy = "end"
+    """A step that raises or times out: ``end`` the episode there (its environment reward is
+    then missing), or ``retry`` it up to ``retries`` times first. Counted as ``env_errors_total``."""
+    retries: int = 2
+    """``on_error = "retry"``: attempts after the first."""
+    max_in_flight: int = 0
+    """Completions in flight per generator at most, decoding or waiting on their environment
+    (a waiting one holds no slot, so environment latency overlaps decoding); 0: 2 × the
+    generator's slots."""
+
+    def _validate(self, p: str) -> None:
+        _check(self.max_turns >= 1, f"{p}.max_turns", ">= 1", self.max_turns)
+        _check(self.workers >= 1, f"{p}.workers", ">= 1", self.workers)
+        _check(self.step_timeout_s > 0, f"{p}.step_timeout_s", "> 0", self.step_timeout_s)
+        _check(self.retries >= 0, f"{p}.retries", ">= 0", self.retries)
+        _check(self.max_in_flight >= 0, f"{p}.max_in_flight", ">= 0", self.max_in_flight)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -850,9 +888,22 @@ class RunConfig:
     """Experiment trackers (TensorBoard, Weights & Biases)."""
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
     """Fault injection, used only by ``pipeline chaos``."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn episodes in an environment (off by default)."""
 
     def validate(self) -> "RunConfig":
         _check(all(c.isalnum() or c in "-_." for c in self.run_id), "run_id", "letters, digits, '-', '_' or '.'", self.run_id)
+        _check(not self.env.kind or self.generator.swap != "batch", "env.kind",
+               'used with generator.swap "step" or "drain" (episodes run in the slot sampler)', self.env.kind)
+        _check(self.env.max_in_flight == 0 or self.env.max_in_flight >= self.generator.group_size,
+               "env.max_in_flight", f"0 or at least generator.group_size ({self.generator.group_size})",
+               self.env.max_in_flight)
+        _check(not self.env.kind or self.generator.backend == "torch", "env.kind",
+               'used with generator.backend "torch" (its slot sampler runs the turns)', self.env.kind)
+        _check(not self.env.kind or self.trainer.backend == "torch", "env.kind",
+               'used with trainer.backend "torch" (its loss masks the observation tokens)', self.env.kind)
+        _check(self.verifier.reward.strip() != "environment" or bool(self.env.kind), "verifier.reward",
+               '"environment" only with an environment (env.kind)', self.verifier.reward)
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if dataclasses.is_dataclass(value):

@@ -1,6 +1,6 @@
 """User code named in the config: ``package.module:attr`` specs and Python entry points.
 
-Every registry (weak verifiers, reward modes, advantages, losses, task kinds) takes, beside
+Every registry (weak verifiers, reward modes, advantages, losses, task kinds, environments) takes, beside
 its built-in names:
 
 - ``module:attr`` (``my_checks:units_digit``, ``lab.rewards:exact_match``): ``attr`` of a
@@ -34,6 +34,7 @@ ENTRY_POINT_GROUPS = {
     "advantage": "rlpipe.advantages",
     "loss": "rlpipe.losses",
     "task": "rlpipe.tasks",
+    "env": "rlpipe.envs",
 }
 """Entry-point group of each registry."""
 

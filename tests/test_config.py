@@ -155,7 +155,7 @@ def test_every_fixed_choice_field_is_a_literal_and_its_validation_allows_its_val
                      "generator.vllm_dtype", "generator.swap", "generator.kv_on_swap",
                      "verifier.dependence", "trainer.backend", "trainer.device", "trainer.is_mode",
                      "trainer.loss_agg", "weights.transport", "chaos.targets", "chaos.kinds", "tracking.backends",
-                     "tracking.wandb_mode"}
+                     "tracking.wandb_mode", "env.on_error"}
     # A section built directly, not loaded, is refused the same way.
     with pytest.raises(ConfigError, match=r"trainer\.loss: must be decoupled_ppo\|tis\|gspo, module:function"):
         dataclasses.replace(cfg, trainer=C.TrainerConfig(loss="ppo2")).validate()

@@ -11,6 +11,7 @@ A mode is chosen by a spec string in the config (``verifier.reward``):
                     abstain, 0 if all abstained: the naive ensemble, no label model, no calibration
 ``distilled:DIR``   P(correct) of a distilled cross-encoder saved in DIR by ``pipeline distill``
 ``ground_truth``    the task's own check against the reference answer (its ``correctness``)
+``environment``     an episode's environment reward (``env.kind``; missing counts 0)
 ``module:function`` a labelled reward of your own (``path/to/file.py:function`` too, or a name in
                     the ``rlpipe.rewards`` entry-point group; ``pipeline.plugins``), TRL's shape:
                     ``function(prompts, completions, reference, **kw) -> list[float]``
@@ -160,8 +161,8 @@ class RewardMode:
 
     @property
     def uses_truth(self) -> bool:
-        """Only ``ground_truth`` and labelled rewards read the reference."""
-        return self.kind in ("ground_truth", "labelled")
+        """Only ``ground_truth``, ``environment`` and labelled rewards read the reference."""
+        return self.kind in ("ground_truth", "labelled", "environment")
 
     def __call__(
         self,
@@ -174,6 +175,7 @@ class RewardMode:
         prompt: str | None = None,
         answer=extract_answer,
         reference: str | None = None,
+        env_rewards: np.ndarray | None = None,
     ) -> np.ndarray:
         v = np.asarray(votes, dtype=np.float64)
         names = list(names)
@@ -193,6 +195,10 @@ class RewardMode:
             out = distilled_verifier(self.path).score_group(prompt, completions)
         elif self.kind == "ground_truth":
             out = _ground_truth(truth=truth)
+        elif self.kind == "environment":
+            if env_rewards is None:
+                raise ValueError("reward mode 'environment' needs episodes with environment rewards (env.kind)")
+            out = np.nan_to_num(np.asarray(env_rewards, dtype=np.float64), nan=0.0)
         elif self.kind == "labelled":
             out = _labelled(self, prompt=prompt, completions=completions, reference=reference, answer=answer, g=g)
         else:
@@ -220,7 +226,7 @@ def _labelled(mode: "RewardMode", *, prompt, completions, reference, answer, g: 
 def allowed_reward_modes() -> list[str]:
     """Every valid spec, for error messages and ``--help`` (a kind stands for any of its specs)."""
     kinds = [f"{SINGLE_PREFIX}{k}" + (":<arg>" if v.arg == "required" else "") for k, v in KINDS.items()]
-    return [*REWARD_MODES, *(f"{SINGLE_PREFIX}{n}" for n in sorted(VERIFIERS)), *kinds]
+    return [*REWARD_MODES, "environment", *(f"{SINGLE_PREFIX}{n}" for n in sorted(VERIFIERS)), *kinds]
 
 
 @dataclass(frozen=True)
@@ -290,6 +296,8 @@ def parse_reward_mode(spec: str) -> "RewardMode | CombinedReward":
         return CombinedReward(spec=s, terms=((w, parse_reward_mode(one)),))
     if s in REWARD_MODES:
         return RewardMode(spec=s, kind=s)
+    if s == "environment":
+        return RewardMode(spec=s, kind="environment")
     if s.startswith(SINGLE_PREFIX):
         name = s[len(SINGLE_PREFIX):]
         try:

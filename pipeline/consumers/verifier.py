@@ -198,7 +198,8 @@ class Verifier:
         for (e, g), vt in zip(batch.good, votes):
             truth = self.task.correctness(g.reference, g.completions)
             rewards = self.mode(votes=vt, names=v.verifiers, completions=g.completions, label_model=lm, truth=truth,
-                                prompt=g.prompt, answer=self.task.answer, reference=g.reference)
+                                prompt=g.prompt, answer=self.task.answer, reference=g.reference,
+                                env_rewards=g.env_rewards)
             rows.append(posterior_row(g, vt, truth, lm, v.verifiers))
             rec = ScoredGroup(rollout=g, verifier_names=tuple(v.verifiers), votes=vt.astype(np.float32),
                               rewards=rewards.astype(np.float32), truth=truth.astype(np.float32),

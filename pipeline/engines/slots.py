@@ -48,7 +48,16 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    """1 on sampled tokens, 0 on observation tokens an environment appended."""
     done: bool = False
+    episodic: bool = False
+    """Its eos ends a turn (the environment answers), not the completion."""
+    turns: int = 0
+    turn_start: int = 0
+    """Index in ``tokens`` where the current model turn began."""
+    waiting: bool = False
+    """Its turn ended; out of the slots until :meth:`SlotSampler.observe`."""
     slot: int = -1
     length: int = 0
     """Positions in the slot's cache (prompt plus the tokens fed so far)."""
@@ -64,6 +73,12 @@ class Finished:
     tokens: list[list[int]]
     logprobs: list[list[float]]
     versions: list[list[int]]
+    masks: list[list[int]] | None = None
+    """Episodes: 1 on sampled tokens, 0 on observation tokens (None: every token sampled)."""
+    turns: list[int] | None = None
+    """Episodes: model turns per completion."""
+    last_turns: list[list[int]] | None = None
+    """Episodes: the tokens of each completion's last model turn (its final answer)."""
 
 
 class SlotSampler:
@@ -86,6 +101,10 @@ class SlotSampler:
         self._order: list[_Row] = []
         """Rows in flight, by slot: ``_order[s].slot == s``."""
         self._groups: dict[object, list[_Row]] = {}
+        self._waiting = 0
+        self._ready: list[_Row] = []
+        self._turns: list[tuple[object, int, list[int]]] = []
+        self._max_turns: dict[object, int] = {}
 
     # ------------------------------------------------------------------ occupancy
 
@@ -96,7 +115,21 @@ class SlotSampler:
 
     @property
     def free(self) -> int:
-        return self.slots - len(self._order)
+        """Slots neither in flight nor promised to a completion whose observation came back."""
+        return self.slots - len(self._order) - len(self._ready)
+
+    @property
+    def rows(self) -> int:
+        """Completions not finished: in flight, waiting on their environment, or ready to go on."""
+        return len(self._order) + self._waiting + len(self._ready)
+
+    def _place(self) -> None:
+        """Completions whose observation came back take the free slots, oldest first."""
+        while self._ready and len(self._order) < self.slots:
+            r = self._ready.pop(0)
+            r.slot = len(self._order)
+            self._order.append(r)
+            self._refill(r)
 
     @property
     def groups(self) -> list[object]:
@@ -189,12 +222,22 @@ class SlotSampler:
     # ------------------------------------------------------------------ groups in and out
 
     def add(self, key, prompt: np.ndarray, *, n: int, max_new_tokens: int, version: int,
-            partial: Partial | None = None) -> Finished | None:
+            partial: Partial | None = None, observations: list[list[int]] | None = None) -> Finished | None:
         """Put ``n`` completions of ``prompt`` in flight (``partial``: continue them from their
-        saved tokens); returns the group at once if every completion of it was already done."""
+        saved tokens); returns the group at once if every completion of it was already done.
+
+        ``observations`` makes the completions episodes: each one's first observation (token
+        ids, possibly none) is appended after the prompt, and an eos ends a model turn
+        (:meth:`turn_ended`, then :meth:`observe`) instead of the completion."""
         if key in self._groups:
             raise ValueError(f"group {key!r} is already in flight")
         rows = [_Row(key=key, member=j, prompt=prompt, budget=max_new_tokens) for j in range(n)]
+        if observations is not None:
+            if partial is not None or len(observations) != n:
+                raise ValueError(f"an episode group needs {n} first observations and no partial")
+            for r, obs in zip(rows, observations):
+                r.episodic = True
+                self._append_observation(r, obs[: max_new_tokens - 1], version)
         if partial is not None:
             if partial.lens.size != n:
                 raise ValueError(f"partial has {partial.lens.size} completions, the group {n}")
@@ -205,6 +248,7 @@ class SlotSampler:
                 row.tokens = partial.ids[a:b].astype(np.int64).tolist()
                 row.logprobs = partial.logprobs[a:b].astype(np.float64).tolist()
                 row.versions = per_token[a:b].astype(np.int64).tolist()
+                row.mask = [1] * len(row.tokens)
                 row.done = bool(partial.done[j]) or len(row.tokens) >= max_new_tokens
         live = [r for r in rows if not r.done]
         if len(live) > self.free:
@@ -256,8 +300,50 @@ class SlotSampler:
 
     def _finish(self, key) -> Finished:
         rows = self._groups.pop(key)
+        self._max_turns.pop(key, None)
+        episodic = any(r.episodic for r in rows)
         return Finished(key=key, tokens=[r.tokens for r in rows], logprobs=[r.logprobs for r in rows],
-                        versions=[r.versions for r in rows])
+                        versions=[r.versions for r in rows],
+                        masks=[r.mask for r in rows] if episodic else None,
+                        turns=[r.turns for r in rows] if episodic else None,
+                        last_turns=[r.tokens[r.turn_start:] for r in rows] if episodic else None)
+
+    def _append_observation(self, r: _Row, obs: list[int], version: int) -> None:
+        version = r.versions[-1] if r.versions else version
+        r.tokens += obs
+        r.logprobs += [0.0] * len(obs)
+        r.versions += [version] * len(obs)
+        r.mask += [0] * len(obs)
+        r.turn_start = len(r.tokens)
+
+    def turn_ended(self) -> list[tuple[object, int, list[int]]]:
+        """The (group key, completion index, action token ids) of every model turn that ended
+        since the last call; each waits for :meth:`observe`."""
+        out, self._turns = self._turns, []
+        return out
+
+    def observe(self, key, member: int, observation: list[int], *, done: bool, version: int) -> Finished | None:
+        """The environment's answer to a completion's turn: ``done`` (or no room left for a
+        turn after ``observation``, or ``env.max_turns`` reached) ends it; otherwise the
+        observation's ids are appended and the completion takes a slot again (the first free
+        one: a waiting completion holds none, so more episodes than slots can be in flight
+        and their environments' latency overlaps decoding). Returns its group if that was
+        the group's last completion."""
+        r = self._groups[key][member]
+        if not r.waiting:
+            raise ValueError(f"completion {member} of group {key!r} is not waiting for an observation")
+        r.waiting = False
+        self._waiting -= 1
+        if done or r.turns >= self._max_turns.get(key, 1 << 30) or len(r.tokens) + len(observation) >= r.budget:
+            r.done = True
+        else:
+            self._append_observation(r, observation, version)
+            r.logit_version = version
+            self._ready.append(r)
+            self._place()
+        if all(x.done for x in self._groups[key]):
+            return self._finish(key)
+        return None
 
     def _vacate(self, r: _Row) -> None:
         """Free ``r``'s slot: the last slot in flight moves into it."""
@@ -276,6 +362,7 @@ class SlotSampler:
     def step(self, version: int) -> list[Finished]:
         """Sample one token in every slot in flight, then feed the continuing ones forward
         under the current weights (``version``); returns the groups that finished."""
+        self._place()
         a = len(self._order)
         if a == 0:
             return []
@@ -293,10 +380,19 @@ class SlotSampler:
             r.tokens.append(tok)
             r.logprobs.append(l)
             r.versions.append(r.logit_version)
-            if tok == self.eos_id or len(r.tokens) >= r.budget:
-                r.done = True
+            r.mask.append(1)
+            if r.episodic and tok == self.eos_id and len(r.tokens) < r.budget:
+                r.turns += 1
+                r.waiting = True
+                self._waiting += 1
+                self._turns.append((r.key, r.member, r.tokens[r.turn_start:-1]))
                 ended.append(r)
-        fed = {id(r): tok for r, tok in zip(self._order, ids) if not r.done}
+            elif tok == self.eos_id or len(r.tokens) >= r.budget:
+                r.done = True
+                if r.episodic:
+                    r.turns += 1
+                ended.append(r)
+        fed = {id(r): tok for r, tok in zip(self._order, ids) if not (r.done or r.waiting)}
         # Vacate from the highest slot down, so a row moved into a hole never ends this step.
         for r in sorted(ended, key=lambda r: -r.slot):
             self._vacate(r)
@@ -307,7 +403,7 @@ class SlotSampler:
                 r.length += 1
                 r.logit_version = version
         out = []
-        for key in dict.fromkeys(r.key for r in ended):
+        for key in dict.fromkeys(r.key for r in ended if r.done):
             if all(x.done for x in self._groups[key]):
                 out.append(self._finish(key))
         return out
@@ -326,7 +422,15 @@ class SlotSampler:
                 done=np.array([r.done for r in rows], dtype=bool))))
         return out
 
+    def set_max_turns(self, key, turns: int) -> None:
+        """An episode group's limit of model turns per completion."""
+        self._max_turns[key] = turns
+
     def clear(self) -> None:
         """Drop every group in flight."""
         self._order.clear()
         self._groups.clear()
+        self._turns.clear()
+        self._max_turns.clear()
+        self._ready.clear()
+        self._waiting = 0

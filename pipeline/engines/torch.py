@@ -112,6 +112,20 @@ def pad_batch(groups: list[ScoredGroup], pad_id: int):
     return prompts, ids, lp, mask
 
 
+def sampled_mask(groups: list[ScoredGroup], shape: tuple[int, int]) -> torch.Tensor:
+    """[N, T] in the order of :func:`pad_batch`: 1 on the tokens the policy sampled, 0 on the
+    observation tokens an environment appended to an episode (and on padding)."""
+    out = torch.zeros(shape)
+    i = 0
+    for g in groups:
+        ro = g.rollout
+        flat = np.ones(ro.completion_ids.size, dtype=np.float32) if ro.loss_mask is None else ro.loss_mask
+        for piece in ro.split(flat):
+            out[i, : piece.size] = torch.from_numpy(np.asarray(piece, dtype=np.float32))
+            i += 1
+    return out
+
+
 def microbatches(rows: torch.Tensor, mask: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:
     """``rows`` (completion indices) cut into consecutive pieces of at most ``max_tokens`` valid
     tokens each (a completion longer than that is a piece alone); 0: one piece."""
@@ -174,9 +188,12 @@ def train_step(model, opt, groups: list[ScoredGroup], cfg: RunConfig, *, pad_id:
         rewards = [r - p.to(r.dtype) for r, p in zip(rewards, torch.split(pen, [len(r) for r in rewards]))]
         extra["overlong_penalty_mean"] = float(pen.mean())
     adv = advantages(rewards, settings.advantage)
-    # The loss's mask: the truncated completions out under the filter. Micro-batches are cut by
-    # ``mask`` (what a piece costs to run), normalisers count ``loss_mask``.
-    loss_mask = mask * (~cut).to(mask.dtype)[:, None] if t.overlong_filter else mask
+    # The loss's mask: sampled tokens only (an episode's observation tokens out), and the
+    # truncated completions out under the filter. Micro-batches are cut by ``mask`` (what a
+    # piece costs to run), normalisers count ``loss_mask``.
+    loss_mask = mask * sampled_mask(groups, tuple(mask.shape))
+    if t.overlong_filter:
+        loss_mask = loss_mask * (~cut).to(mask.dtype)[:, None]
     # The policy being optimised is the one the generators sample: softmax(logits / temperature).
     temp = cfg.generator.temperature
 

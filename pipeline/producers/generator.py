@@ -24,6 +24,7 @@ import numpy as np
 from pipeline.bus.flow import Admission, VersionWatch
 from pipeline.bus.streams import Entry, unacked_all
 from pipeline.config import RunConfig
+from pipeline.envs.base import EpisodeRunner, make_env
 from pipeline.engines import GenerationBackend, Sampled, make_generation_backend
 from pipeline.keys import GENERATORS_GROUP, VERIFIERS_GROUP, Keys
 from pipeline.model.tokenizer import model_context_length
@@ -89,15 +90,24 @@ def to_groups(tasks: list[PromptTask], samples: list[Sampled], *, tok, worker_id
     return out
 
 
-def finished_group(t: PromptTask, fin: Finished, *, tok, worker_id: str, serial: int) -> RolloutGroup:
-    """The RolloutGroup of a group the slot sampler finished, with every token's version."""
+def finished_group(t: PromptTask, fin: Finished, *, tok, worker_id: str, serial: int,
+                   env_rewards: list[float] | None = None) -> RolloutGroup:
+    """The RolloutGroup of a group the slot sampler finished, with every token's version (and,
+    for episodes, the loss mask, turns and environment rewards; the completion text is the
+    final model turn, the answer the verifiers read)."""
     lens = np.array([len(x) for x in fin.tokens], dtype=np.int32)
     versions = np.concatenate([np.asarray(v, dtype=np.int64) for v in fin.versions])
     lo, hi = int(versions.min()), int(versions.max())
+    episode = {} if fin.masks is None else {
+        "loss_mask": np.concatenate([np.asarray(m, dtype=np.uint8) for m in fin.masks]),
+        "turns": np.asarray(fin.turns, dtype=np.int32),
+        "env_rewards": np.asarray(env_rewards if env_rewards is not None else [np.nan] * len(fin.tokens),
+                                  dtype=np.float32)}
+    texts = fin.last_turns if fin.last_turns is not None else fin.tokens
     return RolloutGroup(
         prompt_id=t.prompt_id, group_id=f"{t.prompt_id}:{worker_id}:s{serial}", generator_id=worker_id, prompt=t.prompt,
-        prompt_ids=t.prompt_ids, reference=t.reference,
-        completions=tuple(tok.decode(x) for x in fin.tokens),
+        prompt_ids=t.prompt_ids, reference=t.reference, **episode,
+        completions=tuple(tok.decode(x) for x in texts),
         completion_ids=np.concatenate([np.asarray(x, dtype=np.int32) for x in fin.tokens]),
         completion_lens=lens,
         behaviour_logprobs=np.concatenate([np.asarray(x, dtype=np.float32) for x in fin.logprobs]),
@@ -185,6 +195,8 @@ class Generator:
 
 HEARTBEAT_EVERY_S = 1.0
 """Seconds between heartbeats while the slot sampler decodes."""
+ENV_WAIT_S = 0.05
+"""Longest wait for an environment's answer when no sequence is left to decode."""
 
 
 class Streamer:
@@ -205,6 +217,8 @@ class Streamer:
         self.g = g
         self.sampler = gen.backend.continuous(slots=g.slots or g.prompts_per_batch * g.group_size)
         self.inflight: dict[tuple[int, bytes], tuple[Entry, PromptTask]] = {}
+        factory = make_env(gen.cfg)
+        self.env = None if factory is None else EpisodeRunner(factory, gen.cfg.env, gen.backend.tokenizer, gen.log)
         self.draining = False
         self.serial = 0
         self.decode_s, self.steps, self.slot_steps = 0.0, 0, 0
@@ -246,6 +260,9 @@ class Streamer:
         """Read admitted prompts into free slots; returns whether a read returned entries."""
         gen, st = self.gen, self.gen.stage
         want = min(self.g.prompts_per_batch, self.sampler.free // self.g.group_size)
+        if self.env is not None:  # episodes waiting on their environments hold no slot, up to a bound
+            cap = gen.cfg.env.max_in_flight or 2 * self.sampler.slots
+            want = min(want, (cap - self.sampler.rows) // self.g.group_size)
         if want < 1 or self.draining:
             return False
         if self.sampler.active:
@@ -264,6 +281,13 @@ class Streamer:
         for e, task in batch.good:
             key = (e.shard, e.id)
             self.inflight[key] = (e, task)
+            if self.env is not None:  # an episode per completion; the environment's first words
+                firsts = self.env.start(key, task, self.g.group_size)
+                done = self.sampler.add(key, task.prompt_ids, n=self.g.group_size,
+                                        max_new_tokens=gen.cfg.task.max_new_tokens, version=gen.version,
+                                        observations=firsts)
+                self.sampler.set_max_turns(key, gen.cfg.env.max_turns)
+                continue
             done = self.sampler.add(key, task.prompt_ids, n=self.g.group_size,
                                     max_new_tokens=gen.cfg.task.max_new_tokens, version=gen.version,
                                     partial=task.partial)
@@ -282,19 +306,24 @@ class Streamer:
         for fin in finished:
             e, task = self.inflight.pop(fin.key)
             self.serial += 1
-            grp = finished_group(task, fin, tok=gen.backend.tokenizer, worker_id=gen.worker_id, serial=self.serial)
+            env_rewards = None if self.env is None else self.env.finish(fin.key, len(fin.tokens))
+            grp = finished_group(task, fin, tok=gen.backend.tokenizer, worker_id=gen.worker_id, serial=self.serial,
+                                 env_rewards=env_rewards)
             tokens += int(grp.completion_ids.size)
             by_shard.setdefault(e.shard, []).append((e, grp.encode()))
             gen.log.info("group_generated", prompt_id=task.prompt_id, min_version=grp.min_version,
                          max_version=grp.max_version, tokens=int(grp.completion_ids.size))
         gen.produced += len(finished)
+        # Environment counters go with the first shard's transaction.
+        extra = {} if self.env is None else {**self.env.take_counters(),
+                                              "turns_total": sum(sum(f.turns or ()) for f in finished)}
         for shard, written in by_shard.items():
             seconds, self.decode_s = self.decode_s, 0.0
             st.emit(Batch(shard=gen.keys.shard(shard), good=[], bad=[]),
                     Output(written=written, counters={"groups_generated_total": len(written),
                                                       "tokens_generated_total": tokens,
-                                                      "generate_seconds_total": seconds}))
-            tokens = 0
+                                                      "generate_seconds_total": seconds, **extra}))
+            tokens, extra = 0, {}
 
     def hand_back(self) -> None:
         """Every group in flight back to its prompts shard, with what it has so far."""
@@ -302,6 +331,12 @@ class Streamer:
         by_shard: dict[int, list] = {}
         for key, partial in self.sampler.unfinished():
             e, task = self.inflight.pop(key)
+            if self.env is not None:
+                # An environment's state cannot travel with the tokens: the episode starts over.
+                self.env.finish(key, self.g.group_size)
+                by_shard.setdefault(e.shard, []).append((e, dataclasses.replace(task, partial=None).encode()))
+                gen.log.info("episode_handed_back", prompt_id=task.prompt_id, tokens=int(partial.ids.size))
+                continue
             by_shard.setdefault(e.shard, []).append(
                 (e, dataclasses.replace(task, partial=partial).encode()))
             gen.log.info("partial_handed_back", prompt_id=task.prompt_id, tokens=int(partial.ids.size),
@@ -316,28 +351,49 @@ class Streamer:
     def run(self, max_batches: int | None = None) -> None:
         gen, st = self.gen, self.gen.stage
         reads = 0
-        while True:
-            if st.stopped():
-                self.hand_back()
-                return
-            self.maybe_swap()
-            admitting = max_batches is None or reads < max_batches
-            if admitting and self.admit():
-                reads += 1
-            if not self.sampler.active:
-                if not admitting:
+        try:
+            while True:
+                if st.stopped():
+                    self.hand_back()
                     return
-                continue
-            now = time.perf_counter()
-            if now - self._beat > HEARTBEAT_EVERY_S:
-                self._beat = now
-                st.heartbeat("generating", version=gen.version, groups=gen.produced, in_flight=self.sampler.active)
-            self.steps += 1
-            self.slot_steps += self.sampler.active
-            finished = self.sampler.step(gen.version)
-            self.decode_s += time.perf_counter() - now
-            if finished:
-                self.emit(finished)
+                self.maybe_swap()
+                admitting = max_batches is None or reads < max_batches
+                if admitting and self.admit():
+                    reads += 1
+                finished = self.observe(block=not self.sampler.active)
+                if self.sampler.active:
+                    now = time.perf_counter()
+                    if now - self._beat > HEARTBEAT_EVERY_S:
+                        self._beat = now
+                        st.heartbeat("generating", version=gen.version, groups=gen.produced,
+                                     in_flight=self.sampler.active)
+                    self.steps += 1
+                    self.slot_steps += self.sampler.active
+                    finished += self.sampler.step(gen.version)
+                    self.decode_s += time.perf_counter() - now
+                    if self.env is not None:
+                        for key, member, action in self.sampler.turn_ended():
+                            self.env.submit(key, member, gen.backend.tokenizer.decode(action))
+                elif not finished and not self.inflight:
+                    if not admitting:
+                        return
+                    continue
+                if finished:
+                    self.emit(finished)
+        finally:
+            if self.env is not None:
+                self.env.close()
+
+    def observe(self, *, block: bool) -> list[Finished]:
+        """The environments' answers that came back, fed to their episodes; groups that ended."""
+        if self.env is None or not self.env.waiting:
+            return []
+        out = []
+        for key, member, obs, done in self.env.collect(ENV_WAIT_S if block else 0.0):
+            fin = self.sampler.observe(key, member, obs, done=done, version=self.gen.version)
+            if fin is not None:
+                out.append(fin)
+        return out
 
 
 def run_generator(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batches: int | None = None,

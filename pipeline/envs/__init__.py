@@ -1,0 +1,1 @@
+"""Environments for multi-turn episodes: the contract the generator drives, and the built-in ones."""

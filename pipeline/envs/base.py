@@ -1,0 +1,180 @@
+"""The environment contract of a multi-turn episode, and the environments by name.
+
+An episode alternates turns: the model samples until it ends its turn (the eos token), the
+turn's text is the *action*, the environment answers with an *observation* (text), whose
+token ids are appended to the sequence exactly as encoded, and the model samples again;
+until the environment says done, ``env.max_turns`` model turns, or the completion's token
+budget (``task.max_new_tokens``, observation tokens included). Token in, token out: the
+sequence the trainer scores is the sampled ids and the appended observation ids, never
+re-tokenised text; observation tokens carry a loss mask of 0 and no behaviour log-prob.
+
+An environment is a factory ``make(task: PromptTask) -> Episode``, one episode per
+completion. :class:`Episode` is OpenEnv's shape (reset, step, a reward and done with each
+observation) on text: ``reset()`` returns the first observation (appended after the
+prompt; ``""`` for none), ``step(action)`` a :class:`Step`. ``env.kind`` names one:
+``calculator`` (pipeline.envs.calculator), or your own as ``module:function`` /
+``path/to/file.py:function`` returning the factory for a config (pipeline.plugins).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from pipeline.config import RunConfig
+    from pipeline.records import PromptTask  # noqa: F401 (the EnvFactory annotation)
+
+
+@dataclass(frozen=True)
+class Step:
+    """What the environment returns for one action."""
+
+    observation: str
+    """Appended to the sequence (as its exact token ids) before the model's next turn."""
+    reward: float | None = None
+    """The environment's own score of the episode so far (the last one given is kept)."""
+    done: bool = False
+    """The episode is over: no further model turn."""
+
+
+class Episode(Protocol):
+    def reset(self) -> str:
+        """The first observation ("" for none), appended right after the prompt."""
+        ...
+
+    def step(self, action: str) -> Step:
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+EnvFactory = Callable[["PromptTask"], Episode]
+
+
+class EnvError(RuntimeError):
+    """An environment step that failed (raised, timed out, lost its server)."""
+
+
+def make_env(cfg: RunConfig) -> EnvFactory | None:
+    """The factory ``env.kind`` names, or None for single-turn generation (``env.kind = ""``)."""
+    kind = cfg.env.kind
+    if not kind:
+        return None
+    if kind == "calculator":
+        from pipeline.envs.calculator import calculator
+
+        return calculator(cfg)
+    from pipeline.plugins import PluginError, find, require_callable
+
+    obj = find("env", kind)
+    if obj is None:
+        raise PluginError(f"env.kind: unknown environment {kind!r}; allowed: calculator, module:function, "
+                          f"path/to/file.py:function, or an rlpipe.envs entry point")
+    return require_callable(obj, kind, "environment")(cfg)
+
+
+class EpisodeRunner:
+    """The environment side of one generator's episodes in flight: one :class:`Episode` per
+    completion, their steps on a thread pool of ``env.workers`` so environment latency
+    overlaps decoding, timeouts and the ``env.on_error`` policy, and the counters."""
+
+    def __init__(self, factory: EnvFactory, env_cfg, tokenizer, log) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.factory, self.cfg, self.tok, self.log = factory, env_cfg, tokenizer, log
+        self.pool = ThreadPoolExecutor(env_cfg.workers, thread_name_prefix="env")
+        self.episodes: dict[tuple, Episode] = {}
+        self.pending: dict[tuple, list] = {}
+        """(group key, completion) -> [future, started, attempts, action text]."""
+        self.rewards: dict[object, list[float]] = {}
+        self.counters: dict[str, float] = {}
+
+    def _count(self, name: str, value: float = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + value
+
+    def take_counters(self) -> dict[str, float]:
+        out, self.counters = self.counters, {}
+        return out
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text)) if text else []
+
+    def start(self, key, task, n: int) -> list[list[int]]:
+        """``n`` new episodes of ``task``; their first observations' token ids."""
+        firsts = []
+        self.rewards[key] = [float("nan")] * n
+        for j in range(n):
+            ep = self.factory(task)
+            self.episodes[(key, j)] = ep
+            firsts.append(self._encode(ep.reset()))
+        self._count("episodes_total", n)
+        return firsts
+
+    def submit(self, key, member: int, action: str, attempts: int = 0) -> None:
+        import time
+
+        ep = self.episodes[(key, member)]
+        self.pending[(key, member)] = [self.pool.submit(ep.step, action), time.monotonic(), attempts, action]
+
+    @property
+    def waiting(self) -> int:
+        return len(self.pending)
+
+    def collect(self, block_s: float = 0.0) -> list[tuple[object, int, list[int], bool]]:
+        """Answers that came back (waiting up to ``block_s`` for one): (key, completion,
+        observation ids, done). A step that raised or timed out is retried or ends its episode."""
+        import time
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        if not self.pending:
+            return []
+        if block_s > 0:
+            wait([p[0] for p in self.pending.values()], timeout=block_s, return_when=FIRST_COMPLETED)
+        out, now = [], time.monotonic()
+        for (key, member), (fut, started, attempts, action) in list(self.pending.items()):
+            error = None
+            if fut.done():
+                try:
+                    step = fut.result()
+                    if not isinstance(step, Step):
+                        raise EnvError(f"step returned {type(step).__name__}, not a Step")
+                    obs = self._encode(step.observation)
+                except Exception as e:
+                    error = f"{type(e).__name__}: {e}"
+            elif now - started > self.cfg.step_timeout_s:
+                error = f"no answer in {self.cfg.step_timeout_s:g} s"
+            else:
+                continue
+            del self.pending[(key, member)]
+            self._count("env_step_seconds_total", now - started)
+            if error is not None:
+                self._count("env_errors_total")
+                self.log.warning("env_step_failed", member=member, error=error, attempt=attempts + 1)
+                if self.cfg.on_error == "retry" and attempts < self.cfg.retries:
+                    self.submit(key, member, action, attempts + 1)
+                    continue
+                out.append((key, member, [], True))
+                continue
+            self._count("env_steps_total")
+            if step.reward is not None:
+                self.rewards[key][member] = float(step.reward)
+            out.append((key, member, obs, bool(step.done)))
+        return out
+
+    def finish(self, key, n: int) -> list[float]:
+        """Close a group's episodes; their environment rewards (NaN where none was given)."""
+        for j in range(n):
+            self.pending.pop((key, j), None)
+            ep = self.episodes.pop((key, j), None)
+            if ep is not None:
+                try:
+                    ep.close()
+                except Exception as e:  # a failed close loses nothing
+                    self.log.warning("env_close_failed", error=f"{type(e).__name__}: {e}")
+        return self.rewards.pop(key, [float("nan")] * n)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,55 @@
+"""``env.kind = "calculator"``: a calculator tool for the arithmetic task, in process.
+
+The model's turn is either a **tool call**, an expression ending in ``=`` (``12+345=``),
+which the calculator answers with its exact value as the observation (``357``), or its
+**final answer** (anything else), which ends the episode with reward 1 when it equals the
+reference answer, else 0. A malformed call (``12+=``) is answered with nothing (an empty
+observation: the model simply takes another turn). The tiny
+character model's alphabet (digits, ``+``, ``*``, ``=``, space) spells both, so it can
+learn to call the tool before it answers.
+"""
+
+from __future__ import annotations
+
+import re
+
+from pipeline.envs.base import Step
+
+_CALL = re.compile(r"^\s*(\d{1,12}(?:\s*[+*]\s*\d{1,12}){0,8})\s*=\s*$")
+
+
+def evaluate(expr: str) -> int:
+    """The value of digits joined by ``+`` and ``*`` (``*`` binds tighter), without eval."""
+    return sum(_product(term) for term in expr.split("+"))
+
+
+def _product(term: str) -> int:
+    out = 1
+    for factor in term.split("*"):
+        out *= int(factor)
+    return out
+
+
+class CalculatorEpisode:
+    def __init__(self, reference: str) -> None:
+        self.reference = reference.strip()
+        self.calls = 0
+
+    def reset(self) -> str:
+        return ""
+
+    def step(self, action: str) -> Step:
+        text = action.strip()
+        if text.endswith("="):
+            self.calls += 1
+            m = _CALL.match(text)
+            return Step(observation=str(evaluate(m.group(1).replace(" ", ""))) if m else "")
+        return Step(observation="", reward=float(text == self.reference), done=True)
+
+    def close(self) -> None:
+        pass
+
+
+def calculator(cfg):
+    """The factory: one calculator episode per completion, knowing its prompt's reference."""
+    return lambda task: CalculatorEpisode(task.reference)
