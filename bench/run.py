@@ -11,6 +11,7 @@ Parts, each its own script run as a child process (its progress lines pass throu
 3. async     bench/bench_async.py     η = 0 vs η ≥ 1 step time on the real plumbing with calibrated waits, vs ideal
 4. e2e       bench/bench_e2e.py       `pipeline up` (embedded default, 40 steps) for η = 0 and η = 1
 5. generation bench/bench_generation.py continuous + in-flight generation vs batch-synchronous (long-tailed lengths)
+   episodes  bench/bench_episodes.py  multi-turn episodes with a slow environment vs an instant one
 6. verifier  bench/bench_verifier.py  label-model fit and posterior speed, selection accuracy (its own results file)
    weights   bench/bench_weights.py   weight-sync bandwidth per transport vs its ceiling (a shortened run)
 
@@ -32,9 +33,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-PARTS = ("streams", "records", "async", "e2e", "generation", "verifier", "weights")
+PARTS = ("streams", "records", "async", "e2e", "generation", "episodes", "verifier", "weights")
 
 from common import progress
 
@@ -119,13 +122,14 @@ def streams_rows(res: dict) -> list[Row]:
             return f"per CPU-second, client + server: {p[f'{fig}_cpu_ratio']:.2f}×"
 
         out += [
-            Row("streams", f"generator emit (Stage.emit: one idempotent transaction, XADD + XACK per record, counters), {what}", p["produce_pipeline"],
-                raw_p, p["produce_raw"], "rec/s", cmd, aim=aim, note=cpu("produce")),
-            Row("streams", f"generator emit with one XACK per batch (proposed), {what}", p["produce_one_ack"],
-                raw_p, p["produce_raw"], "rec/s", cmd, note=cpu("produce_one_ack")),
-            Row("streams", f"verifier read (Stage.read + take + the acks in Stage.emit), {what}",
+            Row("streams", f"generator emit (Stage.emit: one idempotent script, an XADD per record, one variadic "
+                f"XACK, counters), {what}", p["produce_pipeline"], raw_p, p["produce_raw"], "rec/s", cmd, aim=aim,
+                note=cpu("produce")),
+            Row("streams", f"generator emit as a plain MULTI (XADDs + one XACK; no idempotency token, no counters), "
+                f"{what}", p["produce_one_ack"], raw_p, p["produce_raw"], "rec/s", cmd, note=cpu("produce_one_ack")),
+            Row("streams", f"verifier read (Stage.read + take, validated decode, + the acks in Stage.emit), {what}",
                 p["consume_pipeline"], raw_c, p["consume_raw"], "rec/s", cmd, aim=aim, note=cpu("consume")),
-            Row("streams", f"verifier read with one XACK per batch (proposed), {what}", p["consume_one_ack"],
+            Row("streams", f"verifier read with a bare XACK in place of Stage.emit, {what}", p["consume_one_ack"],
                 raw_c, p["consume_raw"], "rec/s", cmd, note=cpu("consume_one_ack")),
             Row("streams", f"verifier read without record decoding (plumbing only), {what}", p["consume_plumbing"],
                 raw_c, p["consume_raw"], "rec/s", cmd, note=cpu("consume_plumbing")),
@@ -208,6 +212,16 @@ def generation_rows(res: dict) -> list[Row]:
     ]
 
 
+def episodes_rows(res: dict) -> list[Row]:
+    wl, runs = res["workload"], res["runs"]
+    slow = [x for x in runs if x["env_ms"] == wl["env_ms"]]
+    turns = float(np.median([x["turns_per_episode"] for x in slow])) if slow else 0.0
+    return [Row("episodes", f"sampled tokens/s, {wl['env_ms']:g} ms environment step ({wl['slots']} slots, "
+                f"{wl['prompts']} prompts × {wl['group_size']}, three-turn episodes; median of "
+                f"{len(slow)})", res["slow_tokens_per_s"], "instant environment", res["instant_tokens_per_s"],
+                "tok/s", res["command"], aim=res["aim"], note=f"{turns:.2f} turns per episode")]
+
+
 def verifier_rows(res: dict, command: str) -> list[Row]:
     sp, out = res["speed"], []
     out.append(Row("verifier", f"label-model fit, {sp['rows']:,} rows × {sp['verifiers']} verifiers",
@@ -246,19 +260,13 @@ def streams_findings(res: dict, records: dict | None) -> list[str]:
     for p in res["rows"]:
         what = f"{p['payload']} group ({p['bytes']:,} B)"
         if p["produce_ratio"] < aim:
-            one = p["produce_one_ack_ratio"]
-            # Causes are read off the CPU-second ratios, which move less with other load than wall clock.
-            cause = ("so the per-record `XACK` is the cause" if p["produce_one_ack_cpu_ratio"] >= aim else
-                     "so the per-record `XACK` is part of the cause; the rest is the transaction and the "
-                     "`QUEUED` reply redis-py parses for every command of a transaction")
             lines.append(
                 f"- Generator emit, {what}: {p['produce_ratio']:.0%} of raw redis-py ({p['produce_cpu_ratio']:.0%} per "
-                f"CPU-second of client + server), below the {aim:.0%} aim. The generator queues one `XACK` per "
-                f"record beside each `XADD` inside the emit transaction: twice the commands of a plain pipelined `XADD`, each "
-                f"answered `QUEUED` and again in the `EXEC` reply. One variadic `XACK` of the batch's prompt ids "
-                f"in the same transaction (same atomicity) measured {one:.0%} ({p['produce_one_ack_cpu_ratio']:.0%} per "
-                f"CPU-second), {cause}. Proposed fix in `pipeline/stage.py` (`Stage.emit`): "
-                f"one variadic `XACK` of the batch's input ids.")
+                f"CPU-second of client + server), below the {aim:.0%} aim. The emit is one script call carrying the "
+                f"whole batch (one variadic `XACK` already); a plain MULTI of the same `XADD`s and one `XACK` "
+                f"measured {p['produce_one_ack_ratio']:.0%}, so what is left is the client packing one large "
+                f"command (redis-py builds the call's buffer in one piece; on this machine the allocator makes "
+                f"that slow for calls of hundreds of KB) rather than the script's own work.")
         if p["consume_ratio"] < aim:
             dec = ""
             if records:
@@ -266,26 +274,15 @@ def streams_findings(res: dict, records: dict | None) -> list[str]:
                 rec = next((x for x in records["rows"] if x["record"].startswith("RolloutGroup") and kind in x["record"]),
                            None)
                 if rec:
-                    dec = f" (`RolloutGroup.decode` alone: {1e6 / rec['decode_per_s']:.0f} µs per record, bench_records)"
-            plumbing, one = p["consume_plumbing_ratio"], p["consume_one_ack_ratio"]
-            causes, cpu = [], p["consume_cpu_ratio"]
-            if p["consume_plumbing_cpu_ratio"] - cpu >= 0.1:
-                causes.append(f"the validation of every record{dec}, which the raw baseline does not do and which "
-                              f"keeps poison records out (docs/design.md §2)")
-            if p["consume_one_ack_cpu_ratio"] - cpu >= 0.1:
-                causes.append("one `XACK` per entry inside the emit transaction instead of one for the batch")
-            if p["consume_plumbing_cpu_ratio"] < aim:
-                causes.append("the read path's own Python work per record (an `Entry` each, the `decode_entries` "
-                              "pass, the emit script around the acks)")
+                    dec = f" (`RolloutGroup.decode` alone: {1e6 / rec['decode_per_s']:.1f} µs per record, bench_records)"
             lines.append(
                 f"- Verifier read, {what}: {p['consume_ratio']:.0%} of raw `XREADGROUP` + `XACK` "
                 f"({p['consume_cpu_ratio']:.0%} per CPU-second), below the {aim:.0%} aim. Without record decoding "
-                f"the same path reaches {plumbing:.0%} ({p['consume_plumbing_cpu_ratio']:.0%} per CPU-second); with "
-                f"one `XACK` per batch {one:.0%} ({p['consume_one_ack_cpu_ratio']:.0%}). Cause: "
-                + ("; ".join(causes) or "no single one of the measured variants") + ". Proposed fixes: one variadic "
-                f"`XACK` per batch in `pipeline/consumers/verifier.py`, and a cheaper `RolloutGroup.decode` "
-                f"(`pipeline/records.py`: fewer numpy calls on small arrays, one combined finiteness/sign check "
-                f"on the log-probs).")
+                f"the same path reaches {p['consume_plumbing_ratio']:.0%} "
+                f"({p['consume_plumbing_cpu_ratio']:.0%} per CPU-second): the gap is the validation of every "
+                f"record{dec}, which the raw baseline does not do and which keeps poison records out "
+                f"(docs/design.md §2); the raw read costs a few µs per record, so a validated decode in Python "
+                f"cannot fit in 20% of it.")
     return lines
 
 
@@ -409,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     if "generation" in parts and (res := own("generation", "bench_generation.py",
                                              ["--seconds", "4"] if q else [], 300)):
         rows += generation_rows(res)
+    if "episodes" in parts and (res := own("episodes", "bench_episodes.py",
+                                           ["--seconds", "3", "--repeats", "1"] if q else [], 300)):
+        rows += episodes_rows(res)
 
     # Other parts of the project with their own scripts and results files.
     for name, script, args, results_file in (

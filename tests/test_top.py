@@ -133,3 +133,16 @@ def test_status_and_account_follow_the_cluster_pipeline_up_recorded_and_explicit
     done = subprocess.run([sys.executable, "-m", "pipeline.cli", "status", "--runs_dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 2 and "run_id: required" in done.stderr
+
+
+def test_episode_counters_show_as_a_line_of_their_own(redis_client):
+    keys = Keys("obsep")
+    fill_streams(redis_client, keys)
+    stats = keys.shard(0).stats
+    text = frame_text(render(snapshot(redis_client, keys)))
+    assert "episodes " not in text  # single-turn runs show no episode line
+    redis_client.hset(stats, mapping={"episodes_total": 40, "turns_total": 100, "env_steps_total": 58,
+                                      "env_errors_total": 2, "env_step_seconds_total": 3.0})
+    text = frame_text(render(snapshot(redis_client, keys)))
+    assert "episodes 40" in text and "turns per episode 2.500" in text
+    assert "env step 50.0 ms" in text and "env errors 2" in text

@@ -140,6 +140,14 @@ def render(snap: dict, *, prev: dict | None = None, history: History | None = No
         "   dead letters ", _num(st.get("dead_letters_total", 0.0), "{:.0f}"),
         "   tokens generated ", _num(st.get("tokens_generated_total", 0.0), "{:.0f}"),
         "   trained ", _num(st.get("tokens_trained_total", 0.0), "{:.0f}"))
+    if st.get("episodes_total"):  # multi-turn episodes (env.kind)
+        steps_done = st.get("env_steps_total", 0.0) + st.get("env_errors_total", 0.0)
+        head.append_text(Text.assemble(
+            "\nepisodes ", _num(st["episodes_total"], "{:.0f}"),
+            "   turns per episode ", _num(st.get("turns_total", 0.0) / max(st["episodes_total"], 1.0)),
+            "   env steps ", _num(st.get("env_steps_total", 0.0), "{:.0f}"),
+            "   env step ", _num(1000 * st.get("env_step_seconds_total", 0.0) / max(steps_done, 1.0), "{:.1f}"), " ms",
+            "   env errors ", _num(st.get("env_errors_total", 0.0), "{:.0f}")))
 
     streams = Table(title="streams", box=box.SIMPLE_HEAD, title_justify="left")
     for col in ("stream", "group", "length", "lag", "pending", "oldest pending", "consumers", "in/s", "out/s"):
