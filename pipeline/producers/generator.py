@@ -195,6 +195,8 @@ class Generator:
 
 HEARTBEAT_EVERY_S = 1.0
 """Seconds between heartbeats while the slot sampler decodes."""
+ADMIT_RETRY_S = 0.02
+"""While sequences are in flight, the pause before asking admission again after it gave nothing."""
 ENV_WAIT_S = 0.05
 """Longest wait for an environment's answer when no sequence is left to decode."""
 
@@ -223,6 +225,7 @@ class Streamer:
         self.serial = 0
         self.decode_s, self.steps, self.slot_steps = 0.0, 0, 0
         self._beat = 0.0
+        self._next_admit = 0.0
 
     # ------------------------------------------------------------------ weights
 
@@ -259,6 +262,8 @@ class Streamer:
     def admit(self) -> bool:
         """Read admitted prompts into free slots; returns whether a read returned entries."""
         gen, st = self.gen, self.gen.stage
+        if self.sampler.active and time.monotonic() < self._next_admit:
+            return False
         want = min(self.g.prompts_per_batch, self.sampler.free // self.g.group_size)
         if self.env is not None:  # episodes waiting on their environments hold no slot, up to a bound
             cap = gen.cfg.env.max_in_flight or 2 * self.sampler.slots
@@ -267,6 +272,7 @@ class Streamer:
             return False
         if self.sampler.active:
             if not self.room_downstream():
+                self._next_admit = time.monotonic() + ADMIT_RETRY_S
                 return False
             entries = gen.read_admitted(want, wait=False)
         else:
@@ -274,6 +280,8 @@ class Streamer:
             entries = gen.read_admitted(want)
         entries = [e for e in entries if (e.shard, e.id) not in self.inflight]  # our own, reclaimed
         if not entries:
+            # Nothing to admit: ask again after a pause, not at every decode step.
+            self._next_admit = time.monotonic() + ADMIT_RETRY_S
             return False
         batch = st.take(entries)
         if batch.bad:
