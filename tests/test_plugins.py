@@ -124,9 +124,11 @@ def test_a_typo_in_any_spec_fails_before_launch_naming_the_field(user_dir):
 
     cfg = load_config(overrides={"verifier.verifiers": "format,my_ext:ends_in_digt", "verifier.reward": "my_ext:exct",
                                  "trainer.advantage": "my_ext:centred", "trainer.loss": "my_ext:scaled_pp",
-                                 "task.kind": "my_ext:TwoDigitSum"})
+                                 "task.kind": "my_ext:TwoDigitSum", "generator.swap": "step",
+                                 "env.kind": "my_ext:calculatr"})
     problems = registry_problems(cfg)
-    for field in ("verifier.verifiers", "verifier.reward", "trainer.advantage", "trainer.loss", "task.kind"):
+    for field in ("verifier.verifiers", "verifier.reward", "trainer.advantage", "trainer.loss", "task.kind",
+                  "env.kind"):
         assert any(p.startswith(f"{field}: ") for p in problems), (field, problems)
     with pytest.raises(ConfigError, match=r"trainer\.loss"):
         load_config(overrides={"trainer.loss": "ppo2"})  # neither built in nor an entry point nor module:attr

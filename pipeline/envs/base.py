@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from pipeline.config import RunConfig
     from pipeline.records import PromptTask  # noqa: F401 (the EnvFactory annotation)
 
 
@@ -56,24 +55,6 @@ EnvFactory = Callable[["PromptTask"], Episode]
 
 class EnvError(RuntimeError):
     """An environment step that failed (raised, timed out, lost its server)."""
-
-
-def make_env(cfg: RunConfig) -> EnvFactory | None:
-    """The factory ``env.kind`` names, or None for single-turn generation (``env.kind = ""``)."""
-    kind = cfg.env.kind
-    if not kind:
-        return None
-    if kind == "calculator":
-        from pipeline.envs.calculator import calculator
-
-        return calculator(cfg)
-    from pipeline.plugins import PluginError, find, require_callable
-
-    obj = find("env", kind)
-    if obj is None:
-        raise PluginError(f"env.kind: unknown environment {kind!r}; allowed: calculator, module:function, "
-                          f"path/to/file.py:function, or an rlpipe.envs entry point")
-    return require_callable(obj, kind, "environment")(cfg)
 
 
 class EpisodeRunner:

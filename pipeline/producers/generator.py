@@ -24,7 +24,8 @@ import numpy as np
 from pipeline.bus.flow import Admission, VersionWatch
 from pipeline.bus.streams import Entry, unacked_all
 from pipeline.config import RunConfig
-from pipeline.envs.base import EpisodeRunner, make_env
+from pipeline.envs.base import EpisodeRunner
+from pipeline.envs.registry import make_env
 from pipeline.engines import GenerationBackend, Sampled, make_generation_backend
 from pipeline.keys import GENERATORS_GROUP, VERIFIERS_GROUP, Keys
 from pipeline.model.tokenizer import model_context_length

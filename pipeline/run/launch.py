@@ -347,7 +347,8 @@ def _allowed(dotted: str) -> tuple[str, ...]:
 def registry_problems(cfg: RunConfig) -> list[str]:
     """Every verifier spec names a registered verifier, a kind or user code that imports; the
     reward mode is one the rewards module knows (or user code), and a ``single:<name>`` names a
-    verifier of the list; the advantage and the loss are built in or user code that imports."""
+    verifier of the list; the advantage and the loss are built in or user code that imports; the
+    environment (``env.kind``) is built in or a factory that imports and builds."""
     from pipeline.algo.rewards import parse_reward_mode
     from pipeline.verifiers.registry import check_spec
 
@@ -386,6 +387,14 @@ def registry_problems(cfg: RunConfig) -> list[str]:
             resolve(ADVANTAGES if name == "advantage" else LOSSES, name, spec)
         except ValueError as e:
             problems.append(f"trainer.{name}: {e}")
+    if cfg.env.kind:  # the environment's factory is built as every generator builds it
+        from pipeline.envs.registry import make_env
+
+        try:
+            make_env(cfg)
+        except Exception as e:
+            text = f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)
+            problems.append(text if text.startswith("env.kind") else f"env.kind: {text}")
     return problems
 
 
