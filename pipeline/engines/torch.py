@@ -256,7 +256,13 @@ def warmup_schedule(opt: torch.optim.Optimizer, warmup_steps: int) -> torch.opti
 
 
 class TorchEngine:
-    """``trainer.backend = "torch"``: one process, AdamW, checkpoints as safetensors."""
+    """``trainer.backend = "torch"``: one process, AdamW, checkpoints as safetensors.
+
+    With ``trainer.lora_rank > 0`` the model carries PEFT LoRA adapters
+    (:mod:`pipeline.engines.lora`): only they train and are in the optimizer, the KL
+    reference is the same model with its adapters off, :meth:`weights` hands out the merged
+    full weights under the plain HF names, checkpoints hold the adapters and their optimizer
+    state, and :meth:`export_hf` writes a merged plain checkpoint."""
 
     def __init__(self, cfg: RunConfig) -> None:
         t = cfg.trainer
@@ -266,34 +272,70 @@ class TorchEngine:
         self.model, self.tokenizer = load_checkpoint(cfg.model.base_dir)
         self.model.eval()
         self.vocab_size = int(self.model.config.vocab_size)
-        self.ref_model = load_checkpoint(cfg.model.base_dir)[0].eval() if t.kl_coef > 0 else None
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+        self.lora = None
+        if t.lora_rank > 0:
+            from pipeline.engines.lora import LoraState
+
+            self.lora = LoraState(self.model, t, base_dir=cfg.model.base_dir)
+            self.ref_model = self.lora.base_view() if t.kl_coef > 0 else None
+            params = [p for p in self.model.parameters() if p.requires_grad]
+        else:
+            self.ref_model = load_checkpoint(cfg.model.base_dir)[0].eval() if t.kl_coef > 0 else None
+            params = list(self.model.parameters())
+        self.trainable_params = sum(p.numel() for p in params)
+        self.opt = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
         self.sched = warmup_schedule(self.opt, t.warmup_steps)
         self.steps = 0
 
     def train_step(self, groups: list[ScoredGroup]) -> dict:
         self.steps += 1
-        return train_step(self.model, self.opt, groups, self.cfg, pad_id=self.tokenizer.pad_id,
-                          eos_id=self.tokenizer.eos_id, ref_model=self.ref_model, step=self.steps)
+        stats = train_step(self.model, self.opt, groups, self.cfg, pad_id=self.tokenizer.pad_id,
+                           eos_id=self.tokenizer.eos_id, ref_model=self.ref_model, step=self.steps)
+        return {**stats, "trainable_params": self.trainable_params}
 
     def lr_step(self) -> None:
         self.sched.step()
 
     def weights(self) -> dict[str, torch.Tensor]:
+        if self.lora is not None:
+            return self.lora.merged_weights()
         return {name: t.detach() for name, t in self.model.state_dict().items()}
+
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """The LoRA A/B tensors alone (``<module>.lora_A.weight`` [r, in], ``<module>.lora_B.weight``
+        [out, r]; a module's weight is W + (lora_alpha / lora_rank)·B·A)."""
+        if self.lora is None:
+            raise ValueError("trainer.lora_rank: adapter_tensors needs LoRA training (trainer.lora_rank > 0); "
+                             "it is 0")
+        return self.lora.adapter_tensors()
 
     def greedy(self, prompts: list[np.ndarray], *, max_new_tokens: int) -> list[str]:
         return greedy_decode(self.model, self.tokenizer, prompts, max_new_tokens=max_new_tokens)
 
     def save_state(self, directory: Path) -> dict:
+        if self.lora is not None:
+            return {"sched": self.sched.state_dict(), **self.lora.save(directory, self.opt)}
         groups = checkpoint.write_torch_state(directory, self.model, self.opt)
         return {"sched": self.sched.state_dict(), "param_groups": groups}
 
     def load_state(self, directory: Path, extras: dict) -> None:
-        checkpoint.read_torch_state(directory, self.model, self.opt, extras["param_groups"])
+        if self.lora is not None:
+            self.lora.load(directory, self.opt, extras)
+        elif "lora" in extras:
+            raise ValueError(f"trainer.lora_rank: the checkpoint {directory} holds LoRA adapters "
+                             f"({extras['lora']}) and this config trains every weight (lora_rank 0); "
+                             "a checkpoint resumes only under the settings that wrote it")
+        else:
+            checkpoint.read_torch_state(directory, self.model, self.opt, extras["param_groups"])
         self.sched.load_state_dict(extras["sched"])
 
     def export_hf(self, directory: Path) -> None:
+        if self.lora is not None:
+            # A plain model of the base's architecture holding the merged weights.
+            plain = load_checkpoint(self.cfg.model.base_dir)[0]
+            load_state_tensors(plain, self.lora.merged_weights())
+            save_checkpoint(plain, self.tokenizer, directory, tokenizer_dir=self.cfg.model.base_dir)
+            return
         save_checkpoint(self.model, self.tokenizer, directory, tokenizer_dir=self.cfg.model.base_dir)
 
     def close(self) -> None:

@@ -329,6 +329,9 @@ def backend_problems(cfg: RunConfig) -> list[str]:
             others = "|".join(x for x in _allowed(name) if x != value)
             problems.append(f"{name}: {value!r} needs {package}, which is not installed in this environment "
                             f"({how}); or choose {others}")
+    if cfg.trainer.lora_rank > 0 and importlib.util.find_spec("peft") is None:
+        problems.append("trainer.lora_rank: LoRA needs peft, which is not installed in this environment (the "
+                        "'lora' extra: `pip install -e .[lora]`; `make setup` installs it); or set it to 0")
     if cfg.tracking.backends:
         from pipeline.observe.tracking import problems as tracking_problems
 
