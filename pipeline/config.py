@@ -592,6 +592,19 @@ class TrainerConfig(_Section):
     """Most extra reads per step under dynamic_sampling; then the step trains on what it has."""
     kl_coef: float = 0.0
     """k3 KL penalty to the base model (0: off, no reference model kept)."""
+    lora_rank: int = 0
+    """LoRA (PEFT) adapter rank (``trainer.backend = "torch"``): 0 trains every weight (full
+    fine-tuning); above 0 the base weights are frozen and only rank-``lora_rank`` adapters on
+    ``lora_targets`` train. Generators still receive full weights under the HF names, each
+    target merged (W + lora_alpha / lora_rank · B·A); checkpoints hold the adapters only."""
+    lora_alpha: float = 16.0
+    """LoRA scale numerator: an adapter adds (lora_alpha / lora_rank) · B·A to its weight."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input while training, in [0, 1)."""
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """Module names that get adapters (the last part of a module's name, or its full dotted
+    name): by default the attention and MLP projections of every layer. Each must name at
+    least one module of the model."""
     eval_every: int = 10
     """Greedy held-out evaluation every this many steps (and at the start and end)."""
     threads: int = 1
@@ -642,6 +655,17 @@ class TrainerConfig(_Section):
             _check(self.overlong_buffer == 0, f"{p}.overlong_buffer", "0 with backend torchtitan",
                    self.overlong_buffer)
         _check(self.kl_coef >= 0, f"{p}.kl_coef", ">= 0", self.kl_coef)
+        _check(self.lora_rank >= 0, f"{p}.lora_rank", ">= 0 (0: off, full fine-tuning)", self.lora_rank)
+        _check(self.lora_rank == 0 or self.backend == "torch", f"{p}.lora_rank",
+               "0 with backend torchtitan (only the torch engine trains LoRA adapters)", self.lora_rank)
+        _check(math.isfinite(self.lora_alpha) and self.lora_alpha > 0, f"{p}.lora_alpha", "> 0", self.lora_alpha)
+        _check(0 <= self.lora_dropout < 1, f"{p}.lora_dropout", "in [0, 1)", self.lora_dropout)
+        _check(bool(self.lora_targets) and all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*", t)
+                                               for t in self.lora_targets),
+               f"{p}.lora_targets", "a non-empty list of module names (e.g. q_proj, model.layers.0.mlp.up_proj)",
+               self.lora_targets)
+        _check(len(set(self.lora_targets)) == len(self.lora_targets), f"{p}.lora_targets", "each name at most once",
+               self.lora_targets)
         _check(self.ppo_epochs >= 1, f"{p}.ppo_epochs", ">= 1", self.ppo_epochs)
         _check(0 <= self.max_refills <= 1000, f"{p}.max_refills", "in [0, 1000]", self.max_refills)
         _check(self.minibatches >= 1, f"{p}.minibatches", ">= 1", self.minibatches)
@@ -818,8 +842,12 @@ class EnvConfig(_Section):
 
     kind: str = ""
     """The environment: empty for single-turn completions, ``calculator`` (a calculator
-    tool for the arithmetic task), or your own factory as ``module:function`` /
-    ``path/to/file.py:function`` (docs/extending.md)."""
+    tool for the arithmetic task), your own factory as ``module:function`` /
+    ``path/to/file.py:function`` (docs/extending.md), or an OpenEnv environment (the
+    ``openenv`` extra, docs/environments.md): ``openenv:http://host:port`` (a server running
+    elsewhere) or ``openenv:module:app`` / ``openenv:path/to/file.py:app`` (an app each
+    generator serves itself, ``servers`` processes; the calculator's is
+    ``openenv:pipeline.envs.calculator_server:app``)."""
     max_turns: int = 4
     """Model turns per episode at most (each one ends with the model's eos)."""
     workers: int = 32
@@ -835,6 +863,16 @@ class EnvConfig(_Section):
     """Completions in flight per generator at most, decoding or waiting on their environment
     (a waiting one holds no slot, so environment latency overlaps decoding); 0: 2 × the
     generator's slots."""
+    servers: int = 1
+    """``openenv:<app>``: server processes of the app each generator starts beside itself
+    (uvicorn on free loopback ports; one that exits is restarted). Each holds up to the app's
+    ``max_concurrent_envs`` sessions, one per completion in flight."""
+    start_timeout_s: float = 120.0
+    """``openenv:<app>``: seconds a server process has to answer its health check, at start
+    (the generator then fails, naming env.kind) and after a restart."""
+    observation_field: str = ""
+    """``openenv:...``: the Observation field whose text the model reads after each turn;
+    empty: the Observation's one string field."""
 
     def _validate(self, p: str) -> None:
         _check(self.max_turns >= 1, f"{p}.max_turns", ">= 1", self.max_turns)
@@ -842,6 +880,18 @@ class EnvConfig(_Section):
         _check(self.step_timeout_s > 0, f"{p}.step_timeout_s", "> 0", self.step_timeout_s)
         _check(self.retries >= 0, f"{p}.retries", ">= 0", self.retries)
         _check(self.max_in_flight >= 0, f"{p}.max_in_flight", ">= 0", self.max_in_flight)
+        _check(self.servers >= 1, f"{p}.servers", ">= 1", self.servers)
+        _check(self.start_timeout_s > 0, f"{p}.start_timeout_s", "> 0", self.start_timeout_s)
+        _check(not self.observation_field or self.observation_field.isidentifier(), f"{p}.observation_field",
+               "empty or a field name", self.observation_field)
+        if self.kind.startswith("openenv:"):
+            from pipeline.envs.openenv import split_kind
+
+            try:
+                split_kind(self.kind)
+            except ValueError:
+                _check(False, f"{p}.kind", "openenv:http://host:port, openenv:module:app or "
+                       "openenv:path/to/file.py:app", self.kind)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -1126,6 +1176,9 @@ def inert_fields(cfg: RunConfig, s: Situation) -> dict[str, str]:
     if cfg.trainer.backend != "torch":
         inert(["trainer.ppo_epochs", "trainer.minibatches", "trainer.max_tokens_per_microbatch"],
               f"only trainer.backend 'torch' implements them; the backend is {cfg.trainer.backend!r}")
+    if cfg.trainer.lora_rank == 0:
+        inert(["trainer.lora_alpha", "trainer.lora_dropout", "trainer.lora_targets"],
+              "only LoRA training reads it, and trainer.lora_rank is 0 (full fine-tuning)")
     if cfg.trainer.backend != "torchtitan":
         inert(["trainer.device"], f"only trainer.backend 'torchtitan' reads it; the backend is {cfg.trainer.backend!r}")
     if cfg.trainer.loss == "tis":
