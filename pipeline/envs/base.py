@@ -72,6 +72,8 @@ class EpisodeRunner:
         """(group key, completion) -> [future, started, attempts, action text]."""
         self.rewards: dict[object, list[float]] = {}
         self.counters: dict[str, float] = {}
+        self.broken: set[tuple] = set()
+        """Episodes whose environment failed to start."""
 
     def _count(self, name: str, value: float = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + value
@@ -84,21 +86,34 @@ class EpisodeRunner:
         return list(self.tok.encode(text)) if text else []
 
     def start(self, key, task, n: int) -> list[list[int]]:
-        """``n`` new episodes of ``task``; their first observations' token ids."""
+        """``n`` new episodes of ``task``; their first observations' token ids. An episode whose
+        environment cannot start (or whose first observation cannot be encoded) is counted as
+        an error and ends at its first turn, unrewarded."""
         firsts = []
         self.rewards[key] = [float("nan")] * n
         for j in range(n):
-            ep = self.factory(task)
-            self.episodes[(key, j)] = ep
-            firsts.append(self._encode(ep.reset()))
+            try:
+                ep = self.factory(task)
+                self.episodes[(key, j)] = ep
+                firsts.append(self._encode(ep.reset()))
+            except Exception as e:
+                self._count("env_errors_total")
+                self.log.warning("env_reset_failed", member=j, error=f"{type(e).__name__}: {e}")
+                self.broken.add((key, j))
+                firsts.append([])
         self._count("episodes_total", n)
         return firsts
 
     def submit(self, key, member: int, action: str, attempts: int = 0) -> None:
         import time
+        from concurrent.futures import Future
 
-        ep = self.episodes[(key, member)]
-        self.pending[(key, member)] = [self.pool.submit(ep.step, action), time.monotonic(), attempts, action]
+        if (key, member) in self.broken:  # its environment never started: the episode ends here
+            fut: Future = Future()
+            fut.set_result(Step(observation="", done=True))
+        else:
+            fut = self.pool.submit(self.episodes[(key, member)].step, action)
+        self.pending[(key, member)] = [fut, time.monotonic(), attempts, action]
 
     @property
     def waiting(self) -> int:
@@ -149,6 +164,7 @@ class EpisodeRunner:
         """Close a group's episodes; their environment rewards (NaN where none was given)."""
         for j in range(n):
             self.pending.pop((key, j), None)
+            self.broken.discard((key, j))
             ep = self.episodes.pop((key, j), None)
             if ep is not None:
                 try:
@@ -158,4 +174,11 @@ class EpisodeRunner:
         return self.rewards.pop(key, [float("nan")] * n)
 
     def close(self) -> None:
+        """Stop the steps in flight, and the factory's own resources (its servers) if it has any."""
         self.pool.shutdown(wait=False, cancel_futures=True)
+        close = getattr(self.factory, "close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception as e:  # a failed teardown loses nothing
+                self.log.warning("env_close_failed", error=f"{type(e).__name__}: {e}")

@@ -1,6 +1,7 @@
 """Environments by name: what ``env.kind`` may say.
 
-``calculator`` (pipeline.envs.calculator), or your own as ``module:function`` /
+``calculator`` (pipeline.envs.calculator), ``openenv:<url or app>`` (an OpenEnv server,
+pipeline.envs.openenv; docs/environments.md), or your own as ``module:function`` /
 ``path/to/file.py:function`` / an ``rlpipe.envs`` entry point (pipeline.plugins): a
 callable taking the run config and returning the factory ``make(task) -> Episode``
 (pipeline.envs.base).
@@ -24,10 +25,14 @@ def make_env(cfg: RunConfig) -> EnvFactory | None:
         from pipeline.envs.calculator import calculator
 
         return calculator(cfg)
+    if kind.startswith("openenv:"):  # OpenEnv servers (pipeline.envs.openenv; openenv-core is imported there)
+        from pipeline.envs.openenv import openenv
+
+        return openenv(cfg)
     from pipeline.plugins import PluginError, find, require_callable
 
     obj = find("env", kind)
     if obj is None:
-        raise PluginError(f"env.kind: unknown environment {kind!r}; allowed: calculator, module:function, "
-                          f"path/to/file.py:function, or an rlpipe.envs entry point")
+        raise PluginError(f"env.kind: unknown environment {kind!r}; allowed: calculator, openenv:<url or app>, "
+                          f"module:function, path/to/file.py:function, or an rlpipe.envs entry point")
     return require_callable(obj, kind, "environment")(cfg)

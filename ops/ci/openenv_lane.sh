@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The openenv lane: tests/test_openenv.py (env.kind = "openenv:...": OpenEnv environments served
+# by the generators or running elsewhere, docs/environments.md), in a venv of its own with the
+# `openenv` extra (openenv-core 0.3.0 and its server stack: fastapi, uvicorn, gradio, fastmcp,
+# openai, huggingface_hub). The default lane skips those tests because it does not install it.
+#
+#   bash ops/ci/openenv_lane.sh            # venv in $TMPDIR/rlpipe-venv-openenv, reused when present
+#   OPENENV_VENV=/some/dir bash ops/ci/openenv_lane.sh
+#
+# Measured on the 2-core dev machine: see docs/environments.md ("The CI lane").
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+# Outside the work tree, so the venv can never be committed.
+VENV="${OPENENV_VENV:-${TMPDIR:-/tmp}/rlpipe-venv-openenv}"
+PY="${PY:-python3}"
+PIP=("$VENV/bin/pip" install --quiet --progress-bar off)
+t0=$SECONDS
+step() { echo "openenv lane [$((SECONDS - t0))s]: $*"; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+  step "creating $VENV"
+  "$PY" -m venv "$VENV"
+  "${PIP[@]}" --upgrade pip
+fi
+# The CPU pins first (pyproject.toml holds ranges; an unpinned torch is a CUDA build), then the extra.
+step "installing requirements/cpu.txt (the CPU torch 2.13.0 and the project)"
+"${PIP[@]}" -r requirements/cpu.txt
+step "installing the project with the test and openenv extras"
+"${PIP[@]}" -e '.[test,openenv]'
+"$VENV/bin/python" - <<'PY'
+import importlib.metadata as md
+import torch
+assert torch.__version__.startswith("2.13.0") and "+cpu" in torch.__version__, \
+    f"torch {torch.__version__}: the lane needs the CPU build 2.13.0 (requirements/cpu.txt)"
+print(f"openenv lane: openenv-core {md.version('openenv-core')}, uvicorn {md.version('uvicorn')}, "
+      f"websockets {md.version('websockets')}, torch {torch.__version__}")
+PY
+step "running tests/test_openenv.py"
+"$VENV/bin/python" -m pytest -q tests/test_openenv.py
+step "done"

@@ -1,0 +1,329 @@
+"""``env.kind = "openenv:..."``: OpenEnv environments, reached through OpenEnv's own client.
+
+Two forms (docs/environments.md):
+
+- ``openenv:http://host:port``: a server running elsewhere (OpenEnv's ``create_app`` under
+  uvicorn, a container, a Space); the generator only connects to it.
+- ``openenv:module:app`` / ``openenv:path/to/file.py:app``: an app this generator serves
+  itself, ``env.servers`` uvicorn processes on loopback ports (:class:`~pipeline.envs.servers.ServerPool`:
+  health-checked at start, restarted when one exits, stopped when the factory is closed or
+  the process exits).
+
+Each completion is one OpenEnv session: a WebSocket of ``GenericEnvClient`` (openenv-core,
+the ``openenv`` extra) to a server of the pool, ``reset`` when the episode starts, ``step``
+per model turn, closed with the episode. The text of a turn becomes the Action's one string
+field; the Observation's text field (its one string field, or ``env.observation_field``) is
+what the model reads next, its ``reward`` and ``done`` are the step's. Both fields are read
+from the server's ``/schema`` when the factory starts; an Action without exactly one string
+field, or with other required fields, is refused there, naming env.kind.
+
+``reset`` receives the keyword arguments ``prompt``, ``reference`` and ``prompt_id`` of the
+episode's prompt; the server passes on those its environment's ``reset`` accepts (by name,
+or all of them to ``**kwargs``), and drops the others.
+
+Failures: a step the environment raised on (the server answers with an error) fails that
+step only; a session that is lost (the server died, the connection closed, no answer within
+``env.step_timeout_s``) fails this step and every later one of the episode. Both raise
+:class:`~pipeline.envs.base.EnvError`, so the EpisodeRunner's ``env.on_error`` policy applies
+and the group is still emitted. A reset that cannot get a session (every server full, none
+up within ``env.start_timeout_s``, the environment's reset raised) returns no observation
+and fails the episode's first step, with the reason. Nothing of openenv-core is imported
+until an ``openenv:`` kind is used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING
+
+from pipeline.envs.base import EnvError, Step
+
+if TYPE_CHECKING:
+    from pipeline.config import RunConfig
+    from pipeline.records import PromptTask
+
+PREFIX = "openenv:"
+OBSERVATION_BASE_FIELDS = ("done", "reward", "metadata")
+"""Fields every OpenEnv Observation has; the server sends reward and done beside the observation."""
+ACTION_BASE_FIELDS = ("metadata",)
+CONNECT_TIMEOUT_S = 10.0
+SCHEMA_TIMEOUT_S = 10.0
+
+
+def split_kind(kind: str) -> tuple[str, str]:
+    """``("url", url)`` or ``("app", spec)`` of an ``openenv:`` kind; ValueError when it is neither."""
+    from pipeline.plugins import is_spec
+
+    if not kind.startswith(PREFIX):
+        raise ValueError(f"{kind!r} does not start with {PREFIX!r}")
+    target = kind[len(PREFIX):].strip()
+    if target.startswith(("http://", "https://")):
+        if target.split("://", 1)[1].strip("/"):
+            return "url", target.rstrip("/")
+    elif is_spec(target):
+        return "app", target
+    raise ValueError(f"{kind!r}: after {PREFIX!r} comes a server's URL (http://host:port) or an app to serve "
+                     f"(module:app or path/to/file.py:app)")
+
+
+def _is_string(prop: dict) -> bool:
+    if prop.get("type") == "string":
+        return True
+    alts = prop.get("anyOf") or ()
+    kinds = {a.get("type") for a in alts}
+    return "string" in kinds and kinds <= {"string", "null"}
+
+
+def action_field(schema: dict, kind: str) -> str:
+    """The Action's one string field (the model's turn goes there)."""
+    props = {k: v for k, v in (schema.get("properties") or {}).items() if k not in ACTION_BASE_FIELDS}
+    strings = [k for k, v in props.items() if _is_string(v)]
+    if len(strings) != 1:
+        raise EnvError(f"env.kind {kind!r}: the environment's Action ({schema.get('title', '?')}) must have exactly "
+                       f"one string field to carry the model's turn; it has {len(strings)} "
+                       f"({', '.join(strings) or 'none'}; all fields: {', '.join(props) or 'none'})")
+    others = [k for k in schema.get("required", ()) if k != strings[0] and k not in ACTION_BASE_FIELDS]
+    if others:
+        raise EnvError(f"env.kind {kind!r}: the environment's Action ({schema.get('title', '?')}) also requires "
+                       f"{', '.join(others)}, which a model's text turn cannot fill; give them defaults")
+    return strings[0]
+
+
+def observation_field(schema: dict, chosen: str, kind: str) -> str:
+    """The Observation's text field: ``chosen`` (env.observation_field) or its one string field."""
+    props = {k: v for k, v in (schema.get("properties") or {}).items() if k not in OBSERVATION_BASE_FIELDS}
+    title = schema.get("title", "?")
+    if chosen:
+        if chosen not in props:
+            raise EnvError(f"env.observation_field {chosen!r}: the environment's Observation ({title}) of env.kind "
+                           f"{kind!r} has no such field; it has {', '.join(props) or 'none'}")
+        return chosen
+    strings = [k for k, v in props.items() if _is_string(v)]
+    if len(strings) != 1:
+        raise EnvError(f"env.kind {kind!r}: the environment's Observation ({title}) has {len(strings)} string fields "
+                       f"({', '.join(strings) or 'none'}; all fields: {', '.join(props) or 'none'}): set "
+                       f"env.observation_field to the one the model reads")
+    return strings[0]
+
+
+def fetch_schema(url: str, kind: str) -> dict:
+    from pipeline.envs.servers import http_get
+
+    try:
+        schema = json.loads(http_get(url + "/schema", timeout=SCHEMA_TIMEOUT_S))
+    except (OSError, ValueError) as e:
+        raise EnvError(f"env.kind {kind!r}: cannot read the environment's schema from {url}/schema "
+                       f"({type(e).__name__}: {e}); is an OpenEnv server running there?") from e
+    if not isinstance(schema, dict) or not isinstance(schema.get("action"), dict) \
+            or not isinstance(schema.get("observation"), dict):
+        raise EnvError(f"env.kind {kind!r}: {url}/schema is not an OpenEnv schema (action, observation)")
+    return schema
+
+
+def _server_error(e: BaseException) -> str | None:
+    """The server's own error message (the client raises RuntimeError("Server error: ...")), else None."""
+    text = str(e)
+    return text if isinstance(e, RuntimeError) and text.startswith("Server error") else None
+
+
+class OpenEnvEnvironments:
+    """The factory of ``env.kind = "openenv:..."``: one :class:`OpenEnvEpisode` per completion.
+
+    Owns the client side (one event loop thread for every session's WebSocket) and, for an
+    app spec, the :class:`~pipeline.envs.servers.ServerPool`. :meth:`close` stops both; it
+    also runs when the factory is collected or the process exits."""
+
+    def __init__(self, cfg: RunConfig, *, log=None) -> None:
+        self.kind = cfg.env.kind
+        self.step_timeout_s = cfg.env.step_timeout_s
+        self.start_timeout_s = cfg.env.start_timeout_s
+        how, target = split_kind(self.kind)
+        try:
+            from openenv.core.generic_client import GenericEnvClient
+        except ImportError as e:
+            raise EnvError(f"env.kind {self.kind!r} needs openenv-core, the `openenv` extra "
+                           f"(pip install -e '.[openenv]'; docs/environments.md): {e}") from e
+        self._client_cls = GenericEnvClient
+        self.pool = None
+        if how == "app":
+            from pipeline.envs.servers import ServerPool, ServerStartError
+
+            try:
+                self.pool = ServerPool(target, n=cfg.env.servers, start_timeout_s=cfg.env.start_timeout_s,
+                                       name=self.kind, log_dir=cfg.run_dir / "logs", log=log)
+            except (ServerStartError, ValueError) as e:
+                raise EnvError(str(e) if isinstance(e, ServerStartError) else f"env.kind {self.kind!r}: {e}") from e
+            self.url = None
+            first = self.pool.urls()[0]
+        else:
+            self.url = first = target
+        try:
+            schema = fetch_schema(first, self.kind)
+            self.action_field = action_field(schema["action"], self.kind)
+            self.observation_field = observation_field(schema["observation"], cfg.env.observation_field, self.kind)
+        except BaseException:
+            if self.pool is not None:
+                self.pool.close()
+            raise
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="openenv-client", daemon=True)
+        self._thread.start()
+        self._turn = itertools.count()
+        self._finalizer = weakref.finalize(self, _shutdown, self.loop, self._thread, self.pool)
+
+    def __call__(self, task: PromptTask) -> "OpenEnvEpisode":
+        return OpenEnvEpisode(self, task)
+
+    # ------------------------------------------------------------------ sessions
+
+    def run(self, coro, timeout: float):
+        """Run ``coro`` on the client loop; its result, or its exception (TimeoutError after ``timeout`` s)."""
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result(timeout)
+        except TimeoutError:
+            fut.cancel()
+            raise
+
+    def _urls(self) -> list[str]:
+        """Where to open a session, rotated so that sessions spread over the pool."""
+        urls = [self.url] if self.pool is None else self.pool.urls()
+        if len(urls) > 1:
+            k = next(self._turn) % len(urls)
+            urls = urls[k:] + urls[:k]
+        return urls
+
+    async def _open(self, url: str, kwargs: dict):
+        client = self._client_cls(base_url=url, connect_timeout_s=CONNECT_TIMEOUT_S,
+                                  message_timeout_s=self.step_timeout_s + 5)
+        try:
+            await client.connect()
+            result = await client.reset(**kwargs)
+        except BaseException:
+            await client.disconnect()
+            raise
+        return client, result
+
+    def open(self, task: PromptTask):
+        """A new session reset for ``task``: (client, url, first result). Tries every server up;
+        waits (up to env.start_timeout_s) for one of the pool's to come up, not for a full one."""
+        kwargs = {"prompt": task.prompt, "reference": task.reference, "prompt_id": task.prompt_id}
+        deadline = time.monotonic() + self.start_timeout_s
+        errors: dict[str, str] = {}
+        while True:
+            urls = self._urls()
+            full = 0
+            for url in urls:
+                try:
+                    client, result = self.run(self._open(url, kwargs), CONNECT_TIMEOUT_S + self.step_timeout_s + 5)
+                    return client, url, result
+                except Exception as e:
+                    said = _server_error(e)
+                    errors[url] = f"{type(e).__name__}: {e}"
+                    if said is not None and "CAPACITY_REACHED" in said:
+                        full += 1
+                    elif said is not None:  # the environment's reset itself failed: no point trying elsewhere
+                        raise EnvError(f"env.kind {self.kind!r}: reset on {url} failed: {said}") from None
+            if urls and full == len(urls):
+                raise EnvError(f"env.kind {self.kind!r}: every server is at its session limit ({len(urls)} server(s)); "
+                               f"raise max_concurrent_envs in the app's create_app, env.servers, or lower "
+                               f"env.max_in_flight")
+            if self.pool is None or time.monotonic() > deadline or self.pool.closed:
+                detail = "; ".join(f"{u}: {m}" for u, m in errors.items()) or "no server is up"
+                raise EnvError(f"env.kind {self.kind!r}: cannot open a session ({detail})")
+            self.pool.wait_up(min(1.0, max(deadline - time.monotonic(), 0.01)))
+            time.sleep(0.05)
+
+    def text(self, observation) -> str:
+        value = observation.get(self.observation_field) if isinstance(observation, dict) else None
+        return "" if value is None else value if isinstance(value, str) else str(value)
+
+    def discard(self, client) -> None:
+        """Close a session without waiting for it."""
+        if client is None or self.loop.is_closed() or not self._finalizer.alive:
+            return  # closing: the drain or the server ends the session
+        try:
+            asyncio.run_coroutine_threadsafe(client.disconnect(), self.loop)
+        except RuntimeError:  # the loop is gone: the server drops the session with the connection
+            pass
+
+    def close(self) -> None:
+        """Stop the client loop and the servers this factory started."""
+        self._finalizer()
+
+
+async def _drain(timeout: float) -> None:
+    """Let the sessions' closes finish (up to ``timeout`` s), then cancel what is left."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, pool) -> None:
+    if not loop.is_closed() and thread.is_alive():
+        try:
+            asyncio.run_coroutine_threadsafe(_drain(2.0), loop).result(5)
+        except Exception:  # best effort: the servers drop sessions whose connection goes
+            pass
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=5)
+    if not thread.is_alive() and not loop.is_closed():
+        loop.close()
+    if pool is not None:
+        pool.close()
+
+
+class OpenEnvEpisode:
+    """One completion's OpenEnv session (the :class:`~pipeline.envs.base.Episode` contract)."""
+
+    def __init__(self, envs: OpenEnvEnvironments, task: PromptTask) -> None:
+        self.envs, self.task = envs, task
+        self.client = None
+        self.url: str | None = None
+        self.broken: str | None = None
+        """Why the session cannot go on (every later step raises this)."""
+
+    def reset(self) -> str:
+        try:
+            self.client, self.url, result = self.envs.open(self.task)
+        except Exception as e:
+            self.broken = str(e) if isinstance(e, EnvError) else f"env.kind {self.envs.kind!r}: reset failed " \
+                                                                  f"({type(e).__name__}: {e})"
+            return ""
+        return self.envs.text(result.observation)
+
+    def step(self, action: str) -> Step:
+        if self.broken is not None:
+            raise EnvError(self.broken)
+        envs = self.envs
+        try:
+            result = envs.run(self.client.step({envs.action_field: action}), envs.step_timeout_s)
+        except Exception as e:
+            said = _server_error(e)
+            if said is not None:  # the environment's step raised; the session goes on
+                raise EnvError(f"env.kind {envs.kind!r}: step on {self.url} failed: {said}") from None
+            self.broken = (f"env.kind {envs.kind!r}: the session on {self.url} was lost "
+                           f"({type(e).__name__}: {e or 'no answer'}); the episode cannot go on")
+            envs.discard(self.client)
+            self.client = None
+            raise EnvError(self.broken) from None
+        reward = result.reward
+        return Step(observation=envs.text(result.observation), reward=None if reward is None else float(reward),
+                    done=bool(result.done))
+
+    def close(self) -> None:
+        client, self.client = self.client, None
+        self.envs.discard(client)
+
+
+def openenv(cfg: RunConfig, *, log=None) -> OpenEnvEnvironments:
+    """The factory ``make_env`` returns for an ``openenv:`` kind."""
+    return OpenEnvEnvironments(cfg, log=log)
