@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 ARGS ?=
 METRICS_PORT ?= 9400
 
-.PHONY: help setup up-cluster down pretrain test clean seeds gap-experiment hacking-experiment top dashboard report bench-verifier chaos chaos-bench soak bench-weights bench
+.PHONY: help setup up-cluster down pretrain test clean seeds gap-experiment hacking-experiment top dashboard report eval bench-verifier chaos chaos-bench soak bench-weights bench
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-19s %s\n", $$1, $$2}'
@@ -29,6 +29,9 @@ dashboard: ## the live view and its charts as a web page on http://127.0.0.1:876
 
 report: ## PNG plots and report.md of a run: make report RUN=runs/<id>
 	$(BIN)/pipeline report $(RUN)
+
+eval: setup ## held-out greedy accuracy, pass@k, mean@n of a checkpoint: make eval CKPT=runs/<id>/checkpoints/final ARGS="--n 8 --k 1,4,8"
+	$(BIN)/pipeline eval --checkpoint $(or $(CKPT),artifacts/base-model) $(ARGS)
 
 chaos: setup ## the embedded default while an injector beside it kills and pauses workers and the server; then every prompt is checked (lost/duplicated/unexpected = 0)
 	$(BIN)/pipeline chaos --redis.claim_idle_ms 5000 $(ARGS)

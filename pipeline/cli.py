@@ -10,6 +10,7 @@
     pipeline account   what became of every prompt of a run
     pipeline config    the resolved config as documented TOML
     pipeline distill   train a distilled verifier on a run's Weaver posteriors, measure it
+    pipeline eval      a checkpoint's held-out greedy accuracy, pass@k and mean@n
     pipeline top       live terminal view of streams, workers and training curves
     pipeline dashboard the same view as a local web page, with charts over time
     pipeline exporter  stream-level Prometheus metrics; samples queue depths for the report
@@ -161,6 +162,20 @@ def _distill(args: argparse.Namespace, cfg: RunConfig) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace, cfg: RunConfig) -> int:
+    from pipeline.run.evaluate import run_eval
+
+    try:
+        result = run_eval(cfg, checkpoint=args.checkpoint or cfg.model.base_dir, n=args.n, ks=args.k,
+                          temperature=args.temperature, max_prompts=args.max_prompts, seed=args.seed,
+                          batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, out=args.out,
+                          argv=sys.argv[1:])  # the command line, recorded in --out
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    print(json.dumps(result, indent=2))
+    return 0
+
+
 def follow_cluster(cfg: RunConfig) -> tuple[RunConfig, str]:
     """The run to look at and its server's URL, for the commands that only read a run.
 
@@ -306,6 +321,26 @@ def _distill_args(sp: argparse.ArgumentParser) -> None:
                     help="start from the run's base policy (default) or a fresh tiny model")
 
 
+def _eval_args(sp: argparse.ArgumentParser) -> None:
+    from pipeline.run.evaluate import DEFAULT_BATCH_SIZE, DEFAULT_KS, DEFAULT_N
+
+    sp.add_argument("--checkpoint", metavar="DIR", default="",
+                    help="HF checkpoint directory (runs/<id>/checkpoints/final, artifacts/base-model) or a trainer "
+                         "checkpoint (runs/<id>/checkpoints/step-NNNNNN); default: model.base_dir")
+    sp.add_argument("--n", type=int, default=DEFAULT_N, help=f"samples per prompt (default {DEFAULT_N})")
+    sp.add_argument("--k", help="pass@k for each k of this comma list, each <= --n (default: those of "
+                    f"{','.join(map(str, DEFAULT_KS))} up to --n)")
+    sp.add_argument("--temperature", type=float, help="sampling temperature (default: generator.temperature)")
+    sp.add_argument("--max-prompts", type=int, default=0,
+                    help="evaluate only the first M held-out prompts (default 0: all task.heldout_size of them)")
+    sp.add_argument("--seed", type=int, default=0, help="seed of the sampler (default 0)")
+    sp.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
+                    help=f"prompts per sampler call, each sampled --n times (default {DEFAULT_BATCH_SIZE})")
+    sp.add_argument("--max-new-tokens", type=int,
+                    help="completion budget, greedy and sampled (default: the task's held-out budget)")
+    sp.add_argument("--out", metavar="FILE", help="write the figures, per-prompt counts and the command as JSON")
+
+
 def _init_model_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--out", required=True, help="checkpoint directory to write")
     sp.add_argument("--preset", default="tiny", help="tiny (~0.2M parameters) or qwen3-0.6b")
@@ -375,6 +410,12 @@ COMMANDS: dict[str, Command] = {
                        description="Train a small cross-encoder on the Weaver posteriors a run recorded "
                                    "(runs/<id>/posteriors/<verifier>.jsonl), report its selection-accuracy retention "
                                    "and throughput against the ensemble, save it for the distilled:<dir> reward mode."),
+    "eval": Command("evaluate a checkpoint on the task's held-out set: greedy accuracy, pass@k and mean@n", _eval,
+                    _eval_args,
+                    description="Evaluate a checkpoint on the task's held-out set (the items the trainer evaluates "
+                                "on, never training data): greedy accuracy, the unbiased pass@k for each --k from "
+                                "--n samples per prompt at --temperature, and mean@n. The task's fields "
+                                "(--task.kind, --task.heldout_size, ...) or a run's --config pick the held-out set"),
     "init-model": Command("write a randomly initialised Qwen3 checkpoint with a BPE tokenizer trained on local text "
                           "(no hub needed)", _init_model, _init_model_args, config=True),
     "import-model": Command("write a checkpoint directory from a GGUF file or a pip package that ships one, "
