@@ -884,14 +884,11 @@ class EnvConfig(_Section):
         _check(self.start_timeout_s > 0, f"{p}.start_timeout_s", "> 0", self.start_timeout_s)
         _check(not self.observation_field or self.observation_field.isidentifier(), f"{p}.observation_field",
                "empty or a field name", self.observation_field)
-        if self.kind.startswith("openenv:"):
-            from pipeline.envs.openenv import split_kind
-
-            try:
-                split_kind(self.kind)
-            except ValueError:
-                _check(False, f"{p}.kind", "openenv:http://host:port, openenv:module:app or "
-                       "openenv:path/to/file.py:app", self.kind)
+        if self.kind.startswith("openenv:"):  # the shapes pipeline.envs.openenv.split_kind accepts
+            target = self.kind[len("openenv:"):].strip()
+            url = target.startswith(("http://", "https://")) and bool(target.split("://", 1)[1].strip("/"))
+            _check(url or (":" in target and _plugin_shaped(target, "")), f"{p}.kind",
+                   "openenv:http://host:port, openenv:module:app or openenv:path/to/file.py:app", self.kind)
 
 
 @dataclass(frozen=True, kw_only=True)
