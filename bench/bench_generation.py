@@ -47,7 +47,7 @@ from pipeline.engines import Sampled
 from pipeline.engines.slots import Finished
 from pipeline.keys import Keys
 from pipeline.model.tokenizer import MAX_POSITIONS, CharTokenizer
-from pipeline.records import Partial, RolloutGroup, expand_runs, version_runs
+from pipeline.records import Partial, RolloutGroup
 
 RESULTS = ROOT / "bench" / "results"
 AIM = 1.3
@@ -119,10 +119,7 @@ class FakeSlots:
             target = self.w.length()
             row = {"key": key, "target": self.w.token_ids(target), "tokens": [], "versions": [], "lv": version}
             if partial is not None:
-                starts = np.r_[0, np.cumsum(partial.lens)]
-                row["tokens"] = partial.ids[starts[j]: starts[j + 1]].tolist()
-                row["versions"] = expand_runs(partial.versions, partial.ids.size)[starts[j]: starts[j + 1]].tolist() \
-                    if partial.ids.size else []
+                row["tokens"], _, row["versions"], _ = partial.completions()[j]
             rows.append(row)
         self.groups[key] = rows
         self.rows += rows
@@ -167,15 +164,9 @@ class FakeSlots:
     recompute = refresh
 
     def unfinished(self):
-        out = []
-        for key, rows in self.groups.items():
-            vers = [v for r in rows for v in r["versions"]]
-            out.append((key, Partial(lens=np.array([len(r["tokens"]) for r in rows], np.int32),
-                                     ids=np.array([t for r in rows for t in r["tokens"]], np.int32),
-                                     logprobs=-np.ones(len(vers), np.float32),
-                                     versions=version_runs(np.array(vers)) if vers else np.zeros(0, np.int32),
-                                     done=np.array([len(r["tokens"]) == len(r["target"]) for r in rows]))))
-        return out
+        return [(key, Partial.of([r["tokens"] for r in rows], [[-1.0] * len(r["tokens"]) for r in rows],
+                                 [r["versions"] for r in rows], [len(r["tokens"]) == len(r["target"]) for r in rows]))
+                for key, rows in self.groups.items()]
 
     def clear(self) -> None:
         self.rows, self.groups = [], {}

@@ -233,6 +233,25 @@ class Partial:
     done: np.ndarray
     """bool [G]: the completion is finished (eos, or ``max_new_tokens`` reached)."""
 
+    @classmethod
+    def of(cls, tokens: list[list[int]], logprobs: list[list[float]], versions: list[list[int]],
+           done: list[bool]) -> "Partial":
+        """From per-completion lists of token ids, log-probs and versions so far."""
+        vers = [v for row in versions for v in row]
+        return cls(lens=np.array([len(t) for t in tokens], dtype=np.int32),
+                   ids=np.array([t for row in tokens for t in row], dtype=np.int32),
+                   logprobs=np.array([x for row in logprobs for x in row], dtype=np.float32),
+                   versions=version_runs(np.array(vers)) if vers else np.zeros(0, dtype=np.int32),
+                   done=np.array(done, dtype=bool))
+
+    def completions(self) -> list[tuple[list[int], list[float], list[int], bool]]:
+        """Per completion: (token ids, log-probs, versions, done), the inverse of :meth:`of`."""
+        per_token = expand_runs(self.versions, self.ids.size) if self.ids.size else np.zeros(0, dtype=np.int64)
+        starts = np.r_[0, np.cumsum(self.lens)]
+        return [(self.ids[a:b].astype(np.int64).tolist(), self.logprobs[a:b].astype(np.float64).tolist(),
+                 per_token[a:b].astype(np.int64).tolist(), bool(self.done[j]))
+                for j, (a, b) in enumerate(zip(starts[:-1].tolist(), starts[1:].tolist()))]
+
     def _body(self) -> dict:
         return {"lens": _i4(self.lens), "ids": _i4(self.ids), "logprobs": _f4(self.logprobs),
                 "versions": _i4(self.versions), "done": np.asarray(self.done, dtype=np.uint8).tobytes()}

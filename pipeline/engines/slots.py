@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pipeline.records import Partial, expand_runs, version_runs
+from pipeline.records import Partial
 
 
 @dataclass
@@ -241,15 +241,9 @@ class SlotSampler:
         if partial is not None:
             if partial.lens.size != n:
                 raise ValueError(f"partial has {partial.lens.size} completions, the group {n}")
-            per_token = expand_runs(partial.versions, partial.ids.size) if partial.ids.size else np.zeros(0)
-            starts = np.r_[0, np.cumsum(partial.lens)]
-            for j, row in enumerate(rows):
-                a, b = int(starts[j]), int(starts[j + 1])
-                row.tokens = partial.ids[a:b].astype(np.int64).tolist()
-                row.logprobs = partial.logprobs[a:b].astype(np.float64).tolist()
-                row.versions = per_token[a:b].astype(np.int64).tolist()
-                row.mask = [1] * len(row.tokens)
-                row.done = bool(partial.done[j]) or len(row.tokens) >= max_new_tokens
+            for row, (tokens, logprobs, versions, done) in zip(rows, partial.completions()):
+                row.tokens, row.logprobs, row.versions, row.mask = tokens, logprobs, versions, [1] * len(tokens)
+                row.done = done or len(tokens) >= max_new_tokens
         live = [r for r in rows if not r.done]
         if len(live) > self.free:
             raise ValueError(f"{len(live)} completions for {self.free} free slots")
@@ -410,17 +404,8 @@ class SlotSampler:
 
     def unfinished(self) -> list[tuple[object, Partial]]:
         """Every group in flight as a :class:`Partial` (tokens, log-probs, versions so far)."""
-        out = []
-        for key, rows in self._groups.items():
-            toks = [t for r in rows for t in r.tokens]
-            vers = [v for r in rows for v in r.versions]
-            out.append((key, Partial(
-                lens=np.array([len(r.tokens) for r in rows], dtype=np.int32),
-                ids=np.array(toks, dtype=np.int32),
-                logprobs=np.array([x for r in rows for x in r.logprobs], dtype=np.float32),
-                versions=version_runs(np.array(vers)) if vers else np.zeros(0, dtype=np.int32),
-                done=np.array([r.done for r in rows], dtype=bool))))
-        return out
+        return [(key, Partial.of([r.tokens for r in rows], [r.logprobs for r in rows], [r.versions for r in rows],
+                                 [r.done for r in rows])) for key, rows in self._groups.items()]
 
     def set_max_turns(self, key, turns: int) -> None:
         """An episode group's limit of model turns per completion."""

@@ -64,7 +64,7 @@ import numpy as np
 from pipeline.engines import Sampled
 from pipeline.engines.slots import Finished
 from pipeline.model.tokenizer import load_tokenizer, model_vocab_size
-from pipeline.records import Partial, expand_runs, version_runs
+from pipeline.records import Partial
 from pipeline.weights.vllm_hook import update_vllm
 
 if TYPE_CHECKING:
@@ -368,14 +368,9 @@ class VllmSlotSampler:
         if partial is not None:
             if partial.lens.size != n:
                 raise ValueError(f"partial has {partial.lens.size} completions, the group {n}")
-            per_token = expand_runs(partial.versions, partial.ids.size) if partial.ids.size else np.zeros(0)
-            starts = np.r_[0, np.cumsum(partial.lens)]
-            for j, s in enumerate(seqs):
-                a, b = int(starts[j]), int(starts[j + 1])
-                s.tokens = partial.ids[a:b].astype(np.int64).tolist()
-                s.logprobs = partial.logprobs[a:b].astype(np.float64).tolist()
-                s.versions = per_token[a:b].astype(np.int64).tolist()
-                s.done = bool(partial.done[j]) or len(s.tokens) >= max_new_tokens
+            for s, (tokens, logprobs, versions, done) in zip(seqs, partial.completions()):
+                s.tokens, s.logprobs, s.versions = tokens, logprobs, versions
+                s.done = done or len(tokens) >= max_new_tokens
         live = [s for s in seqs if not s.done]
         if len(live) > self.free:
             raise ValueError(f"{len(live)} completions for {self.free} free slots")
@@ -458,17 +453,8 @@ class VllmSlotSampler:
         """Abort every request in flight; every group not finished as a :class:`Partial`
         (tokens, log-probs, versions so far)."""
         self._abort(list(self._requests.values()))
-        out = []
-        for key, seqs in self._groups.items():
-            toks = [t for s in seqs for t in s.tokens]
-            vers = [v for s in seqs for v in s.versions]
-            out.append((key, Partial(
-                lens=np.array([len(s.tokens) for s in seqs], dtype=np.int32),
-                ids=np.array(toks, dtype=np.int32),
-                logprobs=np.array([x for s in seqs for x in s.logprobs], dtype=np.float32),
-                versions=version_runs(np.array(vers)) if vers else np.zeros(0, dtype=np.int32),
-                done=np.array([s.done for s in seqs], dtype=bool))))
-        return out
+        return [(key, Partial.of([s.tokens for s in seqs], [s.logprobs for s in seqs], [s.versions for s in seqs],
+                                 [s.done for s in seqs])) for key, seqs in self._groups.items()]
 
     def clear(self) -> None:
         """Abort every request in flight and drop every group."""
