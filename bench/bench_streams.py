@@ -129,7 +129,8 @@ def _stage(r: redis.Redis, keys: Keys, name: str):
         return Stage(r, keys, RunConfig(), name="generator", worker_id="gen-0", log=_QUIET, source="prompts",
                      group=GENERATORS_GROUP, decode=PromptTask.decode, sink="rollouts", sink_group=VERIFIERS_GROUP)
     return Stage(r, keys, RunConfig(), name="verifier", worker_id="ver-0", log=_QUIET, source="rollouts",
-                 group=VERIFIERS_GROUP, decode=RolloutGroup.decode, sink="scored", sink_group=TRAINER_GROUP)
+                 group=VERIFIERS_GROUP, decode=RolloutGroup.decode, sink="scored", sink_group=TRAINER_GROUP,
+                 prefetch=True)
 
 
 class _Quiet:

@@ -33,6 +33,9 @@ Per shard (``<shard>`` is the shard prefix; everything one stage's transaction t
                              script checks it before writing, so a call sent again after a lost
                              reply changes nothing (``bus.streams.TxnWriter``). One field per
                              stage process that ever wrote to the shard; no TTL.
+  <shard>:txn:<writer> string the same token, "<seq> <result>", for that writer's emits of 64 KiB
+                             or more, which are a WATCHed MULTI rather than the script
+                             (``stage.Stage._emit_multi``); one key per such writer; no TTL.
 
 Run-global (``<global>`` is the global prefix; one slot when tagged):
 

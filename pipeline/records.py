@@ -458,18 +458,19 @@ class ScoredGroup:
 
 
 class _RolloutBody(msgspec.Struct, forbid_unknown_fields=True):
-    """A RolloutGroup's fields as ``RolloutGroup._body`` writes them."""
+    """A RolloutGroup's fields as ``RolloutGroup._body`` writes them (the token and log-prob
+    blobs as views into the read bytes: the record's arrays share them, nothing is copied)."""
 
     prompt_id: str
     group_id: str
     generator_id: str
     prompt: str
-    prompt_ids: bytes
+    prompt_ids: memoryview
     reference: str
     completions: tuple[str, ...]
-    completion_ids: bytes
-    completion_lens: bytes
-    behaviour_logprobs: bytes
+    completion_ids: memoryview
+    completion_lens: memoryview
+    behaviour_logprobs: memoryview
     min_version: int
     max_version: int
     created_at: float
@@ -556,10 +557,10 @@ def _finite(raw: bytes, a: np.ndarray) -> bool:
     return not raw[3::4].translate(None, _FINITE_TOP) or bool(np.isfinite(a).all())
 
 
-def _logprobs_ok(raw: bytes, a: np.ndarray) -> bool:
+def _logprobs_ok(raw: memoryview, a: np.ndarray) -> bool:
     """Every value of the float32 blob ``raw`` (``a`` its array) finite and at most 1e-4."""
     if len(raw) <= _BYTE_TEST_MAX:
-        if not raw[3::4].translate(None, _NONPOSITIVE_TOP):
+        if not raw[3::4].tobytes().translate(None, _NONPOSITIVE_TOP):
             return True
     elif int(_imax(np.frombuffer(raw, _I4))) <= _NEGATIVE_FINITE_I4:
         return True  # all negative and finite

@@ -28,6 +28,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from redis.cluster import RedisCluster
+from redis.exceptions import NoScriptError, WatchError
+
 from pipeline.bus.connection import ride_outages
 from pipeline.bus.flow import release_admissions, stop_requested, wait_for_room
 from pipeline.bus.stats import heartbeat
@@ -37,6 +40,11 @@ from pipeline.keys import Keys, ShardKeys
 
 TRIM_EVERY = 10
 """Batches between trims of the acked input entries."""
+
+MULTI_BYTES = 64 << 10
+"""Records written in one emit from this many bytes on go in a MULTI (``Stage._emit_multi``)
+rather than the script: a script copies every argument into Lua (about a millisecond per MB),
+a MULTI passes the records to the server's commands as they are, for two more round trips."""
 
 # Emit + ack (docs/design.md §2, step 4): one script in the read shard's slot.
 # KEYS: source stream, sink stream, dead letters, stats, txn.
@@ -132,7 +140,8 @@ class Stage:
 
     def __init__(self, r, keys: Keys, cfg, *, name: str, worker_id: str, log, source: str, group: str,
                  decode: Callable[[bytes], Any], check: Callable[[Any], None] | None = None,
-                 sink: str | None = None, sink_group: str | None = None, claim: bool = True) -> None:
+                 sink: str | None = None, sink_group: str | None = None, claim: bool = True,
+                 prefetch: bool = False) -> None:
         self.r, self.keys, self.cfg, self.log = r, keys, cfg, log
         self.name, self.worker_id = name, worker_id
         self.source, self.group = source, group
@@ -145,6 +154,10 @@ class Stage:
         ensure_all_groups(r, keys)
         self.reader = sharded_reader(r, keys, source, group, worker_id, cfg.redis, claim=claim)
         self.batches = 0
+        self._cluster = isinstance(r, RedisCluster)
+        self.prefetch = prefetch and not self._cluster
+        self._prefetched: list[Entry] = []
+        self._read_count = 0
 
     # ------------------------------------------------------------------ the steps of the loop
 
@@ -160,7 +173,15 @@ class Stage:
                              log=self.log)
 
     def read(self, count: int) -> list[Entry]:
-        """Own pending entries, then reclaimed ones, then new ones (blocking ``redis.block_ms``)."""
+        """Own pending entries, then reclaimed ones, then new ones (blocking ``redis.block_ms``).
+
+        With ``prefetch``, the last emit's round trip already read the new entries this read
+        would have (``emit``): those come back first, without a call.
+        """
+        self._read_count = count
+        if self._prefetched:
+            entries, self._prefetched = self._prefetched[:count], self._prefetched[count:]
+            return entries
         return self.reader.read(count, self.cfg.redis.block_ms)
 
     def take(self, entries: list[Entry]) -> Batch:
@@ -189,12 +210,16 @@ class Stage:
             back += [e.id, payload]
         counters = counter_args(out.counters)
         if batch.bad or out.written or out.handed_back or counters:
+            size = sum(map(len, outputs)) + sum(len(p) for _, p in out.handed_back)
             with self.txn.token() as seq:
-                applied, releases = self._emit(
-                    keys=[src, dst, shard.dead, shard.stats, shard.txn],
-                    args=[self.txn.id, seq, self.group, len(batch.bad), *dead,
-                          len(acks), *acks, len(outputs), *outputs, len(out.handed_back), *back,
-                          len(counters) // 3, *counters])
+                if size >= MULTI_BYTES and not self._cluster:
+                    applied, releases = self._emit_multi(shard, src, dst, seq, dead, acks, outputs, back, counters)
+                else:
+                    applied, releases = self._emit_script(
+                        keys=[src, dst, shard.dead, shard.stats, shard.txn],
+                        args=[self.txn.id, seq, self.group, len(batch.bad), *dead,
+                              len(acks), *acks, len(outputs), *outputs, len(out.handed_back), *back,
+                              len(counters) // 3, *counters])
             if not applied:
                 self.log.info("emit_replay_skipped", shard=shard.index, seq=seq)
             release_admissions(self.r, self.keys, int(releases), writer=self.txn)
@@ -203,6 +228,102 @@ class Stage:
         self.batches += 1
         if self.batches % TRIM_EVERY == 0:
             self.trim()
+
+    def _emit_script(self, *, keys: list, args: list) -> tuple[int, int]:
+        """The emit script; with ``prefetch``, sent in one round trip with the read the next
+        ``read`` would make (new entries of the shard whose turn it is), when that is what it
+        would make: no own pending entries left to drain and no reclaim sweep due.
+
+        The read cannot change the emit: it is sent after it, outside it, and a read
+        delivers but never acks. Entries it delivered are this consumer's: if the stage
+        stops before taking them they stay in its pending list, which it drains first when
+        it starts again (or a peer reclaims after ``redis.claim_idle_ms``), as after a crash.
+        """
+        if not (self.prefetch and self._read_count and not self._prefetched and not self.reader.owned_due):
+            return self._emit(keys=keys, args=args)
+        reader = self.reader.next_new()
+        pipe = self.r.pipeline(transaction=False)
+        pipe.evalsha(self._emit.sha, len(keys), *keys, *args)
+        reader.queue_read_new(pipe, self._read_count)
+        result, resp = pipe.execute(raise_on_error=False)
+        if isinstance(resp, Exception):
+            raise resp
+        self._prefetched = reader.new_entries(resp)
+        if isinstance(result, NoScriptError):  # a restarted server: load it and send it again
+            result = self._emit(keys=keys, args=args)
+        elif isinstance(result, Exception):
+            raise result
+        if not result[0]:
+            # A replay: redis-py sent the round trip again after a lost reply, so the first
+            # attempt's read delivered entries this consumer never saw. They and the ones
+            # just read are all in its pending list: read that again from the start.
+            self._prefetched = []
+            self.reader.rewind_pending()
+        return result
+
+    def _emit_multi(self, shard: ShardKeys, src: str, dst: str, seq: int, dead: list, acks: list, outputs: list,
+                    back: list, counters: list) -> tuple[int, int]:
+        """The emit script's writes as a MULTI, for records too large to pass through Lua cheaply.
+
+        The token is this writer's own key in the shard's slot (``<shard>:txn:<writer>``, "<seq>
+        <result>"), WATCHed and read before the MULTI that writes it: a seq already recorded
+        was applied (a replay: nothing is written, the first result returned); an attempt
+        whose key changed between its WATCH and its EXEC (an earlier attempt of the same call,
+        applied late after a lost connection) is not applied and looks again. redis-py turns
+        a connection lost while watching into a WatchError, so every path ends in a check.
+        """
+        marker = f"{shard.txn}:{self.txn.id}"
+        ndead, nback = len(dead) and self._dead_count(dead), len(back) // 2
+        releases = ndead + nback
+        with self.r.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    pipe.watch(marker)
+                    if (first := self._replayed(pipe.get(marker), seq)) is not None:
+                        pipe.unwatch()
+                        return 0, first
+                    pipe.multi()
+                    i, dead_ids = 0, []
+                    while i < len(dead):
+                        nf = dead[i + 1]
+                        pipe.execute_command("XADD", shard.dead, "*", *dead[i + 2:i + 2 + nf])
+                        dead_ids.append(dead[i])
+                        i += 2 + nf
+                    if dead_ids:
+                        pipe.xack(src, self.group, *dead_ids)
+                        pipe.hincrby(shard.stats, "dead_letters_total", len(dead_ids))
+                    for payload in outputs:
+                        pipe.execute_command("XADD", dst, "*", "d", payload)
+                    if acks:
+                        pipe.xack(src, self.group, *acks)
+                    for k in range(0, len(back), 2):
+                        pipe.execute_command("XADD", src, "*", "d", back[k + 1])
+                    if back:
+                        pipe.xack(src, self.group, *back[0::2])
+                    for k in range(0, len(counters), 3):
+                        name, kind, value = counters[k:k + 3]
+                        (pipe.hincrbyfloat if kind == "f" else pipe.hincrby)(shard.stats, name, value)
+                    pipe.set(marker, f"{seq} {releases}")
+                    pipe.execute()
+                    return 1, releases
+                except WatchError:
+                    continue
+
+    @staticmethod
+    def _replayed(last: bytes | str | None, seq: int) -> int | None:
+        """The first result if the token ``last`` ("<seq> <result>") shows ``seq`` applied, else None."""
+        if last is None:
+            return None
+        done, _, result = (last.decode() if isinstance(last, bytes) else last).partition(" ")
+        return int(result) if int(done) >= seq else None
+
+    @staticmethod
+    def _dead_count(dead: list) -> int:
+        i = n = 0
+        while i < len(dead):
+            i += 2 + dead[i + 1]
+            n += 1
+        return n
 
     def trim(self) -> None:
         """Remove the input entries every group has acked (``redis.trim_acked``)."""

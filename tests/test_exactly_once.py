@@ -27,6 +27,7 @@ from builders import make_prompt, make_rollout, make_scored
 import pipeline.bus.streams as streams
 import pipeline.consumers.trainer as trainer_mod
 import pipeline.producers.feeder as feeder_mod
+import pipeline.stage as stage_mod
 from pipeline.bus.connection import connect
 from pipeline.bus.flow import Admission, release_admissions
 from pipeline.bus.streams import TxnWriter, ensure_all_groups, unacked
@@ -191,6 +192,7 @@ def no_token_check(monkeypatch):
             ">= tonumber(ARGV[1]) then return 0 end", ">= tonumber(ARGV[1]) and false then return 0 end"))
         assert "local last = nil" in streams.TXN_LUA and "done = 0" in trainer_mod._COMMIT
         assert "and false" in feeder_mod._WRITE
+        monkeypatch.setattr(Stage, "_replayed", staticmethod(lambda last, seq: None))
     return disable
 
 
@@ -317,6 +319,73 @@ def scenario_trainer_commit(proxy, r0, shards):
             "committed": [int(r0.get(s.committed)) for s in keys.all_shards()], "calls": shards}
 
 
+def scenario_large_emit(proxy, r0, shards):
+    """Records too large for the script (``stage.MULTI_BYTES``): the MULTI path, with a dead
+    letter giving its admission slot back; the lost EXEC reply is found applied by its token."""
+    keys = Keys("large", shards=shards)
+    r = connect(proxy.url, name="t")
+    ensure_all_groups(r0, keys)
+    r0.set(keys.admitted, 10)
+    k = shards - 1
+    src = keys.shard(k).prompts
+    pids = _shard_with(keys, k, 3)
+    for pid in pids:
+        r0.xadd(src, {"d": make_prompt(prompt_id=pid).encode()})
+    r0.xadd(src, {"d": b"\xc1 not msgpack"})
+    stage = Stage(r, keys, _cfg(keys.ns, shards), name="generator", worker_id="gen-0", log=_Log(), source="prompts",
+                  group=GENERATORS_GROUP, decode=PromptTask.decode, sink="rollouts", sink_group=VERIFIERS_GROUP)
+    batch = stage.take(stage.reader.read_new(10, None))
+    assert len(batch.good) == 3 and len(batch.bad) == 1
+    outputs = [make_rollout(prompt_id=e.id, completions=tuple(str(i) * 6000 for i in range(4))).encode()
+               for e, _ in batch.good]
+    assert sum(map(len, outputs)) >= stage_mod.MULTI_BYTES
+    proxy.drop_next()
+    stage.emit(batch, Output(written=list(zip([e for e, _ in batch.good], outputs)),
+                             counters={"groups_out_total": 3, "seconds_total": 0.25}))
+    out = _all(r0, keys, "rollouts")
+    return {"outputs": len(out), "distinct": len({bytes(f[b"d"]) for f in out}), "dead": len(_all(r0, keys, "dead")),
+            "unacked": unacked(r0, src, GENERATORS_GROUP), "count": _stats(r0, keys).get("groups_out_total"),
+            "seconds": _stats(r0, keys).get("seconds_total"), "admitted": int(r0.get(keys.admitted)),
+            # EXEC/EVALSHA sent besides the dropped one: the give-back, and the MULTI again only
+            # when its check is taken out (with it, the retry's check finds the EXEC applied).
+            "calls": 1 + (_stats(r0, keys).get("groups_out_total") == 6.0)}
+
+
+def scenario_verifier_prefetch(proxy, r0, shards):
+    """The verifier's emit with the next read in its round trip, the reply of both lost: the
+    replay is seen, and what the lost read delivered is read again from the pending list."""
+    keys = Keys("prefetch", shards=shards)
+    r = connect(proxy.url, name="t")
+    ensure_all_groups(r0, keys)
+    k = shards - 1
+    src = keys.shard(k).rollouts
+    for pid in _shard_with(keys, k, 6):
+        r0.xadd(src, {"d": make_rollout(prompt_id=pid).encode()})
+    stage = Stage(r, keys, _cfg(keys.ns, shards, **{"redis.block_ms": 50}), name="verifier", worker_id="ver-0",
+                  log=_Log(), source="rollouts", group=VERIFIERS_GROUP, decode=RolloutGroup.decode, sink="scored",
+                  sink_group=TRAINER_GROUP, prefetch=True)
+    rewinds = []
+    rewind = stage.reader.rewind_pending
+    stage.reader.rewind_pending = lambda: (rewinds.append(1), rewind())
+    seen, drop = [], True
+    for _ in range(2 * shards + 6):
+        entries = stage.read(3)
+        if not entries:
+            continue
+        batch = stage.take(entries)
+        seen += [rec.prompt_id for _, rec in batch.good]
+        if drop:
+            proxy.drop_next()
+            drop = False
+        stage.emit(batch, Output(written=[(e, rec.encode()) for e, rec in batch.good],
+                                 counters={"groups_out_total": len(batch.good), "seconds_total": 0.25}))
+    out = _all(r0, keys, "scored")
+    return {"outputs": len(out), "distinct": len({bytes(f[b"d"]) for f in out}), "seen": len(seen),
+            "unacked": unacked(r0, src, VERIFIERS_GROUP), "count": _stats(r0, keys).get("groups_out_total"),
+            # the retried round trip, and the emit of what the lost read delivered (once found)
+            "rewound": len(rewinds), "calls": 1 + len(rewinds)}
+
+
 class _Tok:
     def encode(self, text: str) -> list[int]:
         return [ord(c) % 17 for c in text]
@@ -380,6 +449,9 @@ EXACT = {
     scenario_feeder_write: {"prompts": 4, "distinct": 4, "issued": 4.0},
     scenario_admission: {"granted": 4, "after_grant": 7, "after_release": 5, "final": 4},
     scenario_admit_read: {"room": True, "first": 0, "owned": 2, "admitted": 2, "pending": 2},
+    scenario_large_emit: {"outputs": 3, "distinct": 3, "dead": 1, "unacked": 0, "count": 3.0, "seconds": 0.25,
+                          "admitted": 9},
+    scenario_verifier_prefetch: {"outputs": 6, "distinct": 6, "seen": 6, "unacked": 0, "count": 6.0, "rewound": 1},
 }
 DROPS = {scenario_admission: 3}
 SCENARIOS = list(EXACT)
@@ -475,3 +547,101 @@ def test_emit_costs_one_round_trip(redis_url):
     assert calls == ["EVALSHA"]
     assert r.xlen(keys.shard(0).rollouts) == 64
     assert np.isclose(_stats(r, keys)["n"], 32)
+
+
+def test_an_earlier_attempt_applied_late_aborts_the_multi(redis_client):
+    """The MULTI path's race: an earlier attempt of the same emit is applied between the
+    retry's WATCH and its EXEC (its EXEC still waiting in the server's buffer when the
+    connection broke). The retry's EXEC is refused, its second look finds the token, and the
+    records are written once."""
+    keys = Keys("late")
+    ensure_all_groups(redis_client, keys)
+    for i in range(3):
+        redis_client.xadd(keys.shard(0).prompts, {"d": make_prompt(prompt_id=f"p{i:08d}").encode()})
+    log = _Log()
+    stage = Stage(redis_client, keys, _cfg(keys.ns, 1), name="generator", worker_id="gen-0", log=log,
+                  source="prompts", group=GENERATORS_GROUP, decode=PromptTask.decode, sink="rollouts",
+                  sink_group=VERIFIERS_GROUP)
+    batch = stage.take(stage.reader.read_new(10, None))
+    outputs = [make_rollout(prompt_id=e.id, completions=tuple(str(i) * 6000 for i in range(4))).encode()
+               for e, _ in batch.good]
+    looks = []
+    real_multi = stage._emit_multi
+
+    def look(last, seq):
+        looks.append(last)
+        if len(looks) == 1:  # the retry has WATCHed and read the token: now the earlier attempt lands
+            args = late_args[0]
+            assert real_multi(*args) == (1, 0)
+        return Stage._replayed(last, seq)
+
+    late_args = []
+    stage._emit_multi = lambda *a: (late_args.append(a), real_multi(*a))[1]
+    stage._replayed = look
+    stage.emit(batch, Output(written=list(zip([e for e, _ in batch.good], outputs)), counters={"n": 3}))
+    assert redis_client.xlen(keys.shard(0).rollouts) == 3, "written once"
+    assert _stats(redis_client, keys)["n"] == 3
+    assert unacked(redis_client, keys.shard(0).prompts, GENERATORS_GROUP) == 0
+    assert len(looks) == 3 and looks[0] is None and looks[2] is not None, \
+        "the retry looked, its EXEC was refused, it looked again and found the token"
+    assert any(e == "emit_replay_skipped" for _, e, _ in log.events)
+
+
+def _verifier(r, keys: Keys, worker: str, **overrides) -> Stage:
+    return Stage(r, keys, _cfg(keys.ns, keys.shards, **{"redis.block_ms": 50, **overrides}), name="verifier",
+                 worker_id=worker, log=_Log(), source="rollouts", group=VERIFIERS_GROUP, decode=RolloutGroup.decode,
+                 sink="scored", sink_group=TRAINER_GROUP, prefetch=True)
+
+
+def _drain(stage: Stage, rounds: int, pause_s: float = 0.0) -> list[str]:
+    seen = []
+    for _ in range(rounds):
+        time.sleep(pause_s)
+        entries = stage.read(4)
+        if entries:
+            batch = stage.take(entries)
+            seen += [rec.prompt_id for _, rec in batch.good]
+            stage.emit(batch, Output(written=[(e, rec.encode()) for e, rec in batch.good]))
+    return seen
+
+
+@pytest.mark.parametrize("n_shards", [1, 2])
+def test_prefetch_still_reclaims_and_restarts_drain_what_it_read(redis_client, n_shards):
+    """The verifier's read in its emit's round trip keeps the read's order of preference: a dead
+    peer's entries are reclaimed while new work keeps coming, and what a stopped stage had
+    read ahead is the first thing it reads when it starts again."""
+    keys = Keys(f"ahead{n_shards}", shards=n_shards)
+    ensure_all_groups(redis_client, keys)
+    pids = [f"p{i:08d}" for i in range(40)]
+    for pid in pids:
+        redis_client.xadd(keys.shard(keys.shard_of(pid)).rollouts, {"d": make_rollout(prompt_id=pid).encode()})
+    dead_held = []
+    for s in keys.all_shards():  # a peer that died holding entries
+        resp = redis_client.xreadgroup(VERIFIERS_GROUP, "ver-dead", {s.rollouts: ">"}, count=2)
+        dead_held += [RolloutGroup.decode(f[b"d"]).prompt_id for _, f in resp[0][1]]
+    stage = _verifier(redis_client, keys, "ver-0", **{"redis.claim_idle_ms": 300})
+    turns = []
+    next_new = stage.reader.next_new
+    stage.reader.next_new = lambda: (turns.append(1), next_new())[1]
+    seen = _drain(stage, 8, pause_s=0.2)  # busy for longer than a reclaim sweep's period (1 s)
+    assert len(turns) >= 5, "the emits read ahead"
+    assert stage.reader.claimed_total == len(dead_held), "and the dead peer's entries were reclaimed meanwhile"
+    for _ in range(4):  # stop it right after an emit that read ahead
+        if stage._prefetched:
+            break
+        seen += _drain(stage, 1)
+    assert stage._prefetched
+    assert set(dead_held) <= set(seen)
+    ahead = [RolloutGroup.decode(e.payload).prompt_id for e in stage._prefetched]
+    claimed = stage.reader.claimed_total
+    del stage  # stopped holding what it read ahead
+    again = _verifier(redis_client, keys, "ver-0", **{"redis.claim_idle_ms": 300})
+    first = again.read(4)
+    assert [RolloutGroup.decode(e.payload).prompt_id for e in first][:len(ahead)] == ahead[:4], \
+        "its own pending entries come first after a restart"
+    batch = again.take(first)
+    again.emit(batch, Output(written=[(e, rec.encode()) for e, rec in batch.good]))
+    seen += [rec.prompt_id for _, rec in batch.good] + _drain(again, 12)
+    assert sorted(seen) == sorted(pids), "every entry processed exactly once"
+    assert claimed + again.reader.claimed_total == len(dead_held)
+    assert sum(unacked(redis_client, s.rollouts, VERIFIERS_GROUP) for s in keys.all_shards()) == 0

@@ -131,11 +131,31 @@ class GroupReader:
 
     def read_new(self, count: int, block_ms: int | None) -> list[Entry]:
         """Entries never delivered to the group, waiting up to ``block_ms`` for one (None: not at all)."""
-        resp = self.r.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms)
+        return self.new_entries(self.r.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=count,
+                                                  block=block_ms))
+
+    def queue_read_new(self, pipe, count: int) -> None:
+        """Queue on ``pipe`` the non-blocking read of up to ``count`` new entries (``new_entries`` turns
+        its reply into entries): a caller sends it in the round trip of a write it sends anyway."""
+        pipe.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=count)
+
+    def new_entries(self, resp) -> list[Entry]:
+        """The entries of an XREADGROUP ``>`` reply."""
         if not resp:
             return []
         shard = self.shard
         return [Entry(i, f.get(FIELD) if f else None, 1, shard) for i, f in resp[0][1]]
+
+    def rewind_pending(self) -> None:
+        """Read this consumer's own pending entries again from the oldest (entries delivered to
+        it that it never saw: a read whose reply was lost)."""
+        self._pending_cursor = "0"
+
+    @property
+    def owned_due(self) -> bool:
+        """Whether the next ``read`` may find owned work: own pending entries not yet drained, or a
+        reclaim sweep due. While it is not, the next read is a read of new entries."""
+        return self._pending_cursor is not None or (self.claim_idle_ms > 0 and time.monotonic() >= self._next_claim)
 
     def read(self, count: int, block_ms: int) -> list[Entry]:
         """Own pending entries first, then reclaimed ones, then new ones."""
@@ -220,6 +240,20 @@ class ShardedReader:
     def read(self, count: int, block_ms: int) -> list[Entry]:
         """Own pending entries first, then reclaimed ones, then new ones (of one shard)."""
         return self.read_owned(count) or self.read_new(count, block_ms)
+
+    @property
+    def owned_due(self) -> bool:
+        return any(x.owned_due for x in self.readers)
+
+    def rewind_pending(self) -> None:
+        for x in self.readers:
+            x.rewind_pending()
+
+    def next_new(self) -> GroupReader:
+        """The shard reader whose turn it is to be read for new entries; taking it moves the turn on."""
+        k = self._next
+        self._next = (k + 1) % len(self.readers)
+        return self.readers[k]
 
     def over_limit(self, e: Entry) -> str | None:
         return self.readers[e.shard].over_limit(e)

@@ -180,7 +180,7 @@ class Verifier:
         self.posteriors_path = cfg.run_dir / POSTERIORS_DIR / f"{worker_id}.jsonl"
         self.stage = Stage(r, keys, cfg, name="verifier", worker_id=worker_id, log=log, source="rollouts",
                            group=VERIFIERS_GROUP, decode=RolloutGroup.decode, sink="scored", sink_group=TRAINER_GROUP,
-                           check=lambda g: check_tokens(g, vocab_size=vocab_size))
+                           check=lambda g: check_tokens(g, vocab_size=vocab_size), prefetch=True)
         self.scored = 0
 
     def step(self, batch: Batch) -> Output:
