@@ -9,9 +9,11 @@
    - ``tcp``: a fetch in another process (ZeroMQ, bucket requests, ``recv_into``, verify,
      views) against a *raw pyzmq PAIR transfer* of the same bytes between two processes
      (zero-copy sends of bucket-sized frames, ``recv_into`` a preallocated buffer).
-   - ``ucx``: a fetch in another process (ucxx, one tag message, verify, views) against a
-     *raw ucxx tag transfer* of the same bytes between two processes (worker addresses,
-     error handling off). Skipped with a note where ucxx is not installed.
+   - ``ucx``: a fetch in another process (ucxx, one tag message per piece of at most
+     ``MESSAGE_BYTES``, each piece's CRC-32C on a helper thread as it lands, views)
+     against a *raw ucxx tag transfer* of the same bytes between two processes (one
+     message, no check; worker addresses, error handling off). Skipped with a note
+     where ucxx is not installed.
 
    Each figure is the best of ``--repeats`` rounds (ceiling, publish and fetch back to back,
    so all three see the same machine load), after two untimed warm-up rounds: a fetcher

@@ -25,7 +25,7 @@ from pipeline.weights import (
     make_fetcher,
     make_publisher,
 )
-from pipeline.weights.manifest import checksum
+from pipeline.weights.manifest import RunningChecksum, checksum
 
 KEY = "run1:weights"
 SMALL_BUCKET = 1000  # many buckets, the last one partial, for payloads of ~12 KB
@@ -108,11 +108,12 @@ def fetcher_factory(redis_client: redis.Redis) -> Iterator[Callable[..., WeightF
         fetcher.close()
 
 
-def corrupt_one_byte(publisher: WeightPublisher, manifest: Manifest) -> bytes:
+def corrupt_one_byte(publisher: WeightPublisher, manifest: Manifest, position: int | None = None) -> bytes:
     """Flip one byte of tensor data where the transport keeps it; return the bad payload."""
-    # Inside the largest tensor's data, not the header, so the payload still loads.
-    largest = max(manifest.tensors, key=lambda t: t.end - t.start)
-    position = (largest.start + largest.end) // 2
+    if position is None:
+        # Inside the largest tensor's data, not the header, so the payload still loads.
+        largest = max(manifest.tensors, key=lambda t: t.end - t.start)
+        position = (largest.start + largest.end) // 2
     if manifest.transport == "shm":
         with open(manifest.address, "r+b") as f:
             f.seek(position)
@@ -430,7 +431,109 @@ def test_a_fetch_pipelines_many_buckets_with_a_single_request_in_flight_too(publ
         assert_same_tensors(fetcher_factory("tcp", max_in_flight=depth).fetch()[1], make_tensors(seed=1))
 
 
+# --- ucx ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def ucx() -> None:
+    if UCX_SKIP:
+        pytest.skip(UCX_SKIP)
+
+
+def test_ucx_messages_cut_each_bucket_into_pieces_that_cover_it_in_order(ucx):
+    from pipeline.weights.ucx import _message_count, _messages
+
+    for total, bucket, message in [(10, 4, 3), (12, 4, 4), (12, 4, 100), (1, 16, 4), (9000, 1000, 333), (0, 5, 2)]:
+        pieces = _messages(total, bucket, message)
+        assert len(pieces) == _message_count(total, bucket, message)
+        assert [end for *_, end, _ in pieces[:-1]] == [start for _, start, *_ in pieces[1:]]
+        assert (pieces[0][1], pieces[-1][2]) == (0, total) if pieces else total == 0
+        for index, start, end, last in pieces:
+            assert index * bucket <= start < end <= min((index + 1) * bucket, total)
+            assert end - start <= message
+            assert last == (end == min((index + 1) * bucket, total))
+        assert sum(last for *_, last in pieces) == -(-total // bucket)
+
+
+@pytest.mark.parametrize("behind", [0, 1, 10**9])
+def test_a_ucx_fetch_in_pieces_smaller_than_a_bucket_checks_every_bucket_as_it_lands(
+    ucx, behind, publisher_factory, fetcher_factory, monkeypatch
+):
+    import pipeline.weights.ucx
+
+    monkeypatch.setattr(pipeline.weights.ucx, "_BEHIND_PIECES", behind)  # 0: every bucket summed inline
+    manifest = publisher_factory("ucx", bucket_bytes=4000).publish(1, make_tensors(seed=1))
+    assert manifest.num_buckets > 2
+    for message_bytes in (333, 4000, 1 << 20):
+        fetcher = fetcher_factory("ucx", message_bytes=message_bytes)
+        assert_same_tensors(fetcher.fetch(1)[1], make_tensors(seed=1))
+        # Every bucket was summed while the transfer ran, none by a pass afterwards.
+        assert sorted(fetcher._checks) == list(range(manifest.num_buckets))  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("summed_by", ["helper thread", "fetching thread"])
+@pytest.mark.parametrize("where", ["last byte", "first byte of a late piece", "middle of an early bucket"])
+def test_a_ucx_fetch_refuses_a_corrupt_byte_in_any_piece_and_then_fetches_the_next_version(
+    ucx, where, summed_by, publisher_factory, fetcher_factory, monkeypatch
+):
+    import pipeline.weights.ucx
+
+    # The fetching thread sums a bucket itself when the helper is that many pieces behind.
+    monkeypatch.setattr(pipeline.weights.ucx, "_BEHIND_PIECES", 10**9 if summed_by == "helper thread" else 0)
+    publisher = publisher_factory("ucx", bucket_bytes=4000)
+    manifest = publisher.publish(1, make_tensors(seed=1))
+    position = {"last byte": manifest.total_bytes - 1,
+                "first byte of a late piece": (manifest.num_buckets - 1) * 4000 + 500,
+                "middle of an early bucket": 4000 + 2000}[where]
+    corrupt_one_byte(publisher, manifest, position)
+    fetcher = fetcher_factory("ucx", message_bytes=500)
+    with pytest.raises(WeightsError, match=f"bucket {position // 4000} .*checksum"):
+        fetcher.fetch(1)
+    publisher.publish(2, make_tensors(seed=2))
+    assert_same_tensors(fetcher.fetch(2)[1], make_tensors(seed=2))
+
+
+def test_the_ucx_publisher_answers_garbage_requests_and_keeps_serving(ucx, publisher_factory, fetcher_factory):
+    publisher = publisher_factory("ucx")
+    publisher.publish(1, make_tensors(seed=1))
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.rcvtimeo = 5000
+    sock.linger = 0
+    sock.connect(publisher.address)  # type: ignore[attr-defined]
+    tag = 7 << 24
+    try:
+        for request in (b"\xc1garbage", msgpack.packb([1, "ucx", b"addr"]), msgpack.packb([1, "tcp", b"addr", tag]),
+                        msgpack.packb([1, "ucx", b"addr", tag + 1]), msgpack.packb([1, "ucx", b"addr", tag, 0]),
+                        msgpack.packb([1, "ucx", b"addr", tag, -4]), msgpack.packb([1, "ucx", b"addr", tag, "4"]),
+                        msgpack.packb([1, "ucx", b"addr", tag, 4, 4]), msgpack.packb([9, "ucx", b"addr", tag, 4])):
+            sock.send(request)
+            header, data = sock.recv_multipart()
+            assert msgpack.unpackb(header)[2] in ("bad request", "gone")
+            assert data == b""
+    finally:
+        sock.close()
+        ctx.term()
+    assert_same_tensors(fetcher_factory("ucx").fetch()[1], make_tensors(seed=1))
+
+
+def test_a_ucx_fetcher_refuses_a_message_size_that_is_not_a_positive_int(ucx, fetcher_factory):
+    for bad in (0, -1, 1.5, "4"):
+        with pytest.raises(ValueError, match="message_bytes"):
+            fetcher_factory("ucx", message_bytes=bad)
+
+
 # --- manifest -----------------------------------------------------------------------
+
+
+def test_a_running_checksum_over_consecutive_pieces_equals_the_checksum_of_the_whole():
+    data = bytes(range(256)) * 41 + b"tail"
+    for size in (1, 7, 1000, len(data), len(data) + 1):
+        running = RunningChecksum()
+        for start in range(0, len(data), size):
+            running.update(memoryview(data)[start : start + size])
+        assert running.hexdigest() == checksum(data)
+    assert RunningChecksum().hexdigest() == checksum(b"")
 
 
 def make_manifest(**overrides: object) -> Manifest:

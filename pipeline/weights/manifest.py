@@ -65,6 +65,22 @@ def checksum(data: bytes | bytearray | memoryview) -> str:
     return f"{crc32c.crc32c(data):08x}"
 
 
+class RunningChecksum:
+    """``checksum`` of data that arrives in consecutive pieces: ``update`` with each
+    piece in order, then ``hexdigest`` equals ``checksum`` of the pieces joined."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self) -> None:
+        self._value = 0
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        self._value = crc32c.crc32c(data, self._value)
+
+    def hexdigest(self) -> str:
+        return f"{self._value:08x}"
+
+
 @dataclass(frozen=True, kw_only=True)
 class TensorSpec:
     """One tensor of a payload, as its safetensors header describes it."""
