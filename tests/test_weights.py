@@ -315,6 +315,11 @@ def test_fetches_racing_publishes_get_whole_versions_or_a_weights_error(
     try:
         for version in range(1, 30):
             publisher.publish(version, make_tensors(seed=version))
+        # On a loaded host every fetch during the publishes may have lost its race (a
+        # WeightsError each); the reader keeps going until it has a whole version.
+        deadline = time.monotonic() + 30
+        while not any(isinstance(o, int) for o in outcomes) and time.monotonic() < deadline:
+            time.sleep(0.01)
     finally:
         done.set()
         reader.join(timeout=30)
