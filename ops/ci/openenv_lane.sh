@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The openenv lane: tests/test_openenv.py (env.kind = "openenv:...": OpenEnv environments served
-# by the generators or running elsewhere, docs/environments.md), in a venv of its own with the
+# by the generators or running elsewhere, docs/environments.md) and tests/test_chaos_env.py
+# (`pipeline chaos` with the generators' environment servers SIGKILLed), in a venv of its own with the
 # `openenv` extra (openenv-core 0.3.0 and its server stack: fastapi, uvicorn, gradio, fastmcp,
 # openai, huggingface_hub). The default lane skips those tests because it does not install it.
 #
@@ -35,6 +36,6 @@ assert torch.__version__.startswith("2.13.0") and "+cpu" in torch.__version__, \
 print(f"openenv lane: openenv-core {md.version('openenv-core')}, uvicorn {md.version('uvicorn')}, "
       f"websockets {md.version('websockets')}, torch {torch.__version__}")
 PY
-step "running tests/test_openenv.py"
-"$VENV/bin/python" -m pytest -q tests/test_openenv.py
+step "running tests/test_openenv.py tests/test_chaos_env.py"
+"$VENV/bin/python" -m pytest -q tests/test_openenv.py tests/test_chaos_env.py
 step "done"

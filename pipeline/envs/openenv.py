@@ -7,7 +7,7 @@ Two forms (docs/environments.md):
 - ``openenv:module:app`` / ``openenv:path/to/file.py:app``: an app this generator serves
   itself, ``env.servers`` uvicorn processes on loopback ports (:class:`~pipeline.envs.servers.ServerPool`:
   health-checked at start, restarted when one exits, stopped when the factory is closed or
-  the process exits).
+  the process exits; their pids recorded under ``<run_dir>/env-servers/``).
 
 Each completion is one OpenEnv session: a WebSocket of ``GenericEnvClient`` (openenv-core,
 the ``openenv`` extra) to a server of the pool, ``reset`` when the episode starts, ``step``
@@ -151,11 +151,13 @@ class OpenEnvEnvironments:
         self._client_cls = GenericEnvClient
         self.pool = None
         if how == "app":
-            from pipeline.envs.servers import ServerPool, ServerStartError
+            from pipeline.envs.servers import RECORD_DIR, ServerPool, ServerStartError
 
             try:
+                # The servers' pids go to the run directory too, where `pipeline inject` finds them (chaos kind env).
                 self.pool = ServerPool(target, n=cfg.env.servers, start_timeout_s=cfg.env.start_timeout_s,
-                                       name=self.kind, log_dir=cfg.run_dir / "logs", log=log)
+                                       name=self.kind, log_dir=cfg.run_dir / "logs", log=log,
+                                       record_dir=cfg.run_dir / RECORD_DIR)
             except (ServerStartError, ValueError) as e:
                 raise EnvError(str(e) if isinstance(e, ServerStartError) else f"env.kind {self.kind!r}: {e}") from e
             self.url = None

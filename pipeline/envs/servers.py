@@ -8,6 +8,13 @@ the process exits; on Linux a server also gets SIGTERM when the generator dies w
 closing it). Every process is started and restarted by the pool's supervisor thread, so the
 parent-death signal is tied to a thread that lives as long as the pool.
 
+Given a ``record_dir`` (a generator's pool: ``<run_dir>/env-servers/``), the pool keeps a small
+JSON file there, ``<pid>-<n>.json``, naming its own pid and every server's pid, each with its
+start time (``pipeline.run.procs``), port and whether it is up, and the restart count. It is
+rewritten atomically whenever a server starts, comes up or exits, and removed when the pool
+closes; a pool's first write removes the records of pools whose process is gone. ``pipeline inject`` (chaos kind ``env``) reads it to find a server to kill; the start
+times make sure a restarted server is never hit by a fault meant for its predecessor.
+
 The app is named as a plugin spec: ``module:attr`` (importable from the directory the
 generator runs in or ``PYTHONPATH``) or ``path/to/file.py:attr``. A file inside a package
 (``my_env/server/app.py`` with ``__init__.py`` files up to ``my_env/``) is imported as that
@@ -23,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
+import json
 import os
 import socket
 import subprocess
@@ -41,8 +50,11 @@ STOP_GRACE_S = 5.0
 """SIGTERM, then this long, then SIGKILL."""
 LOG_TAIL = 2000
 """Characters of a server's log quoted in a start error."""
+RECORD_DIR = "env-servers"
+"""Where, under the run directory, a generator's pool records its servers (see the module docstring)."""
 
 _POOLS: weakref.WeakSet = weakref.WeakSet()
+_RECORD_SEQ = itertools.count()
 
 
 def live_pools() -> list["ServerPool"]:
@@ -128,16 +140,108 @@ class Server:
         return None if self.proc is None else self.proc.pid
 
 
+class Record:
+    """The pool's servers as a JSON file others can read (``path``; None: no file): written
+    atomically (a temporary file renamed over it), never again once :meth:`remove` ran."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._gone = False
+        self._pruned = False
+
+    def write(self, pool: "ServerPool") -> None:
+        if self.path is None:
+            return
+        from pipeline.run.procs import proc_start_time
+
+        me = os.getpid()
+        starts = {str(me): proc_start_time(me)}
+        servers = []
+        for s in pool.servers:
+            pid = s.pid
+            alive = s.proc is not None and s.proc.poll() is None
+            if pid is not None and alive:
+                starts[str(pid)] = proc_start_time(pid)
+            servers.append({"index": s.index, "pid": pid if alive else None, "port": s.port, "up": s.up and alive,
+                            "starts": s.starts})
+        doc = {"pid": me, "env": pool.name, "spec": pool.spec, "restarts": pool.restarts, "servers": servers,
+               "start_times": starts, "updated_at": round(time.time(), 3)}
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        with self._lock:
+            if self._gone:
+                return
+            if not self._pruned:
+                self._pruned = True
+                prune_records(self.path.parent)
+            for attempt in range(3):  # another pool of the run may remove the directory in between
+                try:
+                    self.path.parent.mkdir(parents=True, exist_ok=True)
+                    tmp.write_text(json.dumps(doc))
+                    os.replace(tmp, self.path)
+                    return
+                except FileNotFoundError:
+                    if attempt == 2:
+                        raise
+
+    def remove(self) -> None:
+        if self.path is None:
+            return
+        with self._lock:
+            self._gone = True
+            for f in (self.path, self.path.with_name(f".{self.path.name}.tmp")):
+                try:
+                    f.unlink()
+                except OSError:
+                    pass
+            try:
+                self.path.parent.rmdir()  # only when no other pool's record is left there
+            except OSError:
+                pass
+
+
+def prune_records(directory: Path) -> None:
+    """Remove the records in ``directory`` of pools whose process is gone (a SIGKILLed
+    generator cannot remove its own)."""
+    from pipeline.run.procs import recorded_identity
+
+    for f in Path(directory).glob("*.json"):
+        try:
+            doc = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        pid = doc.get("pid") if isinstance(doc, dict) else None
+        if isinstance(pid, int) and recorded_identity(doc, pid) in ("gone", "other"):
+            try:
+                f.unlink()
+            except OSError:
+                pass
+
+
+def read_records(run_dir: Path) -> list[dict]:
+    """Every server pool's record under ``run_dir`` (files a writer is replacing, or cut short, are left out)."""
+    out = []
+    for f in sorted((Path(run_dir) / RECORD_DIR).glob("*.json")):
+        try:
+            doc = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(doc, dict) and isinstance(doc.get("servers"), list):
+            out.append(doc)
+    return out
+
+
 class ServerPool:
     """``n`` server processes of the app ``spec`` on loopback ports; see the module docstring.
 
     The constructor returns once every server answers its health check, or raises
     :class:`ServerStartError` (having stopped whatever it started). ``name`` is what errors
-    and log events call the pool (``env.kind``)."""
+    and log events call the pool (``env.kind``). ``record_dir``: keep the servers' record
+    there (see the module docstring)."""
 
     def __init__(self, spec: str, *, n: int = 1, start_timeout_s: float = 120.0, name: str = "",
                  log_dir: Path | None = None, log=None, health_path: str = "/health",
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, record_dir: Path | None = None) -> None:
         app_target(spec)  # a malformed spec or a missing file fails here, before anything starts
         self.spec, self.name = spec, name or spec
         self.start_timeout_s, self.health_path = start_timeout_s, health_path
@@ -148,6 +252,8 @@ class ServerPool:
         self.restarts = 0
         """Servers started again after they exited."""
         self.closed = False
+        self.record = Record(None if record_dir is None
+                             else Path(record_dir) / f"{os.getpid()}-{next(_RECORD_SEQ)}.json")
         self._stop = threading.Event()
         self._procs = threading.Lock()
         """Held while a process is started or the pool stops them: none starts after the stop."""
@@ -161,7 +267,7 @@ class ServerPool:
             self.close()
             raise ServerStartError(self._error)
         _POOLS.add(self)
-        weakref.finalize(self, _stop_all, self.servers, self._stop, self._procs)
+        weakref.finalize(self, _stop_all, self.servers, self._stop, self._procs, self.record)
 
     # ------------------------------------------------------------------ what clients read
 
@@ -215,6 +321,7 @@ class ServerPool:
             out.write(f"== start {s.starts}: {' '.join(cmd)}\n".encode())
             out.flush()
             s.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        self._record()
 
     def _tail(self, s: Server) -> str:
         try:
@@ -245,10 +352,18 @@ class ServerPool:
                     f"{self._tail(s)}")
             time.sleep(0.1)
 
+    def _record(self) -> None:
+        try:
+            self.record.write(self)
+        except OSError as e:  # the record is for others to read; the servers run without it
+            self._event("warning", "env_server_record_failed", path=str(self.record.path),
+                        error=f"{type(e).__name__}: {e}")
+
     def _up(self, s: Server) -> None:
         with self._changed:
             s.up, s.failures = True, 0
             self._changed.notify_all()
+        self._record()
 
     def _supervise(self) -> None:
         try:
@@ -281,6 +396,7 @@ class ServerPool:
         if s.up:
             with self._changed:
                 s.up = False
+            self._record()
             self._event("warning", "env_server_exited", server=s.index, pid=s.pid, status=code, url=s.url)
         if time.monotonic() < s.next_try:
             return
@@ -292,11 +408,12 @@ class ServerPool:
             s.next_try = time.monotonic() + min(2.0 ** s.failures, 30.0)
             if s.proc.poll() is None:
                 _terminate(s.proc)
+            self._record()
             self._event("error", "env_server_restart_failed", server=s.index, attempt=s.failures,
                         error=str(e)[-600:])
             return
         self.restarts += 1
-        self._up(s)
+        self._up(s)  # recorded with the new restart count
         self._event("info", "env_server_restarted", server=s.index, pid=s.pid, url=s.url, restarts=self.restarts)
 
     # ------------------------------------------------------------------ the end
@@ -306,7 +423,7 @@ class ServerPool:
         if self.closed:
             return
         self.closed = True
-        _stop_all(self.servers, self._stop, self._procs)
+        _stop_all(self.servers, self._stop, self._procs, self.record)
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=STOP_GRACE_S + 5)
         with self._changed:
@@ -330,7 +447,9 @@ def _terminate(proc: subprocess.Popen) -> None:
         proc.wait(STOP_GRACE_S)
 
 
-def _stop_all(servers: list[Server], stop: threading.Event, lock: threading.Lock) -> None:
+def _stop_all(servers: list[Server], stop: threading.Event, lock: threading.Lock, record: Record | None = None) -> None:
+    if record is not None:
+        record.remove()  # first: no one picks a server that is about to stop
     with lock:
         stop.set()
         procs = [s.proc for s in servers if s.proc is not None and s.proc.poll() is None]
