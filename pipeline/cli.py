@@ -6,6 +6,7 @@
     pipeline down      stop a cluster left running
     pipeline pretrain  build and warm up the tiny base model
     pipeline feed | generate | verify | train   run one stage (one OS process each)
+    pipeline evaluate  the eval worker: pass@k of the published versions beside training
     pipeline status    queue depths and trainer progress of a run
     pipeline account   what became of every prompt of a run
     pipeline config    the resolved config as documented TOML
@@ -267,6 +268,15 @@ def _verify(args: argparse.Namespace, cfg: RunConfig) -> int:
     return 0
 
 
+def _evaluate(args: argparse.Namespace, cfg: RunConfig) -> int:
+    from pipeline.consumers.evaluator import run_evaluator
+
+    _sigterm_exits()
+    r, keys, log = _worker_context(cfg, "evaluator", args.worker_id)
+    run_evaluator(cfg, r, keys, args.worker_id, log, max_evals=args.max_batches)
+    return 0
+
+
 def _train(args: argparse.Namespace, cfg: RunConfig) -> int:
     from pipeline.consumers.trainer import run_trainer
 
@@ -395,6 +405,8 @@ COMMANDS: dict[str, Command] = {
     "feed": Command("feeder: stream training prompts into {ns}:prompts", _feed),
     "generate": Command("generator: sample G completions per prompt with the current policy", _generate, _worker),
     "verify": Command("verifier: score completions with weak verifiers, aggregate into rewards", _verify, _worker),
+    "evaluate": Command("eval worker: held-out greedy accuracy and pass@k of the published versions ([eval]; "
+                        "--max-batches: evaluations)", _evaluate, _worker),
     "train": Command("trainer: GRPO on bounded-staleness batches, publish each new version", _train),
     "status": Command("print queue depths, worker heartbeats and trainer progress as JSON", _inspect),
     "account": Command("print the end-to-end accounting of every prompt as JSON", _inspect),
@@ -486,7 +498,7 @@ def _worker_context(cfg: RunConfig, stage: str, worker: str):
 
         log = start_worker_metrics(cfg, stage, worker, log)  # /metrics on its port, fed by its log lines
     kw = {}
-    if stage in ("feeder", "generator", "verifier", "trainer", "exporter"):  # long-running: redis.worker_retries
+    if stage in ("feeder", "generator", "verifier", "trainer", "exporter", "evaluator"):  # long-running
         kw = {"retries": None if cfg.redis.worker_retries < 0 else cfg.redis.worker_retries, "log": log}
     return connect(url, name=f"{cfg.run_id}:{worker}", redis_cfg=cfg.redis, **kw), Keys.of(cfg.run_id, cfg.redis), log
 

@@ -57,9 +57,10 @@ Advantage = Literal["grpo", "drgrpo", "reinforce_pp"]
 Loss = Literal["decoupled_ppo", "tis", "gspo"]
 """Implemented by ``pipeline.algo.losses.LOSSES``."""
 Transport = Literal["shm", "tcp", "ucx"]
+WeightsPayload = Literal["full", "adapter"]
 """Implemented by ``pipeline.weights.TRANSPORTS``."""
 StageKind = Literal["generator", "verifier", "trainer", "feeder"]
-FaultKind = Literal["kill", "pause", "redis", "term"]
+FaultKind = Literal["kill", "pause", "redis", "term", "env"]
 
 DEFAULT_BASE_DIR = "artifacts/base-model"
 """Where the base model lives unless configured otherwise; ``pipeline up`` builds it there when missing."""
@@ -704,6 +705,11 @@ class WeightsConfig(_Section):
     ucx_tls: str = ""
     """ucx: the ``UCX_TLS`` transport list (e.g. ``cma,self`` or ``tcp``); empty: the
     ``UCX_TLS`` environment variable, else UCX's default (``all``)."""
+    payload: WeightsPayload = "full"
+    """What a version carries: ``full`` (every weight; with LoRA training each target
+    merged) or ``adapter`` (LoRA training only: the A/B tensors alone, a small fraction of
+    the model; each generator keeps the base weights and merges W + (lora_alpha /
+    lora_rank)·B·A itself; torch generators only)."""
 
     def _validate(self, p: str) -> None:
         _check(self.keep_versions >= 1, f"{p}.keep_versions", ">= 1", self.keep_versions)
@@ -744,9 +750,13 @@ class ClusterConfig(_Section):
     torch and loads its model: seconds on an idle host, more while every worker starts at once)."""
     max_restarts_per_hour: int = 0
     """Restarts of all workers together allowed in any hour; one more ends the run. 0: unlimited."""
+    evaluators: int = 0
+    """Eval workers ``pipeline up`` starts beside training (0 or 1): each follows the published
+    versions and writes greedy accuracy and pass@k per version ([eval], ``<run>/evals.jsonl``)."""
 
     def _validate(self, p: str) -> None:
         _check(self.generators >= 1, f"{p}.generators", ">= 1", self.generators)
+        _check(self.evaluators in (0, 1), f"{p}.evaluators", "0 (off) or 1", self.evaluators)
         _check(self.restart_backoff_s >= 0, f"{p}.restart_backoff_s", ">= 0", self.restart_backoff_s)
         _check(self.restart_backoff_max_s >= self.restart_backoff_s, f"{p}.restart_backoff_max_s",
                ">= restart_backoff_s", self.restart_backoff_max_s)
@@ -773,7 +783,9 @@ class ChaosConfig(_Section):
     """What a random fault does, drawn uniformly: ``kill`` (SIGKILL of a worker's process
     group), ``pause`` (SIGSTOP of it for pause_s, then SIGCONT), ``redis`` (SIGKILL of the
     server, which the driver starts again on its port and data), ``term`` (SIGTERM of a
-    worker: its graceful stop, then a restart)."""
+    worker: its graceful stop, then a restart), ``env`` (SIGKILL of one environment server
+    a generator started for ``env.kind = "openenv:<app>"``, which its generator starts
+    again; a generator, then one of its servers that are up; ``targets`` does not apply)."""
     targets: tuple[StageKind, ...] = ("generator", "verifier", "trainer", "feeder")
     """Stage kinds a kill or a pause picks from (``generator``, ``verifier``, ``trainer``,
     ``feeder``): a kind uniformly, then one of its workers."""
@@ -781,9 +793,10 @@ class ChaosConfig(_Section):
     """How long a paused worker stays stopped."""
     schedule: tuple[str, ...] = ()
     """Fixed fault sequence instead of random picks: worker names to kill (``gen-0``,
-    ``ver-1``, ``trainer``, ``feeder``), ``pause:<worker>``, ``term:<worker>``, and ``redis``. Fault k of n comes
-    once the policy reaches version k·steps/(n+2), so the faults land mid-run however fast
-    the machine is."""
+    ``ver-1``, ``trainer``, ``feeder``), ``pause:<worker>``, ``term:<worker>``, ``redis``, and
+    ``env:<generator>`` (SIGKILL of one of that generator's environment servers, once one is
+    up). Fault k of n comes once the policy reaches version k·steps/(n+2), so the faults land
+    mid-run however fast the machine is."""
     seed: int = 0
     """Seed of the fault sequence."""
     max_faults: int = 0
@@ -798,10 +811,12 @@ class ChaosConfig(_Section):
 
         def entry_ok(x: str) -> bool:
             kind, _, name = x.rpartition(":")
+            if kind == "env":
+                return name.startswith("gen-")
             return x == "redis" or (kind in ("", "kill", "pause", "term")
                                     and (name in ("trainer", "feeder") or name.startswith(("gen-", "ver-"))))
         _check(all(entry_ok(x) for x in self.schedule), f"{p}.schedule",
-               "worker names (gen-N, ver-N, trainer, feeder), pause:<worker>, term:<worker> or redis",
+               "worker names (gen-N, ver-N, trainer, feeder), pause:<worker>, term:<worker>, env:gen-N or redis",
                self.schedule)
         _check(self.max_faults >= 0, f"{p}.max_faults", ">= 0", self.max_faults)
 
@@ -912,6 +927,38 @@ class MetricsConfig(_Section):
 
 
 @dataclass(frozen=True, kw_only=True)
+class EvalConfig(_Section):
+    every_versions: int = 10
+    """The eval worker (``cluster.evaluators = 1``) evaluates the first version it finds, then
+    the newest one once it is at least this many versions past the last it evaluated
+    (versions in between are skipped, never queued)."""
+    n: int = 8
+    """Samples per held-out prompt for pass@k and mean@n."""
+    ks: tuple[int, ...] = (1, 4, 8)
+    """The k of each pass@k reported (each in [1, n])."""
+    temperature: float = 1.0
+    """Sampling temperature of the pass@k samples (greedy accuracy is always greedy)."""
+    max_prompts: int = 200
+    """Held-out prompts per evaluation (an even spread over the held-out set; 0: all of them)."""
+    seed: int = 0
+    """Seed of the samples: each version is sampled from the same seed."""
+    threads: int = 1
+    """Torch threads of the eval worker."""
+    nice: int = 10
+    """Scheduling niceness the eval worker adds to its own (0-19): it takes CPU the stages leave."""
+
+    def _validate(self, p: str) -> None:
+        _check(self.every_versions >= 1, f"{p}.every_versions", ">= 1", self.every_versions)
+        _check(self.n >= 1, f"{p}.n", ">= 1", self.n)
+        _check(bool(self.ks) and all(1 <= k <= self.n for k in self.ks) and len(set(self.ks)) == len(self.ks),
+               f"{p}.ks", f"distinct integers in [1, n={self.n}]", list(self.ks))
+        _check(math.isfinite(self.temperature) and self.temperature > 0, f"{p}.temperature", "> 0", self.temperature)
+        _check(self.max_prompts >= 0, f"{p}.max_prompts", ">= 0 (0: the whole held-out set)", self.max_prompts)
+        _check(self.threads >= 1, f"{p}.threads", ">= 1", self.threads)
+        _check(0 <= self.nice <= 19, f"{p}.nice", "in [0, 19]", self.nice)
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     run_id: str = ""
     """Run id; also the Redis key namespace. Empty: ``pipeline up`` makes one from the time."""
@@ -938,9 +985,16 @@ class RunConfig:
     """Fault injection, used only by ``pipeline chaos``."""
     env: EnvConfig = field(default_factory=EnvConfig)
     """Multi-turn episodes in an environment (off by default)."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """The eval worker beside training (``cluster.evaluators``)."""
 
     def validate(self) -> "RunConfig":
         _check(all(c.isalnum() or c in "-_." for c in self.run_id), "run_id", "letters, digits, '-', '_' or '.'", self.run_id)
+        _check(self.weights.payload == "full" or self.trainer.lora_rank > 0, "weights.payload",
+               '"full" unless the trainer trains LoRA adapters (trainer.lora_rank > 0)', self.weights.payload)
+        _check(self.weights.payload == "full" or self.generator.backend == "torch", "weights.payload",
+               '"full" with generator.backend ' + repr(self.generator.backend) + ' (only torch generators merge '
+               'adapters)', self.weights.payload)
         _check(not self.env.kind or self.generator.swap != "batch", "env.kind",
                'used with generator.swap "step" or "drain" (episodes run in the slot sampler)', self.env.kind)
         _check(self.env.max_in_flight == 0 or self.env.max_in_flight >= self.generator.group_size,

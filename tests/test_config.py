@@ -137,7 +137,8 @@ def test_each_choice_field_allows_exactly_what_its_registry_implements():
 
 def test_every_fixed_choice_field_is_a_literal_and_its_validation_allows_its_values_only(tmp_path):
     (tmp_path / "p.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n')
-    needs = {"math": {"task.dataset": str(tmp_path / "p.jsonl")}, "reasoning_gym": {"task.datasets": "chain_sum"}}
+    needs = {"math": {"task.dataset": str(tmp_path / "p.jsonl")}, "reasoning_gym": {"task.datasets": "chain_sum"},
+             "adapter": {"trainer.lora_rank": 4}}
     cfg = RunConfig()
     found = set()
     for f in dataclasses.fields(cfg):
@@ -154,7 +155,7 @@ def test_every_fixed_choice_field_is_a_literal_and_its_validation_allows_its_val
     assert found == {"redis.appendfsync", "task.ops", "task.chat_template", "generator.backend",
                      "generator.vllm_dtype", "generator.swap", "generator.kv_on_swap",
                      "verifier.dependence", "trainer.backend", "trainer.device", "trainer.is_mode",
-                     "trainer.loss_agg", "weights.transport", "chaos.targets", "chaos.kinds", "tracking.backends",
+                     "trainer.loss_agg", "weights.transport", "weights.payload", "chaos.targets", "chaos.kinds", "tracking.backends",
                      "tracking.wandb_mode", "env.on_error"}
     # A section built directly, not loaded, is refused the same way.
     with pytest.raises(ConfigError, match=r"trainer\.loss: must be decoupled_ppo\|tis\|gspo, module:function"):

@@ -265,6 +265,8 @@ def test_a_few_lora_steps_learn_the_batchs_preference(tiny_base_model):
     ({"trainer.lora_rank": "4", "trainer.lora_targets": ""}, "trainer.lora_targets"),
     ({"trainer.lora_rank": "4", "trainer.lora_targets": "q_proj,q_proj"}, "trainer.lora_targets"),
     ({"trainer.lora_rank": "4", "trainer.lora_targets": "q proj"}, "trainer.lora_targets"),
+    ({"weights.payload": "adapter"}, "weights.payload"),
+    ({"weights.payload": "adapter", "trainer.lora_rank": "4", "generator.backend": "vllm"}, "weights.payload"),
 ])
 def test_bad_lora_settings_are_refused_naming_the_field(overrides, field):
     with pytest.raises(ConfigError, match="^" + re.escape(field) + ": must be"):
@@ -288,3 +290,56 @@ def test_a_target_naming_no_module_is_refused_by_the_engine(tiny_base_model):
         _lora(tiny_base_model, lora_targets="q_proj,qkv_proj")
     engine = _lora(tiny_base_model, lora_targets="model.layers.0.mlp.down_proj")
     assert list(engine.lora.layers) == ["model.layers.0.mlp.down_proj"]
+
+
+# ----------------------------------------------------------------------------- adapter payloads
+
+
+def _adapter_generator(base):
+    from pipeline.engines.torch import TorchGenerator
+
+    cfg = load_config(None, {"model.base_dir": str(base), "weights.payload": "adapter", "trainer.lora_rank": "4",
+                             "trainer.lora_alpha": "8"})
+    return TorchGenerator(cfg, worker_id="gen-0")
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def test_an_adapter_payload_gives_the_generator_the_trainers_full_weights(tiny_base_model):
+    """weights.payload adapter: the generator merges each version's A/B onto the base it
+    loaded and ends with the weights a full payload would have carried, version after
+    version (each merged onto the base, not onto the last version)."""
+    engine, gen = _lora(tiny_base_model), _adapter_generator(tiny_base_model)
+    for step in range(3):
+        engine.train_step(_groups(seed=step))
+        adapters, full = engine.adapter_tensors(), engine.weights()
+        gen.load_weights({k: v.clone() for k, v in adapters.items()})
+        held = gen.model.state_dict()
+        assert all(torch.equal(held[k], full[k]) for k in full), f"step {step}: merged as the trainer merges"
+        targets = [k.removesuffix(".lora_A.weight") for k in adapters if k.endswith(".lora_A.weight")]
+        assert _nbytes(adapters) == sum(4 * 4 * sum(full[f"{m}.weight"].shape) for m in targets) < _nbytes(full), \
+            "rank x (in + out) float32s per target: all the version carries"
+    assert float((held[TARGET + ".weight"] - _base(tiny_base_model)[TARGET + ".weight"]).abs().max()) > 1e-5
+
+
+def test_a_payload_that_does_not_fit_keeps_the_generators_weights(tiny_base_model):
+    engine, gen = _lora(tiny_base_model), _adapter_generator(tiny_base_model)
+    engine.train_step(_groups())
+    adapters = engine.adapter_tensors()
+    gen.load_weights(adapters)
+    before = {k: v.clone() for k, v in gen.model.state_dict().items()}
+    bad = [
+        (engine.weights(), "non-adapter tensors"),
+        ({k: v for k, v in adapters.items() if not k.startswith(TARGET + ".lora_B")}, "only one of lora_A / lora_B"),
+        ({k: v for k, v in adapters.items() if not k.startswith(TARGET)}, "the same ones"),
+        ({**adapters, TARGET + ".lora_A.weight": adapters[TARGET + ".lora_A.weight"][:, :-1]}, "does not make"),
+        ({"model.layers.0.nothing.lora_A.weight": adapters[TARGET + ".lora_A.weight"],
+          "model.layers.0.nothing.lora_B.weight": adapters[TARGET + ".lora_B.weight"]}, "the same ones"),
+    ]
+    for payload, why in bad:
+        with pytest.raises(ValueError, match=r"weights\.payload adapter: .*" + re.escape(why)):
+            gen.load_weights(payload)
+        held = gen.model.state_dict()
+        assert all(torch.equal(held[k], before[k]) for k in before), why

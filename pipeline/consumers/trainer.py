@@ -249,6 +249,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = None,
                  engine: TrainEngine | None = None) -> None:
         self.cfg, self.r, self.keys, self.log = cfg, r, keys, log
+        self._payload_bytes = -1
         self.engine = engine if engine is not None else make_train_engine(cfg)
         self.task = make_task(cfg.task)
         self.heldout = self.task.heldout()
@@ -329,7 +330,12 @@ class Trainer:
     def publish(self) -> None:
         # publish() copies into the transport's buffer, and that copy is the snapshot:
         # the live parameters can go in as they are.
-        self.publisher.publish(self.version, self.engine.weights())
+        m = self.publisher.publish(self.version, self.engine.adapter_tensors()
+                                   if self.cfg.weights.payload == "adapter" else self.engine.weights())
+        if m.total_bytes != self._payload_bytes:  # what one version weighs on the wire (the summary reports it)
+            self._payload_bytes = m.total_bytes
+            self.r.hset(self.keys.trainer, mapping={"payload_bytes": m.total_bytes,
+                                                    "payload": self.cfg.weights.payload})
         self.r.xadd(self.keys.versions, {"version": self.version}, maxlen=10_000, approximate=True)
         self.r.hset(self.keys.trainer, "version", self.version)
 

@@ -225,3 +225,56 @@ class _BaseView:
     def __call__(self, *args, **kwargs):
         with self.state.adapters_off() as model:
             return model(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------- generator side
+
+ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+
+
+class AdapterMerger:
+    """A generator's half of ``weights.payload = "adapter"``: versions carry the A/B tensors
+    alone (``LoraState.adapter_tensors``), and each target's weight becomes W₀ + scale·B·A,
+    W₀ being the model's weight as it was before the first adapter came (the base the
+    generator loaded from ``model.base_dir``, as the trainer's frozen base). Computed as PEFT
+    computes its delta, so the generator holds the weights the trainer would have sent in
+    full. A payload that does not fit (a missing half, a module the model lacks, other shapes,
+    another set of modules than the first version's) raises ValueError before anything
+    changes: the generator keeps the weights it has.
+    """
+
+    def __init__(self, model: torch.nn.Module, scale: float) -> None:
+        self.model, self.scale = model, float(scale)
+        self.base: dict[str, torch.Tensor] = {}
+        self.modules: tuple[str, ...] | None = None
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        params = dict(self.model.named_parameters())
+        stray = sorted(k for k in tensors if not k.endswith(ADAPTER_SUFFIXES))
+        if stray:
+            raise ValueError(f"weights.payload adapter: the version holds non-adapter tensors {stray[:3]} (was it "
+                             "published with weights.payload full?)")
+        modules = tuple(sorted({k.rsplit(".lora_", 1)[0] for k in tensors}))
+        if not modules:
+            raise ValueError("weights.payload adapter: the version holds no adapter tensors")
+        if self.modules is not None and modules != self.modules:
+            raise ValueError(f"weights.payload adapter: the version adapts {len(modules)} modules, the first one "
+                             f"{len(self.modules)}; every version must adapt the same ones")
+        for m in modules:
+            a, b, w = tensors.get(f"{m}.lora_A.weight"), tensors.get(f"{m}.lora_B.weight"), params.get(f"{m}.weight")
+            if a is None or b is None:
+                raise ValueError(f"weights.payload adapter: {m} has only one of lora_A / lora_B")
+            if w is None:
+                raise ValueError(f"weights.payload adapter: the model has no weight {m}.weight to adapt")
+            if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0] or (b.shape[0], a.shape[1]) != tuple(w.shape):
+                raise ValueError(f"weights.payload adapter: {m}: B {tuple(b.shape)} · A {tuple(a.shape)} does not "
+                                 f"make its weight's shape {tuple(w.shape)}")
+        with torch.no_grad():
+            for m in modules:
+                w = params[f"{m}.weight"]
+                base = self.base.get(m)
+                if base is None:
+                    base = self.base[m] = w.detach().clone()
+                delta = (tensors[f"{m}.lora_B.weight"] @ tensors[f"{m}.lora_A.weight"]) * self.scale
+                w.copy_(base + delta.to(base.dtype))
+        self.modules = modules

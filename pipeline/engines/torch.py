@@ -69,6 +69,11 @@ class TorchGenerator:
         torch.set_num_threads(g.threads)
         self.model, self.tokenizer = load_checkpoint(cfg.model.base_dir)
         self.model.eval()
+        self.adapters = None
+        if cfg.weights.payload == "adapter":  # versions carry LoRA adapters: merged here, onto the base
+            from pipeline.engines.lora import AdapterMerger
+
+            self.adapters = AdapterMerger(self.model, cfg.trainer.lora_alpha / cfg.trainer.lora_rank)
         self.vocab_size = int(self.model.config.vocab_size)
         self.rng = torch.Generator().manual_seed(g.seed * 1_000_003 + zlib.crc32(worker_id.encode()))
         self.temperature = g.temperature
@@ -78,7 +83,10 @@ class TorchGenerator:
                               eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id, generator=self.rng)
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        load_state_tensors(self.model, tensors)
+        if self.adapters is not None:
+            self.adapters.load(tensors)
+        else:
+            load_state_tensors(self.model, tensors)
 
     def continuous(self, *, slots: int) -> SlotSampler:
         """A slot sampler on this engine's model (``generator.swap`` step/drain); weights loaded

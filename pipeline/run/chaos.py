@@ -14,16 +14,24 @@ drawn from ``chaos.kinds``:
 - ``term``: SIGTERM of a worker: the graceful stop a scheduler sends (a generator with
   ``generator.swap`` step/drain hands its unfinished completions back as resumable work;
   every stage finishes or returns what it holds), after which the driver starts it again;
-- ``redis``: SIGKILL of the Redis server (in a Redis Cluster, one master).
+- ``redis``: SIGKILL of the Redis server (in a Redis Cluster, one master);
+- ``env``: SIGKILL of one environment server process a generator's pool started
+  (``env.kind = "openenv:<app>"``, pipeline.envs.servers): a generator that has a server up
+  first, then one of its servers. The pools record their servers' pids with their start
+  times in ``<run_dir>/env-servers/``; with none recorded up at that moment the fault is
+  skipped. The generator's pool starts the server again; the episodes that had a session
+  on it fail their steps (``env.on_error``) and their groups are still emitted.
 
 The driver learns of a fault only as it learns of any fault, by a process exiting, and
 treats it with the same restart policy (``pipeline.run.launch.Supervisor``); it starts a
-server it started again on the same port and append-only file. ``pipeline chaos`` is
+server it started again on the same port and append-only file (an environment server is
+its generator's to restart, not the driver's). ``pipeline chaos`` is
 ``pipeline up`` with this injector started beside it as its own process, and a total-queue
 check at the end; ``pipeline inject`` runs it beside any ``pipeline up`` of the same
 ``runs_dir``. Every fault goes to ``<run_dir>/chaos.jsonl`` and to stdout. Each pid is
 signalled only if its start time is the one recorded (``pipeline.run.procs``), so a
-worker restarted in between is never hit by a fault meant for its predecessor.
+worker or an environment server restarted in between is never hit by a fault meant for
+its predecessor.
 
 Afterwards ``check`` reads everything back, in the manner of Jepsen's total-queue
 analysis, and classifies every prompt id the feeder issued: trained, no signal, dropped
@@ -48,9 +56,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.config import ChaosConfig, RunConfig, load_config
+from pipeline.envs.servers import read_records
 from pipeline.run.procs import recorded_identity, send_signal
 
-STAGE_OF = {"gen": "generator", "ver": "verifier", "trainer": "trainer", "feeder": "feeder"}
+STAGE_OF = {"gen": "generator", "ver": "verifier", "trainer": "trainer", "feeder": "feeder", "eval": "evaluator"}
 
 EVENTS_FILE = "chaos.jsonl"
 """The injector's record of its faults, in the run directory."""
@@ -70,10 +79,12 @@ class Fault:
     target: str
     detail: str = ""
     version: int | None = None
+    pid: int | None = None
+    """The pid signalled (for ``kill`` and ``pause``, the leader of the process group signalled)."""
 
     def as_dict(self) -> dict:
         return {"at_s": round(self.at_s, 2), "kind": self.kind, "target": self.target, "detail": self.detail,
-                "version": self.version}
+                "version": self.version, "pid": self.pid}
 
 
 @dataclass
@@ -107,8 +118,9 @@ class Plan:
             self.next_at = now + self.gap()
         return now >= self.next_at
 
-    def pick(self, workers: list[str], now: float) -> tuple[str, str] | None:
-        """(kind, target): ``redis`` targets the server; the others a worker name."""
+    def pick(self, workers: list[str], now: float, env_targets: list[str] = ()) -> tuple[str, str] | None:
+        """(kind, target): ``redis`` targets the server; ``env`` a generator with an environment
+        server up (of ``env_targets``); the others a worker name."""
         if self.cfg.schedule:
             entry = self.cfg.schedule[self.pos]
             self.pos += 1
@@ -118,6 +130,8 @@ class Plan:
         kind = self.rng.choice(list(self.cfg.kinds))
         if kind == "redis":
             return "redis", "redis"
+        if kind == "env":
+            return ("env", self.rng.choice(sorted(env_targets))) if env_targets else None
         by_kind: dict[str, list[str]] = {}
         for n in sorted(workers):
             if stage_of(n) in self.cfg.targets:
@@ -193,10 +207,40 @@ class Injector:
             self._r = None
         return self._version
 
+    def env_servers(self) -> dict[str, list[tuple[dict, dict]]]:
+        """Generator name -> (its pool's record, server) of every environment server recorded up
+        now, by a generator that is the recorded one (not paused) and under a pid that is still
+        that server's."""
+        names = {pid: name for name, pid in (self.info.get("workers") or {}).items() if stage_of(name) == "generator"}
+        out: dict[str, list[tuple[dict, dict]]] = {}
+        for rec in read_records(Path(self.info["run_dir"])):
+            parent = rec.get("pid")
+            name = names.get(parent)
+            if name is None or parent in self.paused or recorded_identity(self.info, parent) != "same" \
+                    or recorded_identity(rec, parent) != "same":
+                continue  # the driver's own check, a generator gone or restarted since, or one stopped
+            for srv in rec["servers"]:
+                pid = srv.get("pid")
+                if srv.get("up") and isinstance(pid, int) and recorded_identity(rec, pid) == "same":
+                    out.setdefault(name, []).append((rec, srv))
+        return out
+
     # ------------------------------------------------------------------ the faults
 
-    def inject(self, kind: str, target: str, version: int) -> Fault | None:
+    def inject(self, kind: str, target: str, version: int,
+               env: dict[str, list[tuple[dict, dict]]] | None = None) -> Fault | None:
         info = self.info
+        if kind == "env":
+            servers = (self.env_servers() if env is None else env).get(target)
+            if not servers:
+                return None  # no server of that generator up now: the next fault
+            rec, srv = self.plan.rng.choice(servers)
+            pid = srv["pid"]
+            if recorded_identity(rec, pid) != "same" or not send_signal(pid, signal.SIGKILL):
+                return None
+            return Fault(time.time() - self.started, kind, target,
+                         f"SIGKILL of environment server {srv.get('index')} (pid {pid}, port {srv.get('port')}) of "
+                         f"{target} (pid {rec['pid']})", version, pid)
         if kind == "redis":
             pids = list(info.get("server_pids") or ([info["server_pid"]] if info.get("server_pid") else []))
             if not pids:
@@ -208,23 +252,23 @@ class Injector:
                 return None  # down already, or not yet recorded again: the next fault
             urls = info.get("server_urls") or []
             node = f" of master {urls[i]}" if len(pids) > 1 and i < len(urls) else ""
-            return Fault(time.time() - self.started, kind, "redis", f"SIGKILL{node} (server pid {pid})", version)
+            return Fault(time.time() - self.started, kind, "redis", f"SIGKILL{node} (server pid {pid})", version, pid)
         pid = (info.get("workers") or {}).get(target)
         if pid is None or recorded_identity(info, pid) != "same" or pid in self.paused:
             return None  # not started, between two lives, or paused already: the next fault
         if kind == "kill":
             if not send_signal(pid, signal.SIGKILL, group=True):
                 return None
-            return Fault(time.time() - self.started, kind, target, f"SIGKILL of pid {pid}'s group", version)
+            return Fault(time.time() - self.started, kind, target, f"SIGKILL of pid {pid}'s group", version, pid)
         if kind == "term":
             if not send_signal(pid, signal.SIGTERM):
                 return None
-            return Fault(time.time() - self.started, kind, target, f"SIGTERM of pid {pid}", version)
+            return Fault(time.time() - self.started, kind, target, f"SIGTERM of pid {pid}", version, pid)
         if not send_signal(pid, signal.SIGSTOP, group=True):
             return None
         self.paused[pid] = (target, time.time() + self.cfg.chaos.pause_s)
         return Fault(time.time() - self.started, kind, target,
-                     f"SIGSTOP of pid {pid}'s group for {self.cfg.chaos.pause_s:g} s", version)
+                     f"SIGSTOP of pid {pid}'s group for {self.cfg.chaos.pause_s:g} s", version, pid)
 
     def resume_due(self, *, everything: bool = False) -> None:
         now = time.time()
@@ -255,8 +299,9 @@ class Injector:
                 if version >= self.run_cfg.trainer.steps:
                     break
                 if not self.plan.done(len(self.faults)) and self.plan.due(time.time(), version):
-                    picked = self.plan.pick(list((info.get("workers") or {})), time.time())
-                    fault = self.inject(*picked, version) if picked else None
+                    env = self.env_servers()
+                    picked = self.plan.pick(list((info.get("workers") or {})), time.time(), sorted(env))
+                    fault = self.inject(*picked, version, env) if picked else None
                     if fault is not None:
                         self.record(fault)
                     elif self.cfg.chaos.schedule:
@@ -271,11 +316,13 @@ class Injector:
 
 
 def by_kind(faults: list[Fault] | list[dict]) -> dict[str, int]:
-    """Faults per kind: ``redis``, and ``kill``/``pause``/``term`` of each stage kind (``kill generator``)."""
+    """Faults per kind: ``redis``, ``kill env server``, and ``kill``/``pause``/``term`` of each
+    stage kind (``kill generator``)."""
     out: dict[str, int] = {}
     for f in faults:
         d = f if isinstance(f, dict) else f.as_dict()
-        k = "redis" if d["kind"] == "redis" else f"{d['kind']} {stage_of(d['target'])}"
+        k = "redis" if d["kind"] == "redis" else "kill env server" if d["kind"] == "env" \
+            else f"{d['kind']} {stage_of(d['target'])}"
         out[k] = out.get(k, 0) + 1
     return out
 

@@ -214,7 +214,26 @@ def evaluate(cfg: RunConfig, checkpoint: str | Path, *, n: int = DEFAULT_N, ks: 
              temperature: float = 1.0, max_prompts: int = 0, seed: int = 0, batch_size: int = DEFAULT_BATCH_SIZE,
              max_new_tokens: int | None = None, progress: Progress | None = None) -> dict[str, Any]:
     """Greedy accuracy, pass@k for each of ``ks`` and mean@n of ``checkpoint`` on the held-out
-    set of ``cfg.task`` (its first ``max_prompts`` items; 0: all).
+    set of ``cfg.task`` (its first ``max_prompts`` items; 0: all): ``evaluate_model`` on the
+    checkpoint's weights, with the checkpoint and its load time added."""
+    ks = check_settings(n=n, ks=ks, temperature=temperature, max_prompts=max_prompts, batch_size=batch_size,
+                        max_new_tokens=max_new_tokens)
+    checkpoint_kind(checkpoint)
+    t0 = time.perf_counter()
+    model, tokenizer, tokenizer_dir = load_policy(checkpoint, cfg.model.base_dir)
+    t_load = time.perf_counter() - t0
+    out = evaluate_model(cfg, model, tokenizer, tokenizer_dir, n=n, ks=ks, temperature=temperature,
+                         max_prompts=max_prompts, seed=seed, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                         progress=progress)
+    out["seconds"] = {"load": round(t_load, 3), **out["seconds"]}
+    return {"checkpoint": str(checkpoint), **out}
+
+
+def evaluate_model(cfg: RunConfig, model, tokenizer, tokenizer_dir: str | Path, *, n: int = DEFAULT_N,
+                   ks: Sequence[int] = DEFAULT_KS, temperature: float = 1.0, max_prompts: int = 0, seed: int = 0,
+                   batch_size: int = DEFAULT_BATCH_SIZE, max_new_tokens: int | None = None,
+                   progress: Progress | None = None) -> dict[str, Any]:
+    """The figures of a loaded policy (``model``, in eval mode) on the held-out set of ``cfg.task``.
 
     ``max_new_tokens`` (default: the task's ``eval_max_new_tokens``, the trainer's greedy
     budget) bounds greedy and sampled completions alike. The result holds the figures,
@@ -222,9 +241,6 @@ def evaluate(cfg: RunConfig, checkpoint: str | Path, *, n: int = DEFAULT_N, ks: 
     settings, timings, and per prompt (``per_prompt``) the greedy completion, its verdict and
     the count of right samples.
     """
-    ks = check_settings(n=n, ks=ks, temperature=temperature, max_prompts=max_prompts, batch_size=batch_size,
-                        max_new_tokens=max_new_tokens)
-    checkpoint_kind(checkpoint)
     from pipeline.tasks.registry import make_task
 
     task = make_task(cfg.task)
@@ -238,11 +254,8 @@ def evaluate(cfg: RunConfig, checkpoint: str | Path, *, n: int = DEFAULT_N, ks: 
     from pipeline.engines.torch import greedy_decode, sample_prompts
     from pipeline.tasks.prompting import build_prompt, prompt_format
 
-    t0 = time.perf_counter()
-    model, tokenizer, tokenizer_dir = load_policy(checkpoint, cfg.model.base_dir)
     fmt = prompt_format(cfg.task, tokenizer_dir)
     ids = [build_prompt(fmt, tokenizer, item.prompt)[1] for item in items]
-    t_load = time.perf_counter() - t0
     total = len(items)
     report = progress or (lambda phase, done, count: None)
 
@@ -275,13 +288,12 @@ def evaluate(cfg: RunConfig, checkpoint: str | Path, *, n: int = DEFAULT_N, ks: 
     t_sample = time.perf_counter() - t0
 
     out: dict[str, Any] = {
-        "checkpoint": str(checkpoint),
         "task": cfg.task.kind,
         "heldout_total": len(heldout),
         **_figures(greedy, counts, n, ks),
         "n": n, "ks": list(ks), "temperature": temperature, "seed": seed, "batch_size": batch_size,
         "max_new_tokens": budget,
-        "seconds": {"load": round(t_load, 3), "greedy": round(t_greedy, 3), "sampled": round(t_sample, 3)},
+        "seconds": {"greedy": round(t_greedy, 3), "sampled": round(t_sample, 3)},
     }
     sources = [item.source for item in items]
     if any(sources):

@@ -482,7 +482,8 @@ def _math_problems(cfg: RunConfig) -> list[str]:
 
 
 def chaos_problems(cfg: RunConfig) -> list[str]:
-    """``pipeline chaos``: the schedule names workers this run has; restarting Redis needs a server it starts."""
+    """``pipeline chaos``: the schedule names workers this run has; restarting Redis needs a server it starts;
+    env faults need environment servers the generators start."""
     problems = []
     ours = set(worker_table(cfg)) - {"exporter"} | {"redis"}
     unknown = [x for x in cfg.chaos.schedule if x.rpartition(":")[2] not in ours]
@@ -490,6 +491,15 @@ def chaos_problems(cfg: RunConfig) -> list[str]:
         problems.append(f"chaos.schedule: must name workers of this run ({', '.join(sorted(ours))}); "
                         f"{unknown} are not (cluster.generators = {cfg.cluster.generators}, "
                         f"cluster.verifiers = {cfg.cluster.verifiers})")
+    env_faults = any(x.startswith("env:") for x in cfg.chaos.schedule) if cfg.chaos.schedule \
+        else "env" in cfg.chaos.kinds
+    served = cfg.env.kind.startswith("openenv:") and not cfg.env.kind[len("openenv:"):].strip().startswith(
+        ("http://", "https://"))  # an app each generator serves itself (pipeline.envs.servers)
+    if env_faults and not served:
+        field_ = "chaos.schedule" if cfg.chaos.schedule else "chaos.kinds"
+        problems.append(f"{field_}: env faults kill the environment servers the generators start, which only "
+                        f"env.kind = \"openenv:<module:app or path/to/file.py:app>\" has; env.kind is "
+                        f"{cfg.env.kind!r}")
     running = "redis.url" if cfg.redis.url else "$REDIS_URL" if os.environ.get("REDIS_URL") else ""
     if running and ("redis" in cfg.chaos.schedule or (not cfg.chaos.schedule and "redis" in cfg.chaos.kinds)):
         field_ = "chaos.schedule" if cfg.chaos.schedule else "chaos.kinds"
@@ -515,6 +525,7 @@ def worker_table(cfg: RunConfig) -> dict[str, tuple[str, str | None]]:
     workers: dict[str, tuple[str, str | None]] = {"trainer": ("train", None), "feeder": ("feed", None)}
     workers.update({f"gen-{i}": ("generate", f"gen-{i}") for i in range(cfg.cluster.generators)})
     workers.update({f"ver-{i}": ("verify", f"ver-{i}") for i in range(cfg.cluster.verifiers)})
+    workers.update({f"eval-{i}": ("evaluate", f"eval-{i}") for i in range(cfg.cluster.evaluators)})
     workers["exporter"] = ("exporter", None)  # stream metrics, and queue samples for the report
     return workers
 
@@ -987,6 +998,21 @@ def _by_dataset_lines(by_dataset: dict[int, dict[str, float]]) -> list[str]:
             + ", ".join(f"{name} {first.get(name, float('nan')):.3f} -> {acc:.3f}" for name, acc in last.items())]
 
 
+def _beside_lines(rows: list[dict]) -> list[str]:
+    """The eval worker's results (``cluster.evaluators``) as a table, one row per version."""
+    if not rows:
+        return []
+    ks = list(rows[0]["pass_at_k"])
+    out = ["", f"## Evaluated beside training ({rows[0]['prompts']} held-out prompts, n = {rows[0]['n']}, "
+               f"T = {rows[0]['temperature']:g})", "",
+           "| version | greedy | " + " | ".join(f"pass@{k}" for k in ks) + f" | mean@{rows[0]['n']} | seconds |",
+           "|---" * (len(ks) + 4) + "|"]
+    for x in rows:
+        out.append(f"| {x['version']} | {x['greedy_accuracy']:.3f} | "
+                   + " | ".join(f"{x['pass_at_k'][k]:.3f}" for k in ks) + f" | {x['mean_at_n']:.3f} | {x['seconds']:.1f} |")
+    return out
+
+
 def write_summary(cfg: RunConfig, r, keys, accounting: dict, base_info: dict, **extra) -> dict:
     """Write ``summary.json`` and ``summary.md`` from the run's metrics file and Redis counters."""
     from pipeline.bus.stats import read_stats
@@ -1021,8 +1047,15 @@ def write_summary(cfg: RunConfig, r, keys, accounting: dict, base_info: dict, **
         "tokens_generated": gen_tokens, "tokens_trained": stats.get("tokens_trained_total", 0),
         "goodput": stats.get("tokens_trained_total", 0) / gen_tokens if gen_tokens else 0.0,
         "trainer_idle_fraction": wait / (wait + busy) if wait + busy else 0.0,
+        "weights_payload": (r.hget(keys.trainer, "payload") or b"full").decode(),
+        "weights_payload_bytes": int(r.hget(keys.trainer, "payload_bytes") or 0),
         "accounting": accounting,
     }
+    from pipeline.consumers.evaluator import read_evals
+
+    beside = read_evals(cfg.run_dir)
+    if beside:
+        summary["evals_beside_training"] = beside
     by_dataset = {e["version"]: e["heldout_by_dataset"] for e in evals if e.get("heldout_by_dataset")}
     if by_dataset:  # a task of several sources (reasoning_gym): each one's held-out accuracy
         summary["evals_by_dataset"] = by_dataset
@@ -1038,6 +1071,8 @@ def write_summary(cfg: RunConfig, r, keys, accounting: dict, base_info: dict, **
         f"- reward: first 10 steps {summary['reward_first10']:.3f}, last 10 {summary['reward_last10']:.3f}; "
         f"hidden accuracy of sampled answers: {summary['sample_accuracy_first10']:.3f} -> {summary['sample_accuracy_last10']:.3f}",
         f"- goodput (tokens trained / generated): {summary['goodput']:.3f}; trainer idle {summary['trainer_idle_fraction']:.1%}; worker restarts {summary['restarts']}",
+        f"- weights per version: {summary['weights_payload_bytes']:,} bytes (weights.payload {summary['weights_payload']})",
+        *_beside_lines(beside),
         "", "## Accounting", "",
         "| issued | trained | no signal | stale | dead-lettered | in flight at stop | lost | unexpected | duplicates skipped |",
         "|---|---|---|---|---|---|---|---|---|",
