@@ -27,7 +27,7 @@ STATED_GAIN = (20.0, 30.0)
 """The held-out gain, in points, the README states for the default recipe."""
 
 
-def summarize(runs: dict[int, Path], runs_dir: str) -> dict:
+def summarize(runs: dict[int, Path], runs_dir: str, overrides: list[str] | None = None) -> dict:
     rows = []
     for seed, run_dir in sorted(runs.items()):
         s = read_run(run_dir)["summary"]
@@ -35,10 +35,15 @@ def summarize(runs: dict[int, Path], runs_dir: str) -> dict:
         rows.append({"seed": seed, "run": f"{runs_dir}/{run_dir.name}",
                      "steps": s["steps"], "base": s["base_accuracy"], "final": s["final_accuracy_mean_last3"],
                      "gain_points": s["improvement_points"], "wall_seconds": s.get("wall_seconds"),
-                     "lost": a.get("lost"), "unexpected": a.get("unexpected")})
+                     "lost": a.get("lost"), "unexpected": a.get("unexpected"),
+                     "trainer_idle_fraction": s.get("trainer_idle_fraction"),
+                     "weights_payload_bytes": s.get("weights_payload_bytes"),
+                     "evals_beside_training": len(s.get("evals_beside_training", []))})
     gains = [r["gain_points"] for r in rows]
     lo, hi = STATED_GAIN
-    return {"stated_gain_points": list(STATED_GAIN), "runs": rows,
+    idle = [r["trainer_idle_fraction"] for r in rows if r["trainer_idle_fraction"] is not None]
+    return {"stated_gain_points": list(STATED_GAIN), "overrides": list(overrides or []), "runs": rows,
+            "median_trainer_idle_fraction": statistics.median(idle) if idle else None,
             "median_gain_points": statistics.median(gains), "min_gain_points": min(gains),
             "max_gain_points": max(gains), "median_final": statistics.median(r["final"] for r in rows),
             "median_base": statistics.median(r["base"] for r in rows),
@@ -47,12 +52,24 @@ def summarize(runs: dict[int, Path], runs_dir: str) -> dict:
 
 def report(res: dict) -> str:
     lo, hi = res["stated_gain_points"]
-    table = md_table(["seed", "base", "final (last 3 evals)", "gain (points)", "steps", "wall (s)", "lost", "run"],
+    def opt(v, fmt: str) -> str:
+        return "" if v is None else format(v, fmt)
+
+    table = md_table(["seed", "base", "final (last 3 evals)", "gain (points)", "steps", "wall (s)", "trainer idle",
+                      "weights per version (bytes)", "lost", "run"],
                      [[r["seed"], f"{r['base']:.3f}", f"{r['final']:.3f}", f"{r['gain_points']:+.1f}", r["steps"],
-                       f"{r['wall_seconds']:.0f}" if r["wall_seconds"] else "", r["lost"], f"`{r['run']}`"]
+                       f"{r['wall_seconds']:.0f}" if r["wall_seconds"] else "", opt(r.get("trainer_idle_fraction"), ".1%"),
+                       opt(r.get("weights_payload_bytes"), ","), r["lost"], f"`{r['run']}`"]
                       for r in res["runs"]])
-    return (f"# The default recipe over {res['n']} seeds\n\n"
-            f"`python bench/seeds.py` (`make seeds`): the default `make up-cluster` run once per seed.\n\n"
+    sets = res.get("overrides") or []
+    what = ("the default `make up-cluster` run once per seed" if not sets else
+            "the default `make up-cluster` run once per seed with " + ", ".join(f"`{x}`" for x in sets))
+    command = ("python bench/seeds.py --seeds " + ",".join(str(r["seed"]) for r in res["runs"])
+               + "".join(f" --set {x}" for x in sets))
+    idle = res.get("median_trainer_idle_fraction")
+    return (f"# The default recipe{' with overrides' if sets else ''} over {res['n']} seeds\n\n"
+            f"`{command}`: {what}.\n\n"
+            + (f"Median trainer idle fraction {idle:.1%}.\n" if idle is not None else "") +
             f"Held-out gain: median **{res['median_gain_points']:+.1f}** points, range "
             f"{res['min_gain_points']:+.1f} to {res['max_gain_points']:+.1f}; "
             f"{res['inside_stated_range']} of {res['n']} runs inside the stated range (+{lo:.0f} to +{hi:.0f}).\n"
@@ -84,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
             overrides.update(dict(kv.split("=", 1) for kv in a.set))
             runs[seed] = run_up(f"seed{seed}", overrides, runs_dir=ROOT / a.runs_dir)
             print(f"seeds: seed {seed} done in {time.time() - t0:.0f} s", flush=True)
-    res = summarize(runs, a.runs_dir)
+    res = summarize(runs, a.runs_dir, a.set)
     out.write_text(json.dumps(res, indent=2) + "\n")
     out.with_suffix(".md").write_text(report(res))
     print(report(res))

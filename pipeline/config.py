@@ -926,6 +926,36 @@ class MetricsConfig(_Section):
         _check(self.sample_every_s > 0, f"{p}.sample_every_s", "> 0", self.sample_every_s)
 
 
+def eval_set_task(task: "TaskConfig", spec: str) -> "TaskConfig":
+    """The task of one ``eval.sets`` entry: ``task`` changed by its ``field=value;...`` pairs
+    (a list value's items joined by ``+``); ConfigError naming ``eval.sets`` otherwise."""
+    fields = {f.name: f for f in dataclasses.fields(TaskConfig)}
+    changes: dict[str, Any] = {}
+    for part in (x.strip() for x in spec.split(";")):
+        name, eq, value = part.partition("=")
+        name = name.strip()
+        if not eq or name not in fields:
+            raise ConfigError(f"eval.sets: {spec!r}: each part must be field=value with a [task] field "
+                              f"({', '.join(sorted(fields))}); got {part!r}")
+        changes[name] = value.strip().replace("+", ",")
+    try:
+        merged = _build(TaskConfig, {**config_to_dict(task), **changes}, "task.")
+    except ConfigError as e:
+        raise ConfigError(f"eval.sets: {spec!r}: {e}") from None
+    # Another split of the run's own items could hold items the trainer trains on.
+    items = [f for f in fields if f not in _EVAL_FORMAT_FIELDS]
+    if all(getattr(merged, f) == getattr(task, f) for f in items):
+        raise ConfigError(f"eval.sets: {spec!r} draws its items as the run's own task does (it changes only "
+                          f"{', '.join(sorted(changes))}): its held-out split could hold training items; change "
+                          "what the items are (kind, dataset, datasets, digits, ops, ...)")
+    return merged
+
+
+_EVAL_FORMAT_FIELDS = ("heldout_size", "heldout_seed", "max_new_tokens", "template", "system_prompt", "chat_template",
+                       "answer_extract", "prompt_field", "answer_field")
+"""[task] fields that change how items are asked or how many are held out, not which items exist."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class EvalConfig(_Section):
     every_versions: int = 10
@@ -946,9 +976,22 @@ class EvalConfig(_Section):
     """Torch threads of the eval worker."""
     nice: int = 10
     """Scheduling niceness the eval worker adds to its own (0-19): it takes CPU the stages leave."""
+    sets: tuple[str, ...] = ()
+    """More held-out sets, besides the run's own task's: each the held-out split of the task as
+    changed by ``field=value`` pairs of [task] joined by ``;`` (a list value's items joined by
+    ``+``), e.g. ``"digits=4"`` or ``"kind=reasoning_gym;datasets=chain_sum+leg_counting"``."""
+
+    def task_sets(self, task: "TaskConfig") -> dict[str, "TaskConfig"]:
+        """Every set evaluated, by name: ``heldout`` (the run's task) and each of ``sets``."""
+        out = {"heldout": task}
+        for spec in self.sets:
+            out[spec] = eval_set_task(task, spec)
+        return out
 
     def _validate(self, p: str) -> None:
         _check(self.every_versions >= 1, f"{p}.every_versions", ">= 1", self.every_versions)
+        _check(len(set(self.sets)) == len(self.sets) and "heldout" not in self.sets, f"{p}.sets",
+               "distinct and other than 'heldout'", list(self.sets))
         _check(self.n >= 1, f"{p}.n", ">= 1", self.n)
         _check(bool(self.ks) and all(1 <= k <= self.n for k in self.ks) and len(set(self.ks)) == len(self.ks),
                f"{p}.ks", f"distinct integers in [1, n={self.n}]", list(self.ks))
@@ -990,6 +1033,7 @@ class RunConfig:
 
     def validate(self) -> "RunConfig":
         _check(all(c.isalnum() or c in "-_." for c in self.run_id), "run_id", "letters, digits, '-', '_' or '.'", self.run_id)
+        self.eval.task_sets(self.task)  # each set's task is a valid task (errors name eval.sets)
         _check(self.weights.payload == "full" or self.trainer.lora_rank > 0, "weights.payload",
                '"full" unless the trainer trains LoRA adapters (trainer.lora_rank > 0)', self.weights.payload)
         _check(self.weights.payload == "full" or self.generator.backend == "torch", "weights.payload",

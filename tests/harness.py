@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import redis
@@ -75,3 +76,19 @@ def up(tmp_path: Path, base: Path, *extra: str, command: str = "up", weak_reward
             "--model.base_dir", str(base), *extra]
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # the embedded default
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+
+
+def env_servers_of(parents: set[str], *, settle_s: float = 1.0) -> list[str]:
+    """Pids of environment server processes (``pipeline.envs.servers``) still running whose
+    ``--parent`` is one of ``parents`` (generator pids), after ``settle_s`` for exits to land."""
+    time.sleep(settle_s)
+    left = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"pipeline.envs.servers" in cmd and any(cmd[i + 1].decode() in parents for i, a in enumerate(cmd[:-1])
+                                                   if a == b"--parent"):
+            left.append(proc.name)
+    return left

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import up
+from harness import env_servers_of, up
 
 from pipeline.config import ConfigError, load_config
 from pipeline.envs.servers import RECORD_DIR, read_records
@@ -198,14 +198,5 @@ def test_environment_servers_killed_mid_run_lose_and_repeat_nothing(tmp_path, ti
     # No environment server outlived its generator.
     parents = {f.name.split("-")[2] for f in (run / "logs").glob("env-server-*.log")}
     assert parents
-    time.sleep(1)
-    left = []
-    for proc in Path("/proc").iterdir():
-        try:
-            cmd = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"pipeline.envs.servers" in cmd and any(cmd[i + 1].decode() in parents for i, a in enumerate(cmd[:-1])
-                                                   if a == b"--parent"):
-            left.append(proc.name)
+    left = env_servers_of(parents)
     assert not left, f"environment servers outlived their generators: {left}"

@@ -106,6 +106,66 @@ def test_with_adapter_payloads_it_evaluates_the_merged_policy(tmp_path, tiny_bas
         pub.close()
 
 
+def test_each_eval_set_gets_its_row_per_version(tmp_path, tiny_base_model, redis_url):
+    """``eval.sets``: another task's held-out split beside the run's own, each its own row,
+    each what pipeline eval's core computes on that set."""
+    cfg, _ = tiny_config(tmp_path, tiny_base_model, redis_url, "evals", **EVAL, **{"eval.sets": "digits=2"})
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cfg.run_id)
+    base, tokenizer = load_checkpoint(tiny_base_model)
+    pub = make_publisher("shm", r, keys.weights, ns=keys.ns)
+    ev = Evaluator(cfg, r, keys, "eval-0", _Log())
+    try:
+        pub.publish(0, base.state_dict())
+        assert ev.turn()
+        rows = read_evals(cfg.run_dir)
+        assert [(x["version"], x["set"]) for x in rows] == [(0, "heldout"), (0, "digits=2")]
+        two = cfg.eval.task_sets(cfg.task)["digits=2"]
+        assert two.digits == 2 and cfg.task.digits == 3
+        base.eval()
+        want = evaluate_model(cfg, base, tokenizer, tiny_base_model, n=4, ks=(1, 2, 4), max_prompts=12, seed=0,
+                              task_cfg=two)
+        assert rows[1]["greedy_accuracy"] == want["greedy_accuracy"] and rows[1]["pass_at_k"] == want["pass_at_k"]
+    finally:
+        ev.close()
+        pub.close()
+
+
+def test_with_the_tensorboard_tracker_its_figures_are_scalars_at_their_version(tmp_path, tiny_base_model, redis_url):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg, _ = tiny_config(tmp_path, tiny_base_model, redis_url, "evaltb", **EVAL,
+                         **{"tracking.backends": "tensorboard"})
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cfg.run_id)
+    base, _tok = load_checkpoint(tiny_base_model)
+    pub = make_publisher("shm", r, keys.weights, ns=keys.ns)
+    ev = Evaluator(cfg, r, keys, "eval-0", _Log())
+    try:
+        pub.publish(7, base.state_dict())
+        assert ev.turn()
+    finally:
+        ev.close()
+        pub.close()
+    row = read_evals(cfg.run_dir)[0]
+    acc = EventAccumulator(str(cfg.run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    got = {(tag, e.step): e.value for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)}
+    assert got[("evaluator/heldout/greedy_accuracy", 7)] == pytest.approx(row["greedy_accuracy"])
+    assert got[("evaluator/heldout/pass@4", 7)] == pytest.approx(row["pass_at_k"]["4"])
+
+
+def test_a_set_this_model_cannot_be_prompted_with_is_refused_naming_eval_sets(tmp_path, tiny_base_model, redis_url):
+    data = tmp_path / "words.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"what is {w}?", "answer": "1"}) + "\n"
+                            for w in ("one", "two", "three", "four")))
+    cfg, _ = tiny_config(tmp_path, tiny_base_model, redis_url, "evalbad", **EVAL,
+                         **{"eval.sets": f"kind=math;dataset={data};heldout_size=2"})
+    with pytest.raises(ValueError, match=r"^eval\.sets: the held-out set 'kind=math;dataset="):
+        Evaluator(cfg, redis.Redis.from_url(redis_url), Keys(cfg.run_id), "eval-0", _Log())
+
+
 @pytest.mark.parametrize("overrides, field", [
     ({"cluster.evaluators": "2"}, "cluster.evaluators"),
     ({"eval.ks": "1,9"}, "eval.ks"),
@@ -113,9 +173,13 @@ def test_with_adapter_payloads_it_evaluates_the_merged_policy(tmp_path, tiny_bas
     ({"eval.every_versions": "0"}, "eval.every_versions"),
     ({"eval.nice": "20"}, "eval.nice"),
     ({"eval.temperature": "0"}, "eval.temperature"),
+    ({"eval.sets": "nofield=1"}, "eval.sets"),
+    ({"eval.sets": "digits=x"}, "eval.sets"),
+    ({"eval.sets": "heldout_seed=7"}, "eval.sets"),
+    ({"eval.sets": "heldout"}, "eval.sets"),
 ])
 def test_bad_eval_settings_are_refused_naming_the_field(overrides, field):
-    with pytest.raises(ConfigError, match="^" + field.replace(".", r"\.") + ": must be"):
+    with pytest.raises(ConfigError, match="^" + field.replace(".", r"\.") + ": "):
         load_config(None, overrides)
 
 

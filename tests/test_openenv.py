@@ -416,7 +416,7 @@ def test_an_app_that_does_not_start_is_refused_naming_env_kind_before_launch(tmp
 
 @pytest.mark.slow
 def test_pipeline_up_trains_on_the_calculators_openenv_server(tmp_path, tiny_base_model):
-    from harness import up
+    from harness import env_servers_of, up
 
     p = up(tmp_path, tiny_base_model, "--run-id", "oe-up", "--trainer.steps", "3", "--trainer.eval_every", "3",
            "--generator.swap", "step", "--env.kind", CALCULATOR, "--verifier.reward", "environment",
@@ -435,14 +435,5 @@ def test_pipeline_up_trains_on_the_calculators_openenv_server(tmp_path, tiny_bas
     started = [json.loads(line) for f in (run / "logs").glob("gen-*.jsonl") for line in f.read_text().splitlines()]
     assert any(e["event"] == "env_server_started" for e in started)
     parents = {f.name.split("-")[2] for f in logs}
-    time.sleep(1)
-    left = []
-    for proc in Path("/proc").iterdir():
-        try:
-            cmd = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"pipeline.envs.servers" in cmd and any(cmd[i + 1].decode() in parents for i, a in enumerate(cmd[:-1])
-                                                   if a == b"--parent"):
-            left.append(proc.name)
+    left = env_servers_of(parents)
     assert not left, f"environment servers outlived their generators: {left}"

@@ -110,3 +110,19 @@ def test_report_command_prints_the_markdown_and_rejects_a_non_run_directory(tmp_
         write_report(tmp_path / "empty")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         write_report(tmp_path / "missing")
+
+
+def test_the_eval_workers_results_get_a_figure_and_a_table(tmp_path):
+    run = tmp_path / "run-e"
+    write_run(run, steps=12)
+    rows = [{"version": v, "set": name, "prompts": 20, "greedy_accuracy": 0.3 + 0.01 * v,
+             "pass_at_k": {"1": 0.2 + 0.01 * v, "4": 0.5 + 0.01 * v}, "mean_at_n": 0.2 + 0.01 * v, "n": 4,
+             "temperature": 1.0, "seconds": 1.0} for v in (0, 5, 10) for name in ("heldout", "digits=4")]
+    (run / "evals.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"torn')
+    rep = write_report(run)
+    md = (run / "report.md").read_text()
+    assert "beside" in rep["figures"] and f"]({rep['figures']['beside']})" in md
+    with Image.open(run / rep["figures"]["beside"]) as img:
+        assert img.format == "PNG"
+    assert "| 10 | digits=4 | 20 | 0.400 | 0.300 | 0.600 | 0.300 |" in md
+    assert len(rep["evals_beside_training"]) == 6, "the torn last line is left out"

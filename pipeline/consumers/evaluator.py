@@ -62,13 +62,35 @@ class Evaluator:
             from pipeline.engines.lora import AdapterMerger
 
             self.adapters = AdapterMerger(self.model, cfg.trainer.lora_alpha / cfg.trainer.lora_rank)
+        self.sets = e.task_sets(cfg.task)
+        self._check_sets()
         self.fetcher = make_fetcher(cfg.weights.transport, r, keys.weights, **fetcher_options(cfg.weights))
+        self.trackers = None
+        backends = [b for b in cfg.tracking.backends if b == "tensorboard"]  # W&B: the trainer's run alone
+        if backends:
+            from pipeline.observe.tracking import Trackers
+
+            self.trackers = Trackers(cfg.replace("tracking.backends", ",".join(backends)), cfg.run_dir, log)
         self.path = cfg.run_dir / EVALS_FILE
         self.last: int | None = None
         self.done = 0
         newest = r.xrevrange(keys.versions, count=1)
         self._seen = newest[0][0] if newest else "0-0"
         """The id of the newest version announcement looked at."""
+
+    def _check_sets(self) -> None:
+        """Every set's first prompt builds with this model's tokenizer (before any version comes)."""
+        from pipeline.tasks.prompting import build_prompt, prompt_format
+        from pipeline.tasks.registry import make_task
+
+        for name, task_cfg in self.sets.items():
+            try:
+                item = make_task(task_cfg).heldout()[0]
+                build_prompt(prompt_format(task_cfg, self.cfg.model.base_dir), self.tokenizer, item.prompt)
+            except Exception as err:  # noqa: BLE001 - any failure: the set cannot be evaluated by this model
+                field = "eval.sets" if name != "heldout" else "task"
+                raise ValueError(f"{field}: the held-out set {name!r} cannot be prompted to model.base_dir "
+                                 f"{str(self.cfg.model.base_dir)!r}: {type(err).__name__}: {err}") from None
 
     def wait(self) -> None:
         """Until the trainer announces a version after the last one looked at (at most ``WAIT_MS``)."""
@@ -94,23 +116,30 @@ class Evaluator:
             load_state_tensors(self.model, tensors)
         return got
 
-    def evaluate(self, version: int) -> dict[str, Any]:
+    def evaluate(self, version: int) -> list[dict[str, Any]]:
+        """One row per eval set (``heldout`` first), each appended to the results file."""
         from pipeline.run.evaluate import evaluate_model
 
         e = self.cfg.eval
-        t0 = time.perf_counter()
-        out = evaluate_model(self.cfg, self.model, self.tokenizer, self.cfg.model.base_dir, n=e.n, ks=e.ks,
-                             temperature=e.temperature, max_prompts=e.max_prompts, seed=e.seed)
-        out.pop("per_prompt")
-        row = {"version": version, "at": round(time.time(), 3), "seconds": round(time.perf_counter() - t0, 3),
-               **{k: out[k] for k in ("prompts", "greedy_accuracy", "greedy_stderr", "pass_at_k", "mean_at_n",
-                                      "n", "temperature", "seed")}}
-        if "by_source" in out:
-            row["by_source"] = {name: {k: f[k] for k in ("prompts", "greedy_accuracy", "pass_at_k", "mean_at_n")}
-                                for name, f in out["by_source"].items()}
-        with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        return row
+        rows = []
+        for name, task in self.sets.items():
+            t0 = time.perf_counter()
+            out = evaluate_model(self.cfg, self.model, self.tokenizer, self.cfg.model.base_dir, n=e.n, ks=e.ks,
+                                 temperature=e.temperature, max_prompts=e.max_prompts, seed=e.seed, task_cfg=task)
+            out.pop("per_prompt")
+            row = {"version": version, "set": name, "at": round(time.time(), 3),
+                   "seconds": round(time.perf_counter() - t0, 3),
+                   **{k: out[k] for k in ("task", "prompts", "greedy_accuracy", "greedy_stderr", "pass_at_k",
+                                          "mean_at_n", "n", "temperature", "seed")}}
+            if "by_source" in out:
+                row["by_source"] = {src: {k: f[k] for k in ("prompts", "greedy_accuracy", "pass_at_k", "mean_at_n")}
+                                    for src, f in out["by_source"].items()}
+            rows.append(row)
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            if self.trackers is not None:
+                self.trackers.write(f"evaluator/{name}", tracked(row))
+        return rows
 
     def turn(self) -> bool:
         """Evaluate the newest version if it is due; returns whether it evaluated one."""
@@ -124,10 +153,12 @@ class Evaluator:
             self.log.warning("eval_fetch_failed", version=latest, error=str(err))
             return False
         self.heartbeat("evaluating", version=version)
-        row = self.evaluate(version)
+        rows = self.evaluate(version)
         self.last, self.done = version, self.done + 1
-        self.log.info("version_evaluated", **{k: v for k, v in row.items() if k != "by_source"})
-        self.heartbeat("idle", version=version, greedy_accuracy=row["greedy_accuracy"], pass_at_k=row["pass_at_k"])
+        for row in rows:
+            self.log.info("version_evaluated", **{k: v for k, v in row.items() if k != "by_source"})
+        self.heartbeat("idle", version=version, greedy_accuracy=rows[0]["greedy_accuracy"],
+                       pass_at_k=rows[0]["pass_at_k"])
         return True
 
     def heartbeat(self, state: str, **extra) -> None:
@@ -135,6 +166,19 @@ class Evaluator:
 
     def close(self) -> None:
         self.fetcher.close()
+        if self.trackers is not None:
+            self.trackers.close()
+
+
+def tracked(row: dict[str, Any]) -> dict[str, Any]:
+    """A result row as tracker scalars at its version: greedy accuracy, mean@n, each pass@k
+    (``pass@k``) and each source's greedy accuracy (``<source>/greedy_accuracy``)."""
+    out: dict[str, Any] = {"version": row["version"], "greedy_accuracy": row["greedy_accuracy"],
+                           "mean_at_n": row["mean_at_n"], "seconds": row["seconds"],
+                           **{f"pass@{k}": v for k, v in row["pass_at_k"].items()}}
+    for src, f in row.get("by_source", {}).items():
+        out[f"{src}/greedy_accuracy"] = f["greedy_accuracy"]
+    return out
 
 
 def run_evaluator(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_evals: int | None = None) -> int:

@@ -123,6 +123,7 @@ def analyse(run_dir: Path) -> dict:
         "queues": queue_stats,
         "workers": util,
         "stages": stages,
+        "evals_beside_training": _jsonl(run_dir / "evals.jsonl"),
         "_t0": t0, "_t1": t1,
     }
 
@@ -172,8 +173,21 @@ def _figures(run_dir: Path, a: dict, out: Path) -> dict[str, str]:
         ax.set(yticks=range(len(names)), yticklabels=[f"{n} ({a['workers'][n]['busy_fraction']:.0%})" for n in names],
                xlabel="seconds since start", title="per-stage utilisation (busy spans, share of the run)")
 
+    def beside(ax):
+        rows = a["evals_beside_training"]
+        for name in dict.fromkeys(x.get("set", "heldout") for x in rows):
+            mine = [x for x in rows if x.get("set", "heldout") == name]
+            versions = [x["version"] for x in mine]
+            ax.plot(versions, [x["greedy_accuracy"] for x in mine], "o-", label=f"{name}: greedy")
+            for k in mine[0]["pass_at_k"]:
+                ax.plot(versions, [x["pass_at_k"][k] for x in mine], ".--", label=f"{name}: pass@{k}")
+        ax.set(xlabel="policy version", ylabel="fraction", ylim=(0, 1), title="evaluated beside training")
+        ax.legend(loc="lower right", fontsize="small")
+
     plots = {"reward_accuracy": reward_accuracy, "queues": queue_depths, "staleness": staleness,
              "utilisation": utilisation}
+    if a["evals_beside_training"]:
+        plots["beside"] = beside
     for name, draw in tqdm(plots.items(), desc="report figures", unit="fig"):
         fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
         draw(ax)
@@ -212,6 +226,16 @@ def _markdown(run_dir: Path, a: dict, figs: dict[str, str]) -> str:
            for n, u in a["workers"].items()]
     md += ["", "Per stage (mean over its workers): "
            + ", ".join(f"{s} {v['busy_fraction']:.1%}" for s, v in a["stages"].items()), ""]
+    rows = a["evals_beside_training"]
+    if rows:
+        ks = list(rows[0]["pass_at_k"])
+        md += ["## Evaluated beside training", "", f"![evaluated beside training]({figs['beside']})", "",
+               "| version | set | prompts | greedy | " + " | ".join(f"pass@{k}" for k in ks) + " | mean@n |",
+               "|---" * (len(ks) + 5) + "|"]
+        md += [f"| {x['version']} | {x.get('set', 'heldout')} | {x['prompts']} | {f(x['greedy_accuracy'])} | "
+               + " | ".join(f(x["pass_at_k"].get(k, float("nan"))) for k in ks) + f" | {f(x['mean_at_n'])} |"
+               for x in rows]
+        md += [""]
     return "\n".join(md)
 
 

@@ -232,8 +232,9 @@ def evaluate(cfg: RunConfig, checkpoint: str | Path, *, n: int = DEFAULT_N, ks: 
 def evaluate_model(cfg: RunConfig, model, tokenizer, tokenizer_dir: str | Path, *, n: int = DEFAULT_N,
                    ks: Sequence[int] = DEFAULT_KS, temperature: float = 1.0, max_prompts: int = 0, seed: int = 0,
                    batch_size: int = DEFAULT_BATCH_SIZE, max_new_tokens: int | None = None,
-                   progress: Progress | None = None) -> dict[str, Any]:
-    """The figures of a loaded policy (``model``, in eval mode) on the held-out set of ``cfg.task``.
+                   progress: Progress | None = None, task_cfg=None) -> dict[str, Any]:
+    """The figures of a loaded policy (``model``, in eval mode) on the held-out set of ``cfg.task``
+    (or of ``task_cfg``, a [task] section of another task: an ``eval.sets`` entry).
 
     ``max_new_tokens`` (default: the task's ``eval_max_new_tokens``, the trainer's greedy
     budget) bounds greedy and sampled completions alike. The result holds the figures,
@@ -243,7 +244,8 @@ def evaluate_model(cfg: RunConfig, model, tokenizer, tokenizer_dir: str | Path, 
     """
     from pipeline.tasks.registry import make_task
 
-    task = make_task(cfg.task)
+    task_cfg = cfg.task if task_cfg is None else task_cfg
+    task = make_task(task_cfg)
     heldout = task.heldout()
     items = limit_items(heldout, max_prompts)
     budget = max_new_tokens or task.eval_max_new_tokens
@@ -254,7 +256,7 @@ def evaluate_model(cfg: RunConfig, model, tokenizer, tokenizer_dir: str | Path, 
     from pipeline.engines.torch import greedy_decode, sample_prompts
     from pipeline.tasks.prompting import build_prompt, prompt_format
 
-    fmt = prompt_format(cfg.task, tokenizer_dir)
+    fmt = prompt_format(task_cfg, tokenizer_dir)
     ids = [build_prompt(fmt, tokenizer, item.prompt)[1] for item in items]
     total = len(items)
     report = progress or (lambda phase, done, count: None)
@@ -288,7 +290,7 @@ def evaluate_model(cfg: RunConfig, model, tokenizer, tokenizer_dir: str | Path, 
     t_sample = time.perf_counter() - t0
 
     out: dict[str, Any] = {
-        "task": cfg.task.kind,
+        "task": task_cfg.kind,
         "heldout_total": len(heldout),
         **_figures(greedy, counts, n, ks),
         "n": n, "ks": list(ks), "temperature": temperature, "seed": seed, "batch_size": batch_size,

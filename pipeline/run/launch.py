@@ -1003,13 +1003,15 @@ def _beside_lines(rows: list[dict]) -> list[str]:
     if not rows:
         return []
     ks = list(rows[0]["pass_at_k"])
-    out = ["", f"## Evaluated beside training ({rows[0]['prompts']} held-out prompts, n = {rows[0]['n']}, "
-               f"T = {rows[0]['temperature']:g})", "",
-           "| version | greedy | " + " | ".join(f"pass@{k}" for k in ks) + f" | mean@{rows[0]['n']} | seconds |",
-           "|---" * (len(ks) + 4) + "|"]
+    out = ["", f"## Evaluated beside training (up to {max(x['prompts'] for x in rows)} held-out prompts per set, "
+               f"n = {rows[0]['n']}, T = {rows[0]['temperature']:g}; `evals.jsonl`)", "",
+           "| version | set | prompts | greedy | " + " | ".join(f"pass@{k}" for k in ks)
+           + f" | mean@{rows[0]['n']} | seconds |",
+           "|---" * (len(ks) + 6) + "|"]
     for x in rows:
-        out.append(f"| {x['version']} | {x['greedy_accuracy']:.3f} | "
-                   + " | ".join(f"{x['pass_at_k'][k]:.3f}" for k in ks) + f" | {x['mean_at_n']:.3f} | {x['seconds']:.1f} |")
+        out.append(f"| {x['version']} | {x.get('set', 'heldout')} | {x['prompts']} | {x['greedy_accuracy']:.3f} | "
+                   + " | ".join(f"{x['pass_at_k'].get(k, float('nan')):.3f}" for k in ks)
+                   + f" | {x['mean_at_n']:.3f} | {x['seconds']:.1f} |")
     return out
 
 
