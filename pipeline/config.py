@@ -709,7 +709,7 @@ class WeightsConfig(_Section):
     """What a version carries: ``full`` (every weight; with LoRA training each target
     merged) or ``adapter`` (LoRA training only: the A/B tensors alone, a small fraction of
     the model; each generator keeps the base weights and merges W + (lora_alpha /
-    lora_rank)·B·A itself; torch generators only)."""
+    lora_rank)·B·A itself)."""
 
     def _validate(self, p: str) -> None:
         _check(self.keep_versions >= 1, f"{p}.keep_versions", ">= 1", self.keep_versions)
@@ -974,8 +974,12 @@ class EvalConfig(_Section):
     """Seed of the samples: each version is sampled from the same seed."""
     threads: int = 1
     """Torch threads of the eval worker."""
+    sched_idle: bool = True
+    """Linux: the eval worker runs under SCHED_IDLE, on CPU time no other process wants, so
+    the stages never wait for it (it evaluates less often on a saturated host). False (or
+    where SCHED_IDLE is missing): it runs at ``nice``."""
     nice: int = 10
-    """Scheduling niceness the eval worker adds to its own (0-19): it takes CPU the stages leave."""
+    """Scheduling niceness the eval worker adds to its own (0-19) when not under SCHED_IDLE."""
     sets: tuple[str, ...] = ()
     """More held-out sets, besides the run's own task's: each the held-out split of the task as
     changed by ``field=value`` pairs of [task] joined by ``;`` (a list value's items joined by
@@ -1036,9 +1040,6 @@ class RunConfig:
         self.eval.task_sets(self.task)  # each set's task is a valid task (errors name eval.sets)
         _check(self.weights.payload == "full" or self.trainer.lora_rank > 0, "weights.payload",
                '"full" unless the trainer trains LoRA adapters (trainer.lora_rank > 0)', self.weights.payload)
-        _check(self.weights.payload == "full" or self.generator.backend == "torch", "weights.payload",
-               '"full" with generator.backend ' + repr(self.generator.backend) + ' (only torch generators merge '
-               'adapters)', self.weights.payload)
         _check(not self.env.kind or self.generator.swap != "batch", "env.kind",
                'used with generator.swap "step" or "drain" (episodes run in the slot sampler)', self.env.kind)
         _check(self.env.max_in_flight == 0 or self.env.max_in_flight >= self.generator.group_size,

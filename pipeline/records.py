@@ -457,33 +457,26 @@ class ScoredGroup:
 # field-by-field path (correct, only slower); the ``_make`` calls must list every field.
 
 
-class _RolloutBody(msgspec.Struct, forbid_unknown_fields=True):
-    """A RolloutGroup's fields as ``RolloutGroup._body`` writes them (the token and log-prob
-    blobs as views into the read bytes: the record's arrays share them, nothing is copied)."""
-
-    prompt_id: str
-    group_id: str
-    generator_id: str
-    prompt: str
-    prompt_ids: memoryview
-    reference: str
-    completions: tuple[str, ...]
-    completion_ids: memoryview
-    completion_lens: memoryview
-    behaviour_logprobs: memoryview
-    min_version: int
-    max_version: int
-    created_at: float
-    version_runs: bytes | None = None
-    loss_mask: None = None
-    turns: None = None
-    env_rewards: None = None
-    """Episodes take the field-by-field path."""
+def _rollout_structs(blob: type, name: str) -> tuple[type, type]:
+    """(body, wire) structs of a RolloutGroup as ``RolloutGroup._body`` writes it, with the token
+    and log-prob blobs decoded as ``blob``: ``bytes`` (copies, cheapest for small records) or
+    ``memoryview`` (views into the read bytes that the record's arrays share: nothing copied).
+    Episodes (``loss_mask``, ``turns``, ``env_rewards``) take the field-by-field path."""
+    body = msgspec.defstruct(f"_RolloutBody{name}", [
+        ("prompt_id", str), ("group_id", str), ("generator_id", str), ("prompt", str), ("prompt_ids", blob),
+        ("reference", str), ("completions", tuple[str, ...]), ("completion_ids", blob), ("completion_lens", blob),
+        ("behaviour_logprobs", blob), ("min_version", int), ("max_version", int), ("created_at", float),
+        ("version_runs", bytes | None, None), ("loss_mask", None, None), ("turns", None, None),
+        ("env_rewards", None, None)], forbid_unknown_fields=True)
+    wire = msgspec.defstruct(f"_RolloutWire{name}", [("schema", int), ("type", str)], bases=(body,), kw_only=True)
+    return body, wire
 
 
-class _RolloutWire(_RolloutBody, kw_only=True):
-    schema: int
-    type: str
+_RolloutBody, _RolloutWire = _rollout_structs(bytes, "")
+_RolloutBodyView, _RolloutWireView = _rollout_structs(memoryview, "View")
+
+VIEW_BYTES = 8 << 10
+"""Records from this size on decode their blobs as views (no copy); smaller ones as bytes."""
 
 
 class _PromptWire(msgspec.Struct, forbid_unknown_fields=True):
@@ -498,23 +491,18 @@ class _PromptWire(msgspec.Struct, forbid_unknown_fields=True):
     """A task carrying a partial takes the field-by-field path."""
 
 
-class _ScoredWire(msgspec.Struct, forbid_unknown_fields=True):
-    schema: int
-    type: str
-    rollout: _RolloutBody
-    verifier_names: tuple[str, ...]
-    votes: bytes
-    rewards: bytes
-    truth: bytes
-    reward_mode: str
-    labelmodel_version: int
-    verifier_id: str
-    scored_at: float
+def _scored_struct(body: type, name: str) -> type:
+    return msgspec.defstruct(f"_ScoredWire{name}", [
+        ("schema", int), ("type", str), ("rollout", body), ("verifier_names", tuple[str, ...]), ("votes", bytes),
+        ("rewards", bytes), ("truth", bytes), ("reward_mode", str), ("labelmodel_version", int),
+        ("verifier_id", str), ("scored_at", float)], forbid_unknown_fields=True)
 
 
 _PROMPT_WIRE = msgspec.msgpack.Decoder(_PromptWire)
-_ROLLOUT_WIRE = msgspec.msgpack.Decoder(_RolloutWire)
-_SCORED_WIRE = msgspec.msgpack.Decoder(_ScoredWire)
+_ROLLOUT_WIRE = (msgspec.msgpack.Decoder(_RolloutWire), msgspec.msgpack.Decoder(_RolloutWireView))
+_SCORED_WIRE = (msgspec.msgpack.Decoder(_scored_struct(_RolloutBody, "")),
+                msgspec.msgpack.Decoder(_scored_struct(_RolloutBodyView, "View")))
+"""Each: (the decoder of records below ``VIEW_BYTES``, the one of records from it on)."""
 
 _new, _setattr = object.__new__, object.__setattr__
 _imax = np.maximum.reduce
@@ -557,10 +545,11 @@ def _finite(raw: bytes, a: np.ndarray) -> bool:
     return not raw[3::4].translate(None, _FINITE_TOP) or bool(np.isfinite(a).all())
 
 
-def _logprobs_ok(raw: memoryview, a: np.ndarray) -> bool:
+def _logprobs_ok(raw: bytes | memoryview, a: np.ndarray) -> bool:
     """Every value of the float32 blob ``raw`` (``a`` its array) finite and at most 1e-4."""
     if len(raw) <= _BYTE_TEST_MAX:
-        if not raw[3::4].tobytes().translate(None, _NONPOSITIVE_TOP):
+        top = raw[3::4]
+        if not (top if type(top) is bytes else top.tobytes()).translate(None, _NONPOSITIVE_TOP):
             return True
     elif int(_imax(np.frombuffer(raw, _I4))) <= _NEGATIVE_FINITE_I4:
         return True  # all negative and finite
@@ -606,12 +595,12 @@ def _fast_rollout(cls: type, w: _RolloutBody) -> RolloutGroup | None:
 
 
 def _fast_rollout_record(cls: type, data: Any) -> RolloutGroup | None:
-    w = _wire(_ROLLOUT_WIRE, data, "RolloutGroup")
+    w = _wire(_ROLLOUT_WIRE[type(data) is bytes and len(data) >= VIEW_BYTES], data, "RolloutGroup")
     return None if w is None else _fast_rollout(cls, w)
 
 
 def _fast_scored(cls: type, data: Any) -> ScoredGroup | None:
-    w = _wire(_SCORED_WIRE, data, "ScoredGroup")
+    w = _wire(_SCORED_WIRE[type(data) is bytes and len(data) >= VIEW_BYTES], data, "ScoredGroup")
     if w is None or (rollout := _fast_rollout(RolloutGroup, w.rollout)) is None:
         return None
     g, m = rollout.group_size, len(w.verifier_names)

@@ -213,7 +213,8 @@ class Stage:
             size = sum(map(len, outputs)) + sum(len(p) for _, p in out.handed_back)
             with self.txn.token() as seq:
                 if size >= MULTI_BYTES and not self._cluster:
-                    applied, releases = self._emit_multi(shard, src, dst, seq, dead, acks, outputs, back, counters)
+                    applied, releases = self._emit_multi(shard, src, dst, seq, dead, acks, outputs, back, counters,
+                                                         releases=len(batch.bad) + len(out.handed_back))
                 else:
                     applied, releases = self._emit_script(
                         keys=[src, dst, shard.dead, shard.stats, shard.txn],
@@ -262,7 +263,7 @@ class Stage:
         return result
 
     def _emit_multi(self, shard: ShardKeys, src: str, dst: str, seq: int, dead: list, acks: list, outputs: list,
-                    back: list, counters: list) -> tuple[int, int]:
+                    back: list, counters: list, *, releases: int) -> tuple[int, int]:
         """The emit script's writes as a MULTI, for records too large to pass through Lua cheaply.
 
         The token is this writer's own key in the shard's slot (``<shard>:txn:<writer>``, "<seq>
@@ -273,8 +274,6 @@ class Stage:
         a connection lost while watching into a WatchError, so every path ends in a check.
         """
         marker = f"{shard.txn}:{self.txn.id}"
-        ndead, nback = len(dead) and self._dead_count(dead), len(back) // 2
-        releases = ndead + nback
         with self.r.pipeline(transaction=True) as pipe:
             while True:
                 try:
@@ -316,14 +315,6 @@ class Stage:
             return None
         done, _, result = (last.decode() if isinstance(last, bytes) else last).partition(" ")
         return int(result) if int(done) >= seq else None
-
-    @staticmethod
-    def _dead_count(dead: list) -> int:
-        i = n = 0
-        while i < len(dead):
-            i += 2 + dead[i + 1]
-            n += 1
-        return n
 
     def trim(self) -> None:
         """Remove the input entries every group has acked (``redis.trim_acked``)."""

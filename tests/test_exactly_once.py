@@ -571,12 +571,12 @@ def test_an_earlier_attempt_applied_late_aborts_the_multi(redis_client):
     def look(last, seq):
         looks.append(last)
         if len(looks) == 1:  # the retry has WATCHed and read the token: now the earlier attempt lands
-            args = late_args[0]
-            assert real_multi(*args) == (1, 0)
+            args, kwargs = late_args[0]
+            assert real_multi(*args, **kwargs) == (1, 0)
         return Stage._replayed(last, seq)
 
     late_args = []
-    stage._emit_multi = lambda *a: (late_args.append(a), real_multi(*a))[1]
+    stage._emit_multi = lambda *a, **kw: (late_args.append((a, kw)), real_multi(*a, **kw))[1]
     stage._replayed = look
     stage.emit(batch, Output(written=list(zip([e for e, _ in batch.good], outputs)), counters={"n": 3}))
     assert redis_client.xlen(keys.shard(0).rollouts) == 3, "written once"

@@ -266,7 +266,6 @@ def test_a_few_lora_steps_learn_the_batchs_preference(tiny_base_model):
     ({"trainer.lora_rank": "4", "trainer.lora_targets": "q_proj,q_proj"}, "trainer.lora_targets"),
     ({"trainer.lora_rank": "4", "trainer.lora_targets": "q proj"}, "trainer.lora_targets"),
     ({"weights.payload": "adapter"}, "weights.payload"),
-    ({"weights.payload": "adapter", "trainer.lora_rank": "4", "generator.backend": "vllm"}, "weights.payload"),
 ])
 def test_bad_lora_settings_are_refused_naming_the_field(overrides, field):
     with pytest.raises(ConfigError, match="^" + re.escape(field) + ": must be"):

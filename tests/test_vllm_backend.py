@@ -193,6 +193,38 @@ def test_load_weights_swaps_in_place_and_a_misfit_keeps_the_old_weights(gen, ref
     assert [ids for ids, _ in greedy()] == [ids for ids, _ in before]
 
 
+def test_adapter_payloads_are_merged_onto_the_base_as_the_torch_generator_merges_them(gen, ref, vllm_model):
+    """weights.payload adapter: each version's A/B tensors merged onto the base checkpoint
+    (never onto the previous version), then loaded in place; the engine computes what a torch
+    model holding the same merge computes."""
+    from pipeline.engines.lora import AdapterMerger
+
+    _model, tok = ref
+    agen = make_generation_backend(_cfg(vllm_model, **{"weights.payload": "adapter", "trainer.lora_rank": 4,
+                                                       "trainer.lora_alpha": 8}), worker_id="gen-0")
+    try:
+        base = load_file(str(vllm_model / "model.safetensors"))
+        targets = [k.removesuffix(".weight") for k in base if k.endswith(("q_proj.weight", "down_proj.weight"))]
+        prompts = _prompts(tok, ["12+345=", "7+8="])
+        for seed in (1, 2):
+            g = torch.Generator().manual_seed(seed)
+            adapters = {}
+            for m in targets:
+                out_f, in_f = base[f"{m}.weight"].shape
+                adapters[f"{m}.lora_A.weight"] = 0.3 * torch.randn(4, in_f, generator=g)
+                adapters[f"{m}.lora_B.weight"] = 0.3 * torch.randn(out_f, 4, generator=g)
+            agen.load_weights(adapters)
+            other, _ = load_checkpoint(vllm_model)  # the base, merged once: what a fresh torch generator holds
+            AdapterMerger.of_model(other, 8 / 4).load(adapters)
+            for prompt, s in zip(prompts, agen.generate(prompts, n=1, max_new_tokens=6, temperature=0.0)):
+                ids, lps = _rows(s)[0]
+                np.testing.assert_allclose(lps, _reference(other, prompt, ids, 0.0).numpy(), atol=ATOL)
+        with pytest.raises(ValueError, match="non-adapter tensors"):
+            agen.load_weights(base)
+    finally:
+        agen.close()
+
+
 # ---------------------------------------------------------------------- the continuous sampler
 
 

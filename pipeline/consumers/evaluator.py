@@ -13,8 +13,8 @@ accuracy, pass@k for each of ``eval.ks`` from ``eval.n`` samples at ``eval.tempe
 task of several datasets (``by_source``).
 
 Each result is a line of ``<run_dir>/evals.jsonl`` and a ``version_evaluated`` log line, and
-the newest is in the worker's heartbeat (``pipeline top``). The worker runs at
-``eval.nice`` (niceness added to its own) with ``eval.threads`` torch threads, so on a
+the newest is in the worker's heartbeat (``pipeline top``). The worker runs under SCHED_IDLE
+(``eval.sched_idle``; else at ``eval.nice``) with ``eval.threads`` torch threads, so on a
 shared host it takes the CPU the stages leave rather than theirs. It holds no stream entry
 and writes nothing the other stages read: killing it at any moment loses nothing but the
 evaluation in progress.
@@ -42,6 +42,19 @@ WAIT_MS = 500
 at its stop conditions again."""
 
 
+def set_priority(sched_idle: bool, nice: int) -> str:
+    """Lower this process's CPU priority (``eval.sched_idle``, ``eval.nice``); returns which was set."""
+    if sched_idle and hasattr(os, "SCHED_IDLE"):
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            return "SCHED_IDLE"
+        except OSError:
+            pass
+    if nice:
+        os.nice(nice)
+    return f"nice +{nice}"
+
+
 class Evaluator:
     """One eval worker: a policy model on the base, a weight fetcher, the results file."""
 
@@ -52,8 +65,7 @@ class Evaluator:
 
         e = cfg.eval
         self.cfg, self.r, self.keys, self.worker_id, self.log = cfg, r, keys, worker_id, log
-        if e.nice:
-            os.nice(e.nice)
+        self.sched = set_priority(e.sched_idle, e.nice)
         torch.set_num_threads(e.threads)
         self.model, self.tokenizer = load_checkpoint(cfg.model.base_dir)
         self.model.eval()
@@ -61,7 +73,7 @@ class Evaluator:
         if cfg.weights.payload == "adapter":
             from pipeline.engines.lora import AdapterMerger
 
-            self.adapters = AdapterMerger(self.model, cfg.trainer.lora_alpha / cfg.trainer.lora_rank)
+            self.adapters = AdapterMerger.of_model(self.model, cfg.trainer.lora_alpha / cfg.trainer.lora_rank)
         self.sets = e.task_sets(cfg.task)
         self._check_sets()
         self.fetcher = make_fetcher(cfg.weights.transport, r, keys.weights, **fetcher_options(cfg.weights))
@@ -185,7 +197,7 @@ def run_evaluator(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_eva
     """Evaluate versions until stopped (or ``max_evals`` evaluations); returns how many."""
     ev = Evaluator(cfg, r, keys, worker_id, log)
     log.info("evaluator_started", every_versions=cfg.eval.every_versions, prompts=cfg.eval.max_prompts,
-             n=cfg.eval.n, ks=list(cfg.eval.ks), results=str(ev.path))
+             n=cfg.eval.n, ks=list(cfg.eval.ks), sets=list(ev.sets), priority=ev.sched, results=str(ev.path))
     try:
         while not stop_requested(r, keys) and (max_evals is None or ev.done < max_evals):
             if not ev.turn():

@@ -235,21 +235,30 @@ ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 class AdapterMerger:
     """A generator's half of ``weights.payload = "adapter"``: versions carry the A/B tensors
     alone (``LoraState.adapter_tensors``), and each target's weight becomes W₀ + scale·B·A,
-    W₀ being the model's weight as it was before the first adapter came (the base the
+    W₀ being the target's weight as it was before the first adapter came (the base the
     generator loaded from ``model.base_dir``, as the trainer's frozen base). Computed as PEFT
     computes its delta, so the generator holds the weights the trainer would have sent in
     full. A payload that does not fit (a missing half, a module the model lacks, other shapes,
     another set of modules than the first version's) raises ValueError before anything
     changes: the generator keeps the weights it has.
+
+    ``weights()`` gives the model's weights by HF name; it is read once, at the first adapter,
+    for the targets' W₀ (:meth:`of_model` reads a torch model's parameters).
     """
 
-    def __init__(self, model: torch.nn.Module, scale: float) -> None:
-        self.model, self.scale = model, float(scale)
-        self.base: dict[str, torch.Tensor] = {}
+    def __init__(self, weights, scale: float) -> None:
+        self._weights, self.scale = weights, float(scale)
+        self.base: dict[str, torch.Tensor] | None = None
         self.modules: tuple[str, ...] | None = None
 
-    def load(self, tensors: dict[str, torch.Tensor]) -> None:
-        params = dict(self.model.named_parameters())
+    @classmethod
+    def of_model(cls, model: torch.nn.Module, scale: float) -> "AdapterMerger":
+        merger = cls(lambda: dict(model.named_parameters()), scale)
+        merger.model = model
+        return merger
+
+    def merged(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The new weight of each target (``<module>.weight``), computed onto its base."""
         stray = sorted(k for k in tensors if not k.endswith(ADAPTER_SUFFIXES))
         if stray:
             raise ValueError(f"weights.payload adapter: the version holds non-adapter tensors {stray[:3]} (was it "
@@ -260,8 +269,9 @@ class AdapterMerger:
         if self.modules is not None and modules != self.modules:
             raise ValueError(f"weights.payload adapter: the version adapts {len(modules)} modules, the first one "
                              f"{len(self.modules)}; every version must adapt the same ones")
+        current = self._weights() if self.base is None else self.base
         for m in modules:
-            a, b, w = tensors.get(f"{m}.lora_A.weight"), tensors.get(f"{m}.lora_B.weight"), params.get(f"{m}.weight")
+            a, b, w = tensors.get(f"{m}.lora_A.weight"), tensors.get(f"{m}.lora_B.weight"), current.get(f"{m}.weight")
             if a is None or b is None:
                 raise ValueError(f"weights.payload adapter: {m} has only one of lora_A / lora_B")
             if w is None:
@@ -269,12 +279,21 @@ class AdapterMerger:
             if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0] or (b.shape[0], a.shape[1]) != tuple(w.shape):
                 raise ValueError(f"weights.payload adapter: {m}: B {tuple(b.shape)} · A {tuple(a.shape)} does not "
                                  f"make its weight's shape {tuple(w.shape)}")
+        if self.base is None:
+            self.base = {f"{m}.weight": current[f"{m}.weight"].detach().clone() for m in modules}
+        self.modules = modules
+        out = {}
         with torch.no_grad():
             for m in modules:
-                w = params[f"{m}.weight"]
-                base = self.base.get(m)
-                if base is None:
-                    base = self.base[m] = w.detach().clone()
+                base = self.base[f"{m}.weight"]
                 delta = (tensors[f"{m}.lora_B.weight"] @ tensors[f"{m}.lora_A.weight"]) * self.scale
-                w.copy_(base + delta.to(base.dtype))
-        self.modules = modules
+                out[f"{m}.weight"] = base + delta.to(base.dtype)
+        return out
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        """:meth:`merged`, copied into the model of :meth:`of_model` in place."""
+        merged = self.merged(tensors)
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, w in merged.items():
+                params[name].copy_(w)

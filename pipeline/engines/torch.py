@@ -73,7 +73,7 @@ class TorchGenerator:
         if cfg.weights.payload == "adapter":  # versions carry LoRA adapters: merged here, onto the base
             from pipeline.engines.lora import AdapterMerger
 
-            self.adapters = AdapterMerger(self.model, cfg.trainer.lora_alpha / cfg.trainer.lora_rank)
+            self.adapters = AdapterMerger.of_model(self.model, cfg.trainer.lora_alpha / cfg.trainer.lora_rank)
         self.vocab_size = int(self.model.config.vocab_size)
         self.rng = torch.Generator().manual_seed(g.seed * 1_000_003 + zlib.crc32(worker_id.encode()))
         self.temperature = g.temperature

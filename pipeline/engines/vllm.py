@@ -165,6 +165,26 @@ class VllmGenerator:
             kwargs["kv_cache_memory_bytes"] = int(g.vllm_kv_cache_gib * (1 << 30))
         self._vllm = vllm
         self._llm = vllm.LLM(**kwargs)
+        self.adapters = None
+        if cfg.weights.payload == "adapter":
+            # Versions carry LoRA adapters: merged onto the base here, then loaded as full weights
+            # (the in-place reload every version uses), so the engine runs one plain model.
+            from pipeline.engines.lora import AdapterMerger
+
+            self._base_weights: dict[str, torch.Tensor] = {}
+            self.adapters = AdapterMerger(lambda: self._base(), cfg.trainer.lora_alpha / cfg.trainer.lora_rank)
+            self._base_dir = base
+
+    def _base(self) -> dict[str, torch.Tensor]:
+        """The base checkpoint's weights (read once, kept: each adapter version merges onto them)."""
+        if not self._base_weights:
+            from safetensors.torch import load_file
+
+            from pipeline.model.qwen import safetensors_files
+
+            for name in safetensors_files(self._base_dir):
+                self._base_weights.update(load_file(str(name)))
+        return self._base_weights
 
     def generate(self, prompts: list[np.ndarray], *, n: int, max_new_tokens: int,
                  temperature: float) -> list[Sampled]:
@@ -217,6 +237,8 @@ class VllmGenerator:
         return result
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self.adapters is not None:
+            tensors = {**self._base(), **self.adapters.merged(tensors)}
         check_fit(self._shapes, tensors)
         # A streaming engine caches no prefix (and its running requests' blocks would make the
         # reset fail and warn at every swap).

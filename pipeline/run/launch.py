@@ -183,7 +183,7 @@ def preflight(cfg: RunConfig, *, chaos: bool = False) -> None:
     (``task_problems``) and, under ``pipeline chaos``, the fault schedule (``chaos_problems``).
     """
     problems = [*model_problems(cfg), *port_problems(cfg), *backend_problems(cfg), *registry_problems(cfg),
-                *task_problems(cfg), *(chaos_problems(cfg) if chaos else [])]
+                *task_problems(cfg), *eval_problems(cfg), *(chaos_problems(cfg) if chaos else [])]
     if len(problems) == 1:
         raise ConfigError(problems[0])
     if problems:
@@ -479,6 +479,28 @@ def _math_problems(cfg: RunConfig) -> list[str]:
             return [f"task.answer_field: must name the column holding the reference answers; {msg}"]
         return [f"task.dataset: must be a .jsonl or .parquet file of problem rows; {msg}"]
     return []
+
+
+def eval_problems(cfg: RunConfig) -> list[str]:
+    """With an eval worker: each ``eval.sets`` entry's held-out set builds and its first prompt
+    encodes with the model's tokenizer (checked when the model directory exists already)."""
+    if not cfg.cluster.evaluators or not cfg.eval.sets or not (Path(cfg.model.base_dir) / "config.json").is_file():
+        return []
+    from pipeline.model.tokenizer import load_tokenizer
+    from pipeline.tasks.prompting import build_prompt, prompt_format
+    from pipeline.tasks.registry import make_task
+
+    tokenizer, problems = load_tokenizer(cfg.model.base_dir), []
+    for name, task in cfg.eval.task_sets(cfg.task).items():
+        if name == "heldout":
+            continue
+        try:
+            item = make_task(task).heldout()[0]
+            build_prompt(prompt_format(task, cfg.model.base_dir), tokenizer, item.prompt)
+        except Exception as e:  # noqa: BLE001 - whatever stops the set stops the eval worker
+            problems.append(f"eval.sets: the held-out set {name!r} cannot be prompted to model.base_dir "
+                            f"{str(cfg.model.base_dir)!r}: {type(e).__name__}: {e}")
+    return problems
 
 
 def chaos_problems(cfg: RunConfig) -> list[str]:
