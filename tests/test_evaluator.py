@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -34,6 +35,21 @@ class _Log:
 
     def __getattr__(self, level):
         return lambda event, **kw: self.events.append((level, event, kw))
+
+
+@contextmanager
+def _evaluator(tmp_path, base_dir, url, run_id, **overrides):
+    """(cfg, publisher, eval worker) of a run: a real shm publisher and an Evaluator on one server."""
+    cfg, _ = tiny_config(tmp_path, base_dir, url, run_id, **{**EVAL, **overrides})
+    r = redis.Redis.from_url(url)
+    keys = Keys(cfg.run_id)
+    pub = make_publisher("shm", r, keys.weights, ns=keys.ns)
+    ev = Evaluator(cfg, r, keys, "eval-0", _Log())
+    try:
+        yield cfg, pub, ev
+    finally:
+        ev.close()
+        pub.close()
 
 
 def _noisy(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
@@ -110,13 +126,8 @@ def test_with_adapter_payloads_it_evaluates_the_merged_policy(tmp_path, tiny_bas
 def test_each_eval_set_gets_its_row_per_version(tmp_path, tiny_base_model, redis_url):
     """``eval.sets``: another task's held-out split beside the run's own, each its own row,
     each what pipeline eval's core computes on that set."""
-    cfg, _ = tiny_config(tmp_path, tiny_base_model, redis_url, "evals", **EVAL, **{"eval.sets": "digits=2"})
-    r = redis.Redis.from_url(redis_url)
-    keys = Keys(cfg.run_id)
     base, tokenizer = load_checkpoint(tiny_base_model)
-    pub = make_publisher("shm", r, keys.weights, ns=keys.ns)
-    ev = Evaluator(cfg, r, keys, "eval-0", _Log())
-    try:
+    with _evaluator(tmp_path, tiny_base_model, redis_url, "evals", **{"eval.sets": "digits=2"}) as (cfg, pub, ev):
         pub.publish(0, base.state_dict())
         assert ev.turn()
         rows = read_evals(cfg.run_dir)
@@ -127,28 +138,17 @@ def test_each_eval_set_gets_its_row_per_version(tmp_path, tiny_base_model, redis
         want = evaluate_model(cfg, base, tokenizer, tiny_base_model, n=4, ks=(1, 2, 4), max_prompts=12, seed=0,
                               task_cfg=two)
         assert rows[1]["greedy_accuracy"] == want["greedy_accuracy"] and rows[1]["pass_at_k"] == want["pass_at_k"]
-    finally:
-        ev.close()
-        pub.close()
 
 
 def test_with_the_tensorboard_tracker_its_figures_are_scalars_at_their_version(tmp_path, tiny_base_model, redis_url):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    cfg, _ = tiny_config(tmp_path, tiny_base_model, redis_url, "evaltb", **EVAL,
-                         **{"tracking.backends": "tensorboard"})
-    r = redis.Redis.from_url(redis_url)
-    keys = Keys(cfg.run_id)
     base, _tok = load_checkpoint(tiny_base_model)
-    pub = make_publisher("shm", r, keys.weights, ns=keys.ns)
-    ev = Evaluator(cfg, r, keys, "eval-0", _Log())
-    try:
+    with _evaluator(tmp_path, tiny_base_model, redis_url, "evaltb", **{"tracking.backends": "tensorboard"}) \
+            as (cfg, pub, ev):
         pub.publish(7, base.state_dict())
         assert ev.turn()
-    finally:
-        ev.close()
-        pub.close()
     row = read_evals(cfg.run_dir)[0]
     acc = EventAccumulator(str(cfg.run_dir / "tensorboard"), size_guidance={"scalars": 0})
     acc.Reload()
