@@ -32,7 +32,7 @@ def test_rows_compute_ratios_from_the_measured_values():
 
 
 def test_streams_rows_and_findings_follow_the_measurements():
-    row = {"payload": "embedded", "bytes": 700, "produce_pipeline": 600.0, "produce_raw": 1000.0,
+    row = {"payload": "embedded", "bytes": 700, "generator_batch": 16, "produce_pipeline": 600.0, "produce_raw": 1000.0,
            "produce_one_ack": 900.0, "consume_pipeline": 500.0, "consume_raw": 1000.0, "consume_one_ack": 550.0,
            "consume_plumbing": 850.0, "redis_benchmark": {"rps": 4000.0, "clients": 1, "pipeline": 16}}
     ratios = {"produce": 0.6, "produce_one_ack": 0.9, "consume": 0.5, "consume_one_ack": 0.55, "consume_plumbing": 0.85}
@@ -46,6 +46,9 @@ def test_streams_rows_and_findings_follow_the_measurements():
     assert ceiling.ratio == pytest.approx(0.25)
     findings = "\n".join(bench_run.streams_findings(res, None))
     assert "60% of raw redis-py" in findings and "90%" in findings and "85%" in findings
+    assert "one script call" in findings, "16 records of 700 B: the script path"
+    row.update(bytes=49_905)
+    assert "a WATCHed MULTI" in "\n".join(bench_run.streams_findings(res, None)), "16 records of 50 KB: the MULTI"
     row.update(produce_ratio=0.85, consume_ratio=0.9)
     assert bench_run.streams_findings(res, None) == []
 
