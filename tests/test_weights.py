@@ -108,6 +108,15 @@ def fetcher_factory(redis_client: redis.Redis) -> Iterator[Callable[..., WeightF
         fetcher.close()
 
 
+def refuse_each(sock, requests) -> None:
+    """Each request sent on ``sock`` is answered with a 'bad request' or 'gone' header and no data."""
+    for request in requests:
+        sock.send(request)
+        header, data = sock.recv_multipart()
+        assert msgpack.unpackb(header)[2] in ("bad request", "gone")
+        assert data == b""
+
+
 def corrupt_one_byte(publisher: WeightPublisher, manifest: Manifest, position: int | None = None) -> bytes:
     """Flip one byte of tensor data where the transport keeps it; return the bad payload."""
     if position is None:
@@ -404,11 +413,7 @@ def test_the_tcp_publisher_answers_garbage_requests_and_keeps_serving(publisher_
     sock.linger = 0
     sock.connect(publisher.address)  # type: ignore[attr-defined]
     try:
-        for request in (b"\xc1garbage", msgpack.packb(["1", 0]), msgpack.packb([1, 10**6]), msgpack.packb([9, 0])):
-            sock.send(request)
-            header, data = sock.recv_multipart()
-            assert msgpack.unpackb(header)[2] in ("bad request", "gone")
-            assert data == b""
+        refuse_each(sock, (b"\xc1garbage", msgpack.packb(["1", 0]), msgpack.packb([1, 10**6]), msgpack.packb([9, 0])))
     finally:
         sock.close()
         ctx.term()
@@ -508,14 +513,10 @@ def test_the_ucx_publisher_answers_garbage_requests_and_keeps_serving(ucx, publi
     sock.connect(publisher.address)  # type: ignore[attr-defined]
     tag = 7 << 24
     try:
-        for request in (b"\xc1garbage", msgpack.packb([1, "ucx", b"addr"]), msgpack.packb([1, "tcp", b"addr", tag]),
-                        msgpack.packb([1, "ucx", b"addr", tag + 1]), msgpack.packb([1, "ucx", b"addr", tag, 0]),
-                        msgpack.packb([1, "ucx", b"addr", tag, -4]), msgpack.packb([1, "ucx", b"addr", tag, "4"]),
-                        msgpack.packb([1, "ucx", b"addr", tag, 4, 4]), msgpack.packb([9, "ucx", b"addr", tag, 4])):
-            sock.send(request)
-            header, data = sock.recv_multipart()
-            assert msgpack.unpackb(header)[2] in ("bad request", "gone")
-            assert data == b""
+        refuse_each(sock, [msgpack.packb(x) if isinstance(x, list) else x for x in (
+            b"\xc1garbage", [1, "ucx", b"addr"], [1, "tcp", b"addr", tag], [1, "ucx", b"addr", tag + 1],
+            [1, "ucx", b"addr", tag, 0], [1, "ucx", b"addr", tag, -4], [1, "ucx", b"addr", tag, "4"],
+            [1, "ucx", b"addr", tag, 4, 4], [9, "ucx", b"addr", tag, 4])])
     finally:
         sock.close()
         ctx.term()

@@ -55,6 +55,25 @@ def set_priority(sched_idle: bool, nice: int) -> str:
     return f"nice +{nice}"
 
 
+def set_problems(cfg: RunConfig, sets: dict, tokenizer) -> list[str]:
+    """Why each eval set (``EvalConfig.task_sets``) cannot be evaluated by the model of
+    ``model.base_dir``: its held-out set does not build, or its first prompt does not encode
+    with ``tokenizer`` (what the worker checks when it starts, and ``pipeline up`` before launch)."""
+    from pipeline.tasks.prompting import build_prompt, prompt_format
+    from pipeline.tasks.registry import make_task
+
+    problems = []
+    for name, task_cfg in sets.items():
+        try:
+            item = make_task(task_cfg).heldout()[0]
+            build_prompt(prompt_format(task_cfg, cfg.model.base_dir), tokenizer, item.prompt)
+        except Exception as err:  # noqa: BLE001 - any failure: the set cannot be evaluated by this model
+            field = "eval.sets" if name != "heldout" else "task"
+            problems.append(f"{field}: the held-out set {name!r} cannot be prompted to model.base_dir "
+                            f"{str(cfg.model.base_dir)!r}: {type(err).__name__}: {err}")
+    return problems
+
+
 class Evaluator:
     """One eval worker: a policy model on the base, a weight fetcher, the results file."""
 
@@ -92,17 +111,9 @@ class Evaluator:
 
     def _check_sets(self) -> None:
         """Every set's first prompt builds with this model's tokenizer (before any version comes)."""
-        from pipeline.tasks.prompting import build_prompt, prompt_format
-        from pipeline.tasks.registry import make_task
-
-        for name, task_cfg in self.sets.items():
-            try:
-                item = make_task(task_cfg).heldout()[0]
-                build_prompt(prompt_format(task_cfg, self.cfg.model.base_dir), self.tokenizer, item.prompt)
-            except Exception as err:  # noqa: BLE001 - any failure: the set cannot be evaluated by this model
-                field = "eval.sets" if name != "heldout" else "task"
-                raise ValueError(f"{field}: the held-out set {name!r} cannot be prompted to model.base_dir "
-                                 f"{str(self.cfg.model.base_dir)!r}: {type(err).__name__}: {err}") from None
+        problems = set_problems(self.cfg, self.sets, self.tokenizer)
+        if problems:
+            raise ValueError(problems[0])
 
     def wait(self) -> None:
         """Until the trainer announces a version after the last one looked at (at most ``WAIT_MS``)."""

@@ -486,21 +486,11 @@ def eval_problems(cfg: RunConfig) -> list[str]:
     encodes with the model's tokenizer (checked when the model directory exists already)."""
     if not cfg.cluster.evaluators or not cfg.eval.sets or not (Path(cfg.model.base_dir) / "config.json").is_file():
         return []
+    from pipeline.consumers.evaluator import set_problems
     from pipeline.model.tokenizer import load_tokenizer
-    from pipeline.tasks.prompting import build_prompt, prompt_format
-    from pipeline.tasks.registry import make_task
 
-    tokenizer, problems = load_tokenizer(cfg.model.base_dir), []
-    for name, task in cfg.eval.task_sets(cfg.task).items():
-        if name == "heldout":
-            continue
-        try:
-            item = make_task(task).heldout()[0]
-            build_prompt(prompt_format(task, cfg.model.base_dir), tokenizer, item.prompt)
-        except Exception as e:  # noqa: BLE001 - whatever stops the set stops the eval worker
-            problems.append(f"eval.sets: the held-out set {name!r} cannot be prompted to model.base_dir "
-                            f"{str(cfg.model.base_dir)!r}: {type(e).__name__}: {e}")
-    return problems
+    extra = {name: task for name, task in cfg.eval.task_sets(cfg.task).items() if name != "heldout"}
+    return set_problems(cfg, extra, load_tokenizer(cfg.model.base_dir))
 
 
 def chaos_problems(cfg: RunConfig) -> list[str]:
