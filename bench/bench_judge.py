@@ -62,21 +62,21 @@ def _rate(completions: int, seconds: float) -> float:
     return completions / seconds if seconds > 0 else float("nan")
 
 
-def in_process(directory: str, groups: list, repeats: int) -> dict:
+def in_process(directory: str, groups: list, repeats: int, style: str = "direct") -> dict:
     from pipeline.verifiers.kinds.lm_judge import ChatJudge
 
     j = ChatJudge(directory)
-    j.score("direct", *groups[0])  # warm-up
+    j.score(style, *groups[0])  # warm-up
     rates = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for prompt, comps in groups:
-            j.score("direct", prompt, comps)
+            j.score(style, prompt, comps)
         rates.append(_rate(sum(len(c) for _, c in groups), time.perf_counter() - t0))
     return {"rates": rates, "median": statistics.median(rates)}
 
 
-def _replica(directory: str, groups: list, repeats: int, barrier, out, threads: int) -> None:
+def _replica(directory: str, groups: list, repeats: int, barrier, out, threads: int, style: str) -> None:
     import torch
 
     from pipeline.verifiers.kinds.lm_judge import ChatJudge
@@ -84,21 +84,22 @@ def _replica(directory: str, groups: list, repeats: int, barrier, out, threads: 
     torch.set_num_threads(threads)
 
     j = ChatJudge(directory)
-    j.score("direct", *groups[0])
+    j.score(style, *groups[0])
     for _ in range(repeats):
         barrier.wait()
         t0 = time.perf_counter()
         for prompt, comps in groups:
-            j.score("direct", prompt, comps)
+            j.score(style, prompt, comps)
         out.put(time.perf_counter() - t0)
         barrier.wait()
 
 
-def in_process_replicas(directory: str, groups: list, repeats: int, threads: int, replicas: int = 2) -> dict:
+def in_process_replicas(directory: str, groups: list, repeats: int, threads: int, replicas: int = 2,
+                        style: str = "direct") -> dict:
     """``replicas`` processes, each with its own model; aggregate rate per repeat."""
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(replicas + 1), ctx.Queue()
-    procs = [ctx.Process(target=_replica, args=(directory, groups, repeats, barrier, out, threads))
+    procs = [ctx.Process(target=_replica, args=(directory, groups, repeats, barrier, out, threads, style))
              for _ in range(replicas)]
     for p in procs:
         p.start()
@@ -131,11 +132,11 @@ def start_server(directory: str, endpoint: str, *, max_batch: int, window_ms: fl
     return proc
 
 
-def through_server(endpoint: str, groups: list, repeats: int, clients: int) -> dict:
+def through_server(endpoint: str, groups: list, repeats: int, clients: int, style: str = "direct") -> dict:
     from pipeline.verifiers.judge_server import JudgeClient
 
     cs = [JudgeClient(endpoint, timeout_s=600) for _ in range(clients)]
-    cs[0].score("direct", *groups[0])  # warm-up
+    cs[0].score(style, *groups[0])  # warm-up
     rates, per_request = [], []
     n = sum(len(c) for _, c in groups)
     for _ in range(repeats):
@@ -145,7 +146,7 @@ def through_server(endpoint: str, groups: list, repeats: int, clients: int) -> d
         def work(c) -> None:
             barrier.wait()
             for prompt, comps in groups:
-                c.score("direct", prompt, comps)
+                c.score(style, prompt, comps)
 
         threads = [threading.Thread(target=work, args=(c,)) for c in cs]
         t0 = time.perf_counter()
@@ -167,7 +168,7 @@ def auc(pos: list[float], neg: list[float]) -> float:
     return wins / (len(pos) * len(neg))
 
 
-def sanity_auc(directory: str, *, n: int = 20, seed: int = 1) -> dict:
+def sanity_auc(directory: str, *, n: int = 20, seed: int = 1, extra_styles: tuple[str, ...] = ()) -> dict:
     from pipeline.verifiers.kinds.lm_judge import STYLES, ChatJudge
 
     rng = random.Random(seed)
@@ -178,7 +179,7 @@ def sanity_auc(directory: str, *, n: int = 20, seed: int = 1) -> dict:
     for form, make_prompt in (("task prompt ' a+b='", lambda a, b: f" {a}+{b}="),
                               ("question 'What is a + b?'", lambda a, b: f"What is {a} + {b}?")):
         rows = {}
-        for style in STYLES:
+        for style in [*STYLES, *(x for x in extra_styles if x not in STYLES)]:
             right, wrong = [], []
             for a, b in problems:
                 p = j.score(style, make_prompt(a, b), [f"The answer is {a + b}.", f"The answer is {wrong_of[a, b]}."])
@@ -192,37 +193,40 @@ def sanity_auc(directory: str, *, n: int = 20, seed: int = 1) -> dict:
 
 
 def bench_model(name: str, directory: str, *, g: int, groups: int, repeats: int, replicas: bool,
-                threads: int, server_threads: int | None = None) -> dict:
+                threads: int, server_threads: int | None = None, styles: tuple[str, ...] = ("direct",)) -> dict:
     from transformers import AutoTokenizer
 
     gs = groups_of(groups, g, seed=0)
     tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     comp_tokens = statistics.mean(len(tok.encode(c, add_special_tokens=False)) for _, cs in gs for c in cs)
     res: dict = {"model": name, "directory": directory, "group_size": g, "groups_per_client": groups,
-                 "repeats": repeats, "completion_tokens_mean": round(comp_tokens, 1)}
-    say(f"{name}: in process")
-    res["in_process_1"] = in_process(directory, gs, repeats)
-    if replicas:
-        say(f"{name}: 2 in-process replicas")
-        res["in_process_2"] = in_process_replicas(directory, gs, repeats, threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        endpoint = f"ipc://{tmp}/judge.sock"
-        proc = start_server(directory, endpoint, max_batch=64, window_ms=20, threads=threads)
-        try:
-            for clients in (1, 2):
-                say(f"{name}: server, {clients} client(s)")
-                res[f"server_{clients}"] = through_server(endpoint, gs, repeats, clients)
-        finally:
-            proc.terminate()
-            proc.wait(30)
-        if server_threads and server_threads != threads:
-            proc = start_server(directory, endpoint, max_batch=64, window_ms=20, threads=server_threads)
+                 "repeats": repeats, "completion_tokens_mean": round(comp_tokens, 1), "styles": {}}
+    for style in styles:
+        rows = res["styles"][style] = {}
+        say(f"{name} @{style}: in process")
+        rows["in_process_1"] = in_process(directory, gs, repeats, style)
+        if replicas:
+            say(f"{name} @{style}: 2 in-process replicas")
+            rows["in_process_2"] = in_process_replicas(directory, gs, repeats, threads, style=style)
+        with tempfile.TemporaryDirectory() as tmp:
+            endpoint = f"ipc://{tmp}/judge.sock"
+            proc = start_server(directory, endpoint, max_batch=64, window_ms=20, threads=threads)
             try:
-                say(f"{name}: server with {server_threads} threads, 2 clients")
-                res["server_2_threads"] = {**through_server(endpoint, gs, repeats, 2), "threads": server_threads}
+                for clients in (1, 2):
+                    say(f"{name} @{style}: server, {clients} client(s)")
+                    rows[f"server_{clients}"] = through_server(endpoint, gs, repeats, clients, style)
             finally:
                 proc.terminate()
                 proc.wait(30)
+            if server_threads and server_threads != threads:
+                proc = start_server(directory, endpoint, max_batch=64, window_ms=20, threads=server_threads)
+                try:
+                    say(f"{name} @{style}: server with {server_threads} threads, 2 clients")
+                    rows["server_2_threads"] = {**through_server(endpoint, gs, repeats, 2, style),
+                                                "threads": server_threads}
+                finally:
+                    proc.terminate()
+                    proc.wait(30)
     return res
 
 
@@ -238,22 +242,27 @@ def markdown(result: dict) -> str:
              "judging process), "
              f"{m['started']}; 1-minute load average {m['load_before']:.1f} before and {m['load_after']:.1f} after "
              "(the machine is shared with other jobs: compare rows of one run, not absolute numbers).", "",
-             "Judged completions per second, style `direct`, median of the repeats; the server is "
-             "`pipeline judge-serve` (max_batch 64, window 20 ms) in its own process.", "",
-             "| model | completion tokens | G | setup | completions/s | repeats | server forwards / request |",
-             "|---|---|---|---|---|---|---|"]
+             "Judged completions per second of each style (yes/no: P(yes) of one question per completion; "
+             "likelihood: P(the judge states the completion's answer), the group's context run once), median "
+             "of the repeats; the server is `pipeline judge-serve` (max_batch 64, window 20 ms) in its own "
+             "process.", "",
+             "| model | style | completion tokens | G | setup | completions/s | repeats | server forwards / request |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in result["models"]:
-        for key, label in LABELS.items():
-            if key in r:
-                x = r[key]
-                fpr = f"{x['forwards_per_request']:.2f}" if "forwards_per_request" in x else ""
-                lines.append(f"| {r['model']} | {r['completion_tokens_mean']} | {r['group_size']} | {label} | "
-                             f"{x['median']:.1f} | {', '.join(f'{v:.1f}' for v in x['rates'])} | {fpr} |")
+        for style, rows in r.get("styles", {"direct": r}).items():
+            for key, label in LABELS.items():
+                if key in rows:
+                    x = rows[key]
+                    fpr = f"{x['forwards_per_request']:.2f}" if "forwards_per_request" in x else ""
+                    lines.append(f"| {r['model']} | `{style}` | {r['completion_tokens_mean']} | {r['group_size']} | "
+                                 f"{label} | {x['median']:.1f} | {', '.join(f'{v:.1f}' for v in x['rates'])} | "
+                                 f"{fpr} |")
     if result.get("auc"):
-        lines += ["", f"## Sanity: P(yes) on 20 right vs 20 wrong 2-term additions ({result['auc']['model']})", "",
-                  "Completions `The answer is <sum>.` vs `The answer is <sum ± 11..59>.`; AUC of P(yes) "
-                  "(0.5 = chance), and mean P(yes) of the right and the wrong answers.", "",
-                  "| prompt | style | AUC | mean P(yes) right | mean P(yes) wrong |", "|---|---|---|---|---|"]
+        lines += ["", f"## Sanity: the score on 20 right vs 20 wrong 2-term additions ({result['auc']['model']})", "",
+                  "Completions `The answer is <sum>.` vs `The answer is <sum ± 11..59>.`; AUC of the score "
+                  "(P(yes), or P(answer) for a likelihood style; 0.5 = chance), and its mean on the right and the "
+                  "wrong answers.", "",
+                  "| prompt | style | AUC | mean score right | mean score wrong |", "|---|---|---|---|---|"]
         for form, rows in result["auc"]["forms"].items():
             for style, x in rows.items():
                 lines.append(f"| {form} | `{style}` | {x['auc']:.3f} | {x['mean_p_right']:.3f} | "
@@ -276,8 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-threads", type=int, default=None,
                    help="also measure 2 clients against a server with this many torch threads")
     p.add_argument("--no-replicas", action="store_true", help="skip the 2 in-process replicas")
+    p.add_argument("--style", action="append", default=[],
+                   help="a judge style or style file to measure (repeatable; default: direct)")
     p.add_argument("--out", default=str(RESULTS / "judge.json"))
     args = p.parse_args(argv)
+    styles = tuple(args.style) or ("direct",)
 
     import torch
 
@@ -293,14 +305,15 @@ def main(argv: list[str] | None = None) -> int:
         result["models"].append(bench_model("tiny random Llama (judge_fixtures)", tiny, g=args.group_size,
                                             groups=args.groups, repeats=args.repeats,
                                             replicas=not args.no_replicas, threads=args.threads,
-                                            server_threads=args.server_threads))
+                                            server_threads=args.server_threads, styles=styles))
     for d in args.model:
         result["models"].append(bench_model(Path(d).name, d, g=args.group_size, groups=args.model_groups,
                                             repeats=args.model_repeats, replicas=not args.no_replicas,
-                                            threads=args.threads, server_threads=args.server_threads))
+                                            threads=args.threads, server_threads=args.server_threads,
+                                            styles=styles))
         if args.auc:
             say(f"{d}: sanity AUC")
-            result["auc"] = {"model": Path(d).name, "forms": sanity_auc(d)}
+            result["auc"] = {"model": Path(d).name, "forms": sanity_auc(d, extra_styles=styles)}
     result["machine"]["load_after"] = os.getloadavg()[0]
     save_result(args.out, result, script="bench/bench_judge.py", argv=argv)
     Path(args.out).with_suffix(".md").write_text(markdown(result))

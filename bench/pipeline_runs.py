@@ -21,13 +21,17 @@ RESULTS = ROOT / "bench" / "results"
 PIPELINE = [sys.executable, "-m", "pipeline.cli"]
 
 
-def run_up(label: str, overrides: dict[str, object], *, runs_dir: Path, nice: int = 10) -> Path:
-    """Run `pipeline up` with ``overrides`` (dotted config fields) under a fresh run id; returns the run dir.
+def run_up(label: str, overrides: dict[str, object], *, runs_dir: Path, nice: int = 10,
+           config: Path | None = None) -> Path:
+    """Run `pipeline up` with ``overrides`` (dotted config fields) under a fresh run id, from the TOML
+    file ``config`` when given; returns the run dir.
 
     Raises RuntimeError if the run fails or leaves no summary.json.
     """
     run_id = f"{label}-{time.strftime('%m%d-%H%M%S')}"
     cmd = [*PIPELINE, "up", "--run-id", run_id, "--runs_dir", str(runs_dir)]
+    if config is not None:
+        cmd += ["--config", str(config)]
     for k, v in overrides.items():
         cmd += [f"--{k}", str(v)]
     if nice:

@@ -473,6 +473,9 @@ class VerifierConfig(_Section):
     (counted per verifier). Rule-based checks run inline, the other kinds in a worker thread."""
     timeouts: tuple[str, ...] = ()
     """Per-verifier deadlines overriding timeout_s, as ``name=seconds`` (e.g. ``code_exec=30``)."""
+    threads: int = 1
+    """torch intra-op threads of a verifier process (the model-based kinds: ``lm_judge``,
+    ``reward_model``). More than 1 is much slower when other stages share the cores."""
     dependence: Dependence = "drop"
     """Label model: the weaker verifier of a dependent pair is dropped (``drop``) or averaged
     into the other (``merge``)."""
@@ -492,6 +495,7 @@ class VerifierConfig(_Section):
         _check(self.window >= self.min_fit_rows >= 8, f"{p}.window", ">= min_fit_rows >= 8", (self.window, self.min_fit_rows))
         _check(self.refit_every >= 1, f"{p}.refit_every", ">= 1", self.refit_every)
         _check(self.timeout_s > 0, f"{p}.timeout_s", "> 0", self.timeout_s)
+        _check(self.threads >= 1, f"{p}.threads", ">= 1", self.threads)
         self.timeout_map(p)
 
     def timeout_map(self, p: str = "verifier") -> dict[str, float]:

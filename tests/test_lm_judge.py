@@ -67,7 +67,7 @@ def test_the_yes_and_no_variants_of_the_vocabulary_are_found(judge_engine):
     assert judge_engine.no_tokens == ["No", "ĠNo", "no", "Ġno", "NO", "ĠNO"]
 
 
-@pytest.mark.parametrize("style", sorted(LJ.STYLES))
+@pytest.mark.parametrize("style", sorted(k for k, v in LJ.STYLES.items() if v.kind == "yes_no"))
 def test_batched_p_yes_equals_one_question_at_a_time(judge_engine, style):
     seqs = [judge_engine.encode(style, ADD, c) for c in COMPLETIONS]
     asked = [s for s in seqs if s is not None]
@@ -126,7 +126,7 @@ def test_specs_through_the_scorer_share_one_model_and_match_the_engine(chat_dir)
 
 def test_a_bad_style_or_endpoint_is_refused_when_the_spec_is_checked(chat_dir):
     with pytest.raises(ValueError, match=r"unknown lm_judge style 'chatty'.*\['compare', 'direct', 'grader', "
-                                         r"'stepwise'\]"):
+                                         r"'solve', 'stepwise'\], or a style file"):
         V.check_spec(f"lm_judge:{chat_dir}@chatty")
     with pytest.raises(ValueError, match="unknown lm_judge style"):
         V.Scorer(["lm_judge:tcp://127.0.0.1:5600@chatty"])
@@ -147,23 +147,126 @@ def test_a_style_on_a_character_policy_abstains_with_the_reason(tiny_base_model)
     assert outcome == {spec: "error"} and "character policy" in scorer.stats[spec].last_error
 
 
-def test_a_checkpoint_without_a_chat_template_is_refused_with_the_reason(chat_dir, tmp_path):
+def _without_chat_template(chat_dir, d):
     import json
     import shutil
 
-    d = tmp_path / "no-template"
     shutil.copytree(chat_dir, d)
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     del cfg["chat_template"]
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_a_chat_style_on_a_checkpoint_without_a_chat_template_abstains_with_the_reason(chat_dir, tmp_path):
+    d = _without_chat_template(chat_dir, tmp_path / "no-template")
     with pytest.raises(LJ.ChatJudgeUnavailable, match="no chat template"):
-        LJ.ChatJudge(d)
+        LJ.ChatJudge(d).score("compare", ADD, ["359"])
     spec = f"lm_judge:{d}@compare"
     scorer = V.Scorer([spec], default_timeout_s=60)
-    for _ in range(2):  # the reason is kept, not re-learned by loading again on every group
+    for _ in range(2):
         _, outcome = scorer.score(ADD, ["359"])
         assert outcome == {spec: "error"} and "no chat template" in scorer.stats[spec].last_error
-    assert isinstance(LJ._ENGINES[str(d.resolve())], LJ.ChatJudgeUnavailable)
+
+
+# ------------------------------------------------------------------- likelihood styles and style files
+
+LIKELIHOOD_FILE = '''kind = "likelihood"
+chat = false
+template = """2+2= 4
+10+5= 15
+{question}"""
+'''
+
+
+def _write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def _full_forward_logprob(engine, ctx, target):
+    """log P(target | ctx) from one plain forward over the whole sequence (no cache, no batching)."""
+    import torch
+
+    with torch.no_grad():
+        logits = engine.model(input_ids=torch.tensor([list(ctx) + list(target)])).logits[0].double()
+    logp = torch.log_softmax(logits, dim=-1)
+    return sum(float(logp[len(ctx) - 1 + k, t]) for k, t in enumerate(target))
+
+
+@pytest.mark.parametrize("style", ["solve", "file"])
+def test_a_likelihood_judge_scores_the_probability_of_stating_the_answer(chat_dir, tmp_path, style):
+    j = LJ.ChatJudge(chat_dir, max_batch=2)
+    st = _write(tmp_path, "lik.toml", LIKELIHOOD_FILE) if style == "file" else style
+    comps = ["359", "The answer is 359.", "358", "3590", "-359", "no idea", "\\boxed{358}"]
+    pairs = j.questions_of(st, ADD, comps)
+    assert pairs[5] is None, "a completion stating no answer abstains"
+    assert j.tokenizer.decode(pairs[0][1]).strip().startswith("359") and pairs[0] == pairs[1]
+    before = j.questions
+    got = j.score(st, ADD, comps)
+    assert j.questions - before == 4, "the same question (359 twice, 358 twice) is scored once"
+    for i, pair in enumerate(pairs):
+        if pair is None:
+            assert math.isnan(got[i])
+        else:
+            assert got[i] == pytest.approx(math.exp(_full_forward_logprob(j, *pair)), rel=1e-4)
+    assert got[0] == got[1] and got[2] == got[6] and len({float(x) for x in got[[0, 2, 3, 4]]}) == 4
+
+
+def test_a_plain_style_file_needs_no_chat_template_and_reads_the_question(chat_dir, tmp_path):
+    d = _without_chat_template(chat_dir, tmp_path / "base-model")
+    st = _write(tmp_path, "lik.toml", LIKELIHOOD_FILE)
+    j = LJ.ChatJudge(d)
+    chat_prompt = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n42+317=<|im_end|>\n<|im_start|>assistant\n"
+    ctx, target = j.encode_answer(st, chat_prompt, "so 359")
+    assert j.tokenizer.decode(ctx).endswith("10+5= 15\n42+317=") and j.tokenizer.decode(target) == " 359\n"
+    spec = f"lm_judge:{d}@{st}"
+    votes, outcome = V.Scorer([spec], default_timeout_s=60).score(chat_prompt, ["359", "12", "nothing"])
+    assert outcome == {spec: "ok"} and np.isnan(votes[2, 0]) and 0 < votes[0, 0] < 1 and votes[0, 0] != votes[1, 0]
+
+
+def test_question_of_reads_the_user_message_of_common_chat_markups():
+    assert LJ.question_of("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+                          "<|im_start|>assistant\n") == "What is 2+2?"
+    assert LJ.question_of("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nQ1<|eot_id|>"
+                          "<|start_header_id|>assistant<|end_header_id|>\n\n") == "Q1"
+    assert LJ.question_of("<bos><start_of_turn>user\nQ2<end_of_turn>\n<start_of_turn>model\n") == "Q2"
+    assert LJ.question_of("  42+317= ") == "42+317="
+
+
+@pytest.mark.parametrize("text, error", [
+    ('kind = "likelihood"\ntemplate = "{question} {answer}"', "cannot name \\['answer'\\]"),
+    ('kind = "yes_no"\ntemplate = "{question}"', "must show the judged completion"),
+    ('kind = "maybe"\ntemplate = "{question}"', "kind must be one of"),
+    ('template = "{question} {completion} {truth}"', "names \\['truth'\\]; placeholders are"),
+    ('template = "{question} {completion}"\ntemperature = 0', "unknown field\\(s\\) \\['temperature'\\]"),
+    ('template = ""', "template must be a non-empty string"),
+    ('template = "{question} {completion}"\nchat = "yes"', "chat must be a bool"),
+    ('template = "x {completion"', "template: "),
+    ("kind = ", "not valid TOML"),
+])
+def test_a_bad_style_file_is_refused_when_the_spec_is_checked_naming_the_file_and_field(tmp_path, text, error):
+    path = _write(tmp_path, "bad.toml", text)
+    with pytest.raises(ValueError, match=error) as info:
+        V.check_spec(f"lm_judge:/some/dir@{path}")
+    assert path in str(info.value)
+
+
+def test_a_missing_style_file_is_refused_naming_it(tmp_path):
+    with pytest.raises(ValueError, match=r"style file .*nowhere\.toml.*cannot read it"):
+        V.check_spec(f"lm_judge:/some/dir@{tmp_path}/nowhere.toml")
+
+
+def test_a_style_file_is_read_again_when_it_changes(tmp_path):
+    path = _write(tmp_path, "s.toml", LIKELIHOOD_FILE)
+    assert LJ.style_file(path).kind == "likelihood"
+    import os
+    import time as _time
+
+    (tmp_path / "s.toml").write_text('kind = "yes_no"\ntemplate = "{question} {answer}?"\n')
+    os.utime(path, ns=(_time.time_ns(), _time.time_ns() + 10**9))
+    assert LJ.style_file(path).kind == "yes_no"
 
 
 # ------------------------------------------------------------------- the judge server
@@ -262,3 +365,31 @@ def test_judge_serve_main_serves_and_stops_on_sigterm(chat_dir, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_the_server_scores_likelihood_styles_and_style_files_it_has_no_copy_of(server, chat_dir, tmp_path):
+    client = JudgeClient(server.endpoint, timeout_s=30)
+    ref = LJ.engine(chat_dir)
+    files = {"lik": _write(tmp_path, "lik.toml", LIKELIHOOD_FILE),
+             "check": _write(tmp_path, "check.toml", 'kind = "yes_no"\ntemplate = "Is {answer} right for {question}?"\n')}
+    for style in ["solve", *files.values()]:
+        np.testing.assert_allclose(client.score(style, ADD, COMPLETIONS), ref.score(style, ADD, COMPLETIONS),
+                                   rtol=1e-5, atol=1e-7, equal_nan=True)
+    spec = f"lm_judge:{server.endpoint}@{files['lik']}"
+    votes, outcome = V.Scorer([spec], default_timeout_s=30).score(ADD, COMPLETIONS)
+    assert outcome == {spec: "ok"}
+    np.testing.assert_allclose(votes[:, 0], ref.score(files["lik"], ADD, COMPLETIONS), rtol=1e-5, equal_nan=True)
+    import msgpack
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(server.endpoint)
+    sock.send(msgpack.packb({"v": 1, "id": 7, "op": "judge", "style": "mine", "prompt": ADD, "completions": ["1"],
+                             "style_def": {"kind": "likelihood", "template": "{answer}"}}))
+    assert sock.poll(10_000)
+    reply = msgpack.unpackb(sock.recv())
+    assert reply["ok"] is False and "cannot name ['answer']" in reply["error"]
+    sock.close(0)
+    ctx.term()
+    client.close()

@@ -126,3 +126,32 @@ def test_the_eval_workers_results_get_a_figure_and_a_table(tmp_path):
         assert img.format == "PNG"
     assert "| 10 | digits=4 | 20 | 0.400 | 0.300 | 0.600 | 0.300 |" in md
     assert len(rep["evals_beside_training"]) == 6, "the torn last line is left out"
+
+
+@pytest.mark.slow
+def test_a_weaver_runs_report_shows_each_verifiers_fitted_and_measured_rates(tmp_path, tiny_base_model):
+    """A real `pipeline up` with the weaver reward: the report carries the label model's newest fit,
+    per verifier, beside the rates measured against the hidden truth under that fit."""
+    from harness import up
+
+    p = up(tmp_path, tiny_base_model, "--run-id", "lm-report", "--trainer.steps", "4")
+    text = p.communicate(timeout=300)[0].decode()
+    assert p.returncode == 0, text[-3000:]
+    run = tmp_path / "runs" / "lm-report"
+    rep = json.loads((run / "report.json").read_text())
+    lm = rep["label_model"]
+    fits = [json.loads(line) for line in (run / "logs" / "ver-0.jsonl").read_text().splitlines()
+            if '"labelmodel_fitted"' in line]
+    fits += [json.loads(line) for f in (run / "logs").glob("ver-[1-9].jsonl") for line in f.read_text().splitlines()
+             if '"labelmodel_fitted"' in line]
+    newest = max(fits, key=lambda r: r["version"])
+    assert lm["version"] == newest["version"] and lm["pi"] == newest["pi"] and lm["groups_measured"] > 0
+    assert set(lm["verifiers"]) == set(newest["thresholds"])
+    for name in newest["kept"]:
+        v = lm["verifiers"][name]
+        assert v["kept"] and v["tpr_fitted"] == newest["tpr"][name] and v["tnr_fitted"] == newest["tnr"][name]
+        assert v["tpr_measured"] is None or 0 <= v["tpr_measured"] <= 1
+    assert any(v["tnr_measured"] is not None for v in lm["verifiers"].values())
+    md = (run / "report.md").read_text()
+    assert "## Weak verifiers: what the label model fitted" in md
+    assert all(f"| `{name}` |" in md for name in newest["thresholds"])

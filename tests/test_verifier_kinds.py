@@ -36,6 +36,38 @@ def test_math_equiv_scores_ties_alike_and_abstains_on_a_group_without_answers():
     assert np.isnan(fn("", ["", "??"])).all()
 
 
+# ------------------------------------------------------- answers: self_consistency, states_answer, answer_only
+CHATTY = ["7", "The answer is 7.", "8", "no idea", "7.", "I think -8", "  -8 "]
+
+
+def test_self_consistency_is_the_majority_of_the_stated_answers():
+    got = resolve("self_consistency:last_number")("q", CHATTY)
+    # 7 three times, -8 twice, 8 once; 'no idea' states none: (count - 1) / (3 - 1), 0 without an answer
+    assert got.tolist() == [1.0, 1.0, 0.0, 0.0, 1.0, 0.5, 0.5]
+    assert np.isnan(resolve("self_consistency")("q", ["none", "at all"])).all()
+    boxed = resolve("self_consistency:boxed")("q", ["\\boxed{ x + 1 }", "\\boxed{x + 1}", "\\boxed{2}", "x + 1"])
+    assert boxed.tolist() == [1.0, 1.0, 0.0, 0.0], "answers compare after whitespace is collapsed"
+
+
+def test_states_answer_and_answer_only_read_the_format():
+    assert resolve("states_answer:last_number")("q", CHATTY).tolist() == [1, 1, 1, 0, 1, 1, 1]
+    only = resolve("answer_only:last_number")("q", CHATTY)
+    assert only[[0, 1, 2, 4, 5, 6]].tolist() == [1, 0, 1, 1, 0, 1] and np.isnan(only[3])
+    tagged = resolve("answer_only:regex:<a>(.*?)</a>")("q", ["<a>5</a>", "5"])
+    assert tagged[0] == 0 and np.isnan(tagged[1]), "the tags are more than the answer; no tag, no answer"
+
+
+def test_answer_kinds_check_their_extraction_before_anything_starts_and_one_is_sound():
+    from pipeline.verifiers.base import is_sound
+
+    with pytest.raises(ValueError, match="self_consistency:regex:\\(.*valid regular expression"):
+        V.check_spec("self_consistency:regex:(")
+    with pytest.raises(ValueError, match="answer_only:lastnumber"):
+        V.check_spec("answer_only:lastnumber")
+    assert is_sound("states_answer:last_number") and is_sound("mod9")
+    assert not is_sound("self_consistency:last_number") and not is_sound("answer_only")
+
+
 # ---------------------------------------------------------------- reward_model
 def _tiny_classifier(directory, *, num_labels: int, seed: int = 0):
     """A random Qwen3 sequence classifier with the project's character tokenizer, saved as safetensors."""

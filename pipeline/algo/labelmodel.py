@@ -181,6 +181,7 @@ class LabelModel:
             "tpr": {n: round(self.tpr[self.names.index(n)], 4) for n in kept},
             "tnr": {n: round(self.tnr[self.names.index(n)], 4) for n in kept},
             "pos_rate": {n: round(float(r), 4) for n, r in zip(self.names, self.pos_rate, strict=True)},
+            "thresholds": {n: round(float(t), 4) for n, t in zip(self.names, self.thresholds, strict=True)},
             "objective": self.loss, "converged": self.converged,
             "iterations": {"rounds": self.rounds, "em": self.em_iterations, "lbfgs": self.lbfgs_iterations},
         }

@@ -30,7 +30,7 @@ from pipeline.model.tokenizer import model_vocab_size
 from pipeline.records import RolloutGroup, ScoredGroup, check_token_ids
 from pipeline.stage import Batch, Output, Stage
 from pipeline.tasks.registry import make_task
-from pipeline.verifiers.base import SOUND
+from pipeline.verifiers.base import is_sound
 from pipeline.verifiers.registry import Scorer, check_spec
 
 FIRST_MODEL_WAIT_S = 60.0
@@ -68,7 +68,7 @@ class SharedLabelModel:
             rows = [np.frombuffer(b, dtype="<f4").reshape(-1, m) for b in self.r.lrange(self.keys.votes, 0, -1)]
             votes = np.concatenate(rows)
             t0 = time.perf_counter()
-            sound = [n for n in self.cfg.verifiers if n in SOUND] if self.cfg.sound_checks else []
+            sound = [n for n in self.cfg.verifiers if is_sound(n)] if self.cfg.sound_checks else []
             lm = fit_label_model(votes, list(self.cfg.verifiers), version=version + 1, dependence=self.cfg.dependence,
                                  sound=sound)
             self.r.hset(self.keys.labelmodel, mapping={
@@ -221,12 +221,24 @@ class Verifier:
                                 "verifier_timeouts_total": failed["timeout"], "verify_seconds_total": seconds})
 
 
+def set_torch_threads(n: int) -> None:
+    """torch's intra-op threads for the model-based verifier kinds: set now when torch is loaded,
+    else through ``OMP_NUM_THREADS``, which torch reads when a kind first imports it."""
+    import os
+    import sys
+
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(n)
+
+
 def run_verifier(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batches: int | None = None,
                  scorer: Scorer | None = None) -> int:
     """Score rollout groups until stopped (or ``max_batches`` non-empty reads); returns groups scored.
 
     ``scorer`` replaces the one ``verifier.verifiers`` names (benchmarks wrap it in a fake device).
     """
+    set_torch_threads(cfg.verifier.threads)
     ver = Verifier(cfg, r, keys, worker_id, log, scorer=scorer)
     log.info("verifier_started", reward=cfg.verifier.reward, verifiers=cfg.verifier.verifiers)
     ver.stage.run(ver.step, count=cfg.verifier.batch, idle=lambda: ver.stage.heartbeat("idle"),

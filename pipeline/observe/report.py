@@ -58,6 +58,53 @@ def busy_spans(log_dir: Path) -> dict[str, dict]:
     return out
 
 
+def vote_rates(votes, truth, threshold: float = 0.5) -> dict:
+    """TPR and TNR of 1[score >= threshold] against the hidden truth, abstentions (NaN) left out,
+    and the share of completions scored at all."""
+    import numpy as np
+
+    v, t = np.asarray(votes, dtype=np.float64).ravel(), np.asarray(truth).ravel()
+    m = ~np.isnan(v)
+    p, n = m & (t == 1), m & (t == 0)
+    return {"tpr": round(float((v[p] >= threshold).mean()), 3) if p.any() else None,
+            "tnr": round(float((v[n] < threshold).mean()), 3) if n.any() else None,
+            "voted": round(float(m.mean()), 3) if m.size else None}
+
+
+def label_model_fit(run_dir: Path) -> dict | None:
+    """The newest label-model fit the run's verifiers logged (``labelmodel_fitted``): per verifier
+    kept or dropped (why), threshold and the TPR/TNR it estimated without labels; beside them
+    the same rates measured against the hidden truth on the groups scored under that fit
+    (``posteriors/``). None when no fit was logged (a run whose reward needs none)."""
+    import numpy as np
+
+    fit = None
+    for rec in (r for log in sorted((run_dir / "logs").glob("ver-*.jsonl")) for r in _jsonl(log)):
+        if rec.get("event") == "labelmodel_fitted" and (fit is None or rec.get("version", -1) >= fit.get("version", -1)):
+            fit = rec
+    if fit is None:
+        return None
+    rows = [r for f in sorted((run_dir / "posteriors").glob("*.jsonl")) for r in _jsonl(f)
+            if r.get("labelmodel_version") == fit.get("version") and r.get("truth") is not None]
+    thresholds = fit.get("thresholds") or {}
+    names = list(thresholds) or list(fit.get("pos_rate") or {})
+    measured = {}
+    if rows:
+        cols = rows[0]["names"]
+        votes = np.array([[[np.nan if v is None else v for v in c] for c in r["votes"]] for r in rows], dtype=np.float64)
+        truth = np.array([r["truth"] for r in rows])
+        for name in names:
+            if name in cols and name in thresholds:
+                measured[name] = vote_rates(votes[:, :, cols.index(name)], truth, thresholds[name])
+    verifiers = {name: {"kept": name in (fit.get("kept") or []), "dropped": (fit.get("dropped") or {}).get(name),
+                        "threshold": thresholds.get(name), "tpr_fitted": (fit.get("tpr") or {}).get(name),
+                        "tnr_fitted": (fit.get("tnr") or {}).get(name),
+                        "tpr_measured": measured.get(name, {}).get("tpr"),
+                        "tnr_measured": measured.get(name, {}).get("tnr")} for name in names}
+    return {"version": fit.get("version"), "rows": fit.get("rows"), "pi": fit.get("pi"),
+            "groups_measured": len(rows), "verifiers": verifiers}
+
+
 def analyse(run_dir: Path) -> dict:
     """Every number and series the report shows, from the run directory's files."""
     rows = _jsonl(run_dir / "metrics.jsonl")
@@ -124,6 +171,7 @@ def analyse(run_dir: Path) -> dict:
         "workers": util,
         "stages": stages,
         "evals_beside_training": _jsonl(run_dir / "evals.jsonl"),
+        "label_model": label_model_fit(run_dir),
         "_t0": t0, "_t1": t1,
     }
 
@@ -235,6 +283,23 @@ def _markdown(run_dir: Path, a: dict, figs: dict[str, str]) -> str:
         md += [f"| {x['version']} | {x.get('set', 'heldout')} | {x['prompts']} | {f(x['greedy_accuracy'])} | "
                + " | ".join(f(x["pass_at_k"].get(k, float("nan"))) for k in ks) + f" | {f(x['mean_at_n'])} |"
                for x in rows]
+        md += [""]
+    lm = a.get("label_model")
+    if lm:
+        md += ["## Weak verifiers: what the label model fitted", "",
+               f"The newest fit (label model version {lm['version']}, {lm['rows']} completions, estimated share "
+               f"of right answers π = {lm['pi']}): each verifier's TPR and TNR as Weaver estimated them without "
+               f"labels, beside the same rates measured against the hidden truth on the {lm['groups_measured']} "
+               "groups scored under that fit (votes 1[score ≥ threshold]).", "",
+               "| verifier | in the posterior | threshold | TPR fitted | TPR measured | TNR fitted | TNR measured |",
+               "|---|---|---|---|---|---|---|"]
+
+        def g(x):
+            return "-" if x is None else f"{x:.3f}"
+
+        md += [f"| `{n}` | {'yes' if v['kept'] else 'no: ' + str(v['dropped'] or 'filtered')} | {g(v['threshold'])} | "
+               f"{g(v['tpr_fitted'])} | {g(v['tpr_measured'])} | {g(v['tnr_fitted'])} | {g(v['tnr_measured'])} |"
+               for n, v in lm["verifiers"].items()]
         md += [""]
     return "\n".join(md)
 

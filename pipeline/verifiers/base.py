@@ -75,8 +75,14 @@ class Kind:
     check: str = ""
     """Name of a function ``check(arg: str | None) -> None`` of ``module`` that raises ValueError for a
     bad argument when the spec is checked (before anything starts); it must load no model and may
-    touch no file. Empty: only ``arg`` is checked."""
+    read only a small file the spec names (an ``lm_judge`` style file). Empty: only ``arg`` is checked."""
+    build: str = "build"
+    """Name of the builder in ``module`` (several kinds may share a module)."""
+    sound: bool = False
+    """A correct answer always passes every verifier of this kind (see ``SOUND``)."""
 
+
+_EXTRACT_HELP = "a task.answer_extract spec (boxed, last_number, regex:<pattern>, full); default last_number"
 
 KINDS: dict[str, Kind] = {
     "math_equiv": Kind(module="pipeline.verifiers.kinds.math_equiv", arg="none", help="no argument"),
@@ -86,8 +92,22 @@ KINDS: dict[str, Kind] = {
                      help="a causal-LM checkpoint directory (default artifacts/base-model) or a judge server's "
                           "tcp://<host>:<port>, then optionally @<style> for a chat model"),
     "code_exec": Kind(module="pipeline.verifiers.kinds.code_exec", arg="none", help="no argument"),
+    "self_consistency": Kind(module="pipeline.verifiers.kinds.answers", arg="optional", check="check_arg",
+                             build="build_self_consistency", help=_EXTRACT_HELP),
+    "states_answer": Kind(module="pipeline.verifiers.kinds.answers", arg="optional", check="check_arg",
+                          build="build_states_answer", help=_EXTRACT_HELP, sound=True),
+    "answer_only": Kind(module="pipeline.verifiers.kinds.answers", arg="optional", check="check_arg",
+                        build="build_answer_only", help=_EXTRACT_HELP),
 }
 """Verifier kinds beyond the rule-based functions, by the name before the colon."""
+
+
+def is_sound(spec: str) -> bool:
+    """Whether a verifier spec names a sound check: a registered one in ``SOUND`` or a kind marked sound."""
+    if spec in SOUND:
+        return True
+    kind = KINDS.get(spec.partition(":")[0])
+    return kind is not None and kind.sound
 
 
 def frequency_scores(answers: Sequence[object | None]) -> np.ndarray:

@@ -128,10 +128,16 @@ class JudgeClient:
         return reply
 
     def score(self, style: str, prompt: str, completions: Sequence[str]) -> np.ndarray:
-        """float32 [G] P(yes) of each completion, asked in ``style`` (NaN = abstain)."""
+        """float32 [G] score of each completion, asked in ``style`` (NaN = abstain); a style file is read
+        here and sent whole, so the server needs no copy of it."""
         import numpy as np
 
-        reply = self.request({"op": "judge", "style": style, "prompt": prompt, "completions": list(completions)})
+        from pipeline.verifiers.kinds.lm_judge import is_style_file, style_file
+
+        msg = {"op": "judge", "style": style, "prompt": prompt, "completions": list(completions)}
+        if is_style_file(style):
+            msg["style_def"] = style_file(style).as_dict()
+        reply = self.request(msg)
         p = np.asarray(reply["p"], dtype=np.float32)
         if p.shape != (len(completions),):
             raise JudgeServerError(f"lm_judge: judge server at {self.endpoint} returned {p.shape[0]} scores "

@@ -1,11 +1,12 @@
 """One LLM judge per host, shared by every verifier replica: ``pipeline judge-serve``.
 
 A judge server loads an HF chat checkpoint once (``lm_judge.ChatJudge``) and answers
-next-token P(yes) requests over ZeroMQ, so N verifier replicas on a host need one copy of
+next-token P(yes) and P(answer) requests over ZeroMQ, so N verifier replicas on a host need one copy of
 the model instead of N, and their questions share forwards. Requests that arrive within
 ``window_ms`` of the first waiting one, up to ``max_batch`` questions, are scored
 together: the questions of several replicas (and of several styles) go into one
-left-padded forward.
+left-padded forward (P(answer) questions into right-padded ones), and identical questions
+are scored once.
 
 Run it::
 
@@ -23,6 +24,7 @@ line; SIGTERM or Ctrl-C stops it.
 Wire (msgpack, never pickle; DEALER client → ROUTER server, one frame each way)::
 
     request  {"v": 1, "id": int, "op": "judge", "style": str, "prompt": str, "completions": [str]}
+             (+ "style_def": {...}, the fields of a style file the client read, instead of a built-in name)
              {"v": 1, "id": int, "op": "info"}
     reply    {"id": int, "ok": true, "p": [float]}          (NaN = abstain)
              {"id": int, "ok": true, "info": {...}}         (directory, styles, counters)
@@ -60,7 +62,7 @@ from pipeline.verifiers.judge_client import (  # noqa: F401  the client side, re
 class _Pending:
     peer: bytes
     rid: object
-    seqs: list  # token ids per completion, None where it cannot be asked
+    seqs: list  # per completion what the style asks (ChatJudge.questions_of), None where it cannot ask
 
 
 @dataclass
@@ -116,7 +118,7 @@ class JudgeServer:
         """Read one request: answer info and errors at once, queue a judge request; questions queued."""
         import msgpack
 
-        from pipeline.verifiers.kinds.lm_judge import STYLES
+        from pipeline.verifiers.kinds.lm_judge import STYLES, make_style
 
         rid = None
         try:
@@ -133,12 +135,17 @@ class JudgeServer:
             if op != "judge":
                 raise ValueError(f"unknown op {op!r}; ops: judge, info")
             style, prompt, completions = msg.get("style"), msg.get("prompt"), msg.get("completions")
-            if style not in STYLES:
-                raise ValueError(f"unknown lm_judge style {style!r}; styles: {sorted(STYLES)}")
+            if msg.get("style_def") is not None:  # a client's style file, sent whole
+                if not isinstance(msg["style_def"], dict):
+                    raise ValueError("style_def must be a map of style fields")
+                style = make_style(msg["style_def"], where=f"style {style!r} of the request")
+            elif style not in STYLES:
+                raise ValueError(f"unknown lm_judge style {style!r}; styles: {sorted(STYLES)} (a style file "
+                                 "travels as style_def)")
             if not isinstance(prompt, str) or not isinstance(completions, list) or \
                     not all(isinstance(c, str) for c in completions):
                 raise ValueError("judge needs prompt: str and completions: [str]")
-            seqs = [self.engine.encode(style, prompt, c) for c in completions]
+            seqs = self.engine.questions_of(style, prompt, completions)
         except Exception as exc:  # noqa: BLE001 - one bad request never stops the server
             self.stats.errors += 1
             self._reply(sock, peer, {"id": rid, "ok": False, "error": f"{type(exc).__name__}: {exc}"})
@@ -149,7 +156,7 @@ class JudgeServer:
     def _flush(self, sock, pending: list[_Pending]) -> None:
         asked = [s for p in pending for s in p.seqs if s is not None]
         try:
-            scores = iter(self.engine.p_yes_ids(asked).tolist()) if asked else iter(())
+            scores = iter(self.engine.score_questions(asked).tolist()) if asked else iter(())
         except Exception as exc:  # noqa: BLE001 - report to every waiting client, keep serving
             for p in pending:
                 self.stats.errors += 1

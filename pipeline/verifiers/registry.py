@@ -22,6 +22,9 @@ argument after a colon where the kind takes one (``KINDS``; imported on first us
 ``lm_judge[:<dir>][@<s>]``  P(yes) of a judge model asked whether the completion is right (style ``s``;
                             ``lm_judge:tcp://<host>:<port>@<s>`` asks a judge server)
 ``code_exec``               share of the prompt's ``assert`` lines a sandboxed run of the code passes
+``self_consistency[:<x>]``  the group's majority answer, answers read by ``task.answer_extract`` spec ``x``
+``states_answer[:<x>]``     whether the completion states an answer at all (sound)
+``answer_only[:<x>]``       whether the completion is its answer and nothing more
 ==========================  ===============================================================
 
 Each runs under a per-verifier deadline: in a worker thread the caller stops waiting
@@ -101,7 +104,7 @@ def resolve(spec: str) -> Verifier:
                 _BUILT[spec] = plugins.find("verifier", spec)
             else:
                 module = importlib.import_module(KINDS[name].module)
-                _BUILT[spec] = module.build(arg or None)
+                _BUILT[spec] = getattr(module, KINDS[name].build)(arg or None)
         return _BUILT[spec]
 
 

@@ -1,12 +1,14 @@
-"""``lm_judge[:<dir>|<endpoint>][@<style>]``: ask a language model whether a completion is right; score P(yes).
+"""``lm_judge[:<dir>|<endpoint>][@<style>]``: ask a language model about a completion; score it from log-probs.
 
-Every judge asks a yes/no question about (prompt, completion), reads the log-probabilities
-of the *next token* only, and scores
+A ``yes_no`` style asks a yes/no question about (prompt, completion), reads the
+log-probabilities of the *next token* only, and scores
 
     P(yes) = Σ_{t ∈ yes} p(t) / (Σ_{t ∈ yes} p(t) + Σ_{t ∈ no} p(t))
 
-so the score is in [0, 1] whatever else the model would have said. Where the question
-cannot be asked the judge abstains (NaN).
+so the score is in [0, 1] whatever else the model would have said. A ``likelihood`` style
+asks the problem itself and scores the probability that the judge replies with exactly the
+completion's final answer, then ends: P(answer) = exp Σ log p(token) over the answer's
+tokens (and the style's end). Where the question cannot be asked the judge abstains (NaN).
 
 Specs
 -----
@@ -42,6 +44,15 @@ of the vocabulary, and the same for No. The styles (``STYLES``):
 * ``grader``: a strict-grader rubric (Yes only for an exactly right final answer).
 * ``compare``: only the problem and the completion's extracted final answer (the last
   ``\\boxed{}``, else the last number); abstains when the completion states none.
+* ``solve`` (likelihood): the question (the user message of the policy's prompt) after the
+  system message "Give only the final answer."; P(the reply is the completion's answer).
+
+A style of one's own is a TOML file named where the style goes (``<dir>@path/style.toml``,
+``make_style`` lists its fields and checks them); a plain style (``chat = false``) renders
+its template as text, so it needs no chat template (a base model, few-shot text).
+Likelihood questions that share a context (a group's completions in one style) share its
+forward: the context runs once, its KV cache is repeated for the answers. Identical
+questions are scored once.
 
 All completions of one call are scored in one left-padded forward (attention mask,
 position ids from the mask, logits of the last position only), in chunks of at most
@@ -75,8 +86,12 @@ output) and are scored by :func:`judge`.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
 import math
 import re
+import string
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -109,12 +124,82 @@ ENDPOINT_SCHEMES = ("tcp://", "ipc://")
 
 @dataclass(frozen=True)
 class Style:
-    """One way of asking the judge: a user-message template with ``{prompt}`` and ``{completion}``
-    (or ``{answer}``, the completion's extracted final answer, when ``uses_answer``)."""
+    """One way of asking the judge.
+
+    ``kind = "yes_no"``: the template is a question about (prompt, completion) and the score is
+    the next token's P(yes). ``kind = "likelihood"``: the template is the text *before* an
+    answer (it names no ``{completion}`` or ``{answer}``) and the score is the probability that
+    the judge, reading it, states exactly the completion's final answer followed by ``end``:
+    P(answer) = exp Σ log p(token), over the answer's tokens and the end's.
+
+    Placeholders: ``{question}`` (the user message of a chat-rendered prompt, else the prompt),
+    ``{prompt}`` (the prompt as the policy read it), ``{completion}``, ``{answer}`` (the
+    completion's extracted final answer; a style that needs one abstains where it has none).
+    """
 
     help: str
     template: str
     uses_answer: bool = False
+    kind: str = "yes_no"
+    """``yes_no`` or ``likelihood``."""
+    chat: bool = True
+    """Render the template as one user message with the checkpoint's chat template (after an
+    optional ``system`` message); False: the template's text as it is (base models, few-shot text)."""
+    system: str = ""
+    """A system message before the question (chat styles only)."""
+    end: str | None = None
+    """``likelihood``: what must follow the answer (None: the tokenizer's end-of-sequence token for
+    chat styles, a newline for plain ones)."""
+
+    def fields(self) -> set[str]:
+        return {f for _, f, _, _ in string.Formatter().parse(self.template) if f is not None}
+
+    def as_dict(self) -> dict:
+        """The fields ``make_style`` reads back (what a client sends a judge server for a style file)."""
+        d = dataclasses.asdict(self)
+        del d["uses_answer"]
+        return d
+
+
+PLACEHOLDERS = frozenset({"question", "prompt", "completion", "answer"})
+"""What a style's template may name."""
+
+KINDS = ("yes_no", "likelihood")
+
+
+def make_style(fields: dict, *, where: str) -> Style:
+    """A ``Style`` from a style file's (or a request's) fields; ValueError naming ``where`` and the field."""
+    allowed = {f.name for f in dataclasses.fields(Style)} - {"uses_answer"}
+    unknown = sorted(set(fields) - allowed)
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {unknown}; a style has {sorted(allowed)}")
+    kind = fields.get("kind", "yes_no")
+    if kind not in KINDS:
+        raise ValueError(f"{where}: kind must be one of {list(KINDS)}, got {kind!r}")
+    template = fields.get("template")
+    if not isinstance(template, str) or not template.strip():
+        raise ValueError(f"{where}: template must be a non-empty string")
+    for name, typ in (("help", str), ("system", str), ("chat", bool)):
+        if name in fields and not isinstance(fields[name], typ):
+            raise ValueError(f"{where}: {name} must be a {typ.__name__}, got {fields[name]!r}")
+    end = fields.get("end")
+    if end is not None and not isinstance(end, str):
+        raise ValueError(f"{where}: end must be a string, got {end!r}")
+    try:
+        names = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+    except ValueError as e:
+        raise ValueError(f"{where}: template: {e} (write {{{{ and }}}} for literal braces)") from None
+    bad = sorted(names - PLACEHOLDERS)
+    if bad:
+        raise ValueError(f"{where}: template names {bad}; placeholders are {sorted(PLACEHOLDERS)}")
+    if kind == "likelihood" and names & {"completion", "answer"}:
+        raise ValueError(f"{where}: a likelihood template is the text before the answer; it cannot name "
+                         f"{sorted(names & {'completion', 'answer'})}")
+    if kind == "yes_no" and not names & {"completion", "answer"}:
+        raise ValueError(f"{where}: a yes_no template must show the judged completion ({{completion}} or {{answer}})")
+    return Style(help=fields.get("help", "") or where, template=template, kind=kind,
+                 uses_answer=kind == "likelihood" or "answer" in names, chat=fields.get("chat", True),
+                 system=fields.get("system", ""), end=end)
 
 
 STYLES: dict[str, Style] = {
@@ -135,8 +220,65 @@ STYLES: dict[str, Style] = {
         "Here is a problem and a proposed final answer.\n\nProblem:\n{prompt}\n\nProposed final answer: {answer}\n\n"
         "Is the final answer right? Answer Yes or No.",
         uses_answer=True),
+    "solve": Style(
+        "likelihood: P(the judge, asked the question, replies with exactly the completion's final answer)",
+        "{question}", uses_answer=True, kind="likelihood", system="Give only the final answer."),
 }
-"""The question styles of HF chat judges, by the name after ``@``."""
+"""The built-in question styles of HF judges, by the name after ``@``; a style of one's own is a
+TOML file named instead (``@path/to/style.toml``, :func:`style_file`)."""
+
+
+def is_style_file(style: str) -> bool:
+    return style.endswith(".toml")
+
+
+@functools.lru_cache(maxsize=64)
+def _read_style_file(path: str, mtime_ns: int) -> Style:
+    import tomllib
+
+    try:
+        fields = tomllib.loads(Path(path).read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"lm_judge style file {path!r}: not valid TOML: {e}") from None
+    return make_style(fields, where=f"lm_judge style file {path!r}")
+
+
+def style_file(path: str) -> Style:
+    """The style a TOML file defines (fields of ``Style``: ``kind``, ``template``, ``chat``, ``system``,
+    ``end``, ``help``); read again when the file changes. ValueError naming the file and the field."""
+    try:
+        mtime = Path(path).stat().st_mtime_ns
+    except OSError as e:
+        raise ValueError(f"lm_judge style file {path!r}: cannot read it ({e.strerror})") from None
+    return _read_style_file(path, mtime)
+
+
+def get_style(style: str | Style) -> Style:
+    """The ``Style`` a name (``STYLES``) or a style file names."""
+    if isinstance(style, Style):
+        return style
+    if is_style_file(style):
+        return style_file(style)
+    check_style(style)
+    return STYLES[style]
+
+
+_QUESTION = [re.compile(p, re.DOTALL) for p in (
+    r"<\|im_start\|>user\n(.*?)<\|im_end\|>",                            # ChatML (Qwen, SmolLM2)
+    r"<\|start_header_id\|>user<\|end_header_id\|>\n\n(.*?)<\|eot_id\|>",     # Llama 3
+    r"<start_of_turn>user\n(.*?)<end_of_turn>",                             # Gemma
+    r"\[INST\](.*?)\[/INST\]",                                               # Llama 2 / Mistral
+)]
+
+
+def question_of(prompt: str) -> str:
+    """The last user message of a chat-rendered prompt (ChatML, Llama 3, Gemma, [INST] markup);
+    the prompt itself, stripped, when it carries none of them."""
+    for pattern in _QUESTION:
+        found = pattern.findall(prompt)
+        if found:
+            return found[-1].strip()
+    return prompt.strip()
 
 
 # ----------------------------------------------------------------------------- specs
@@ -158,14 +300,19 @@ def parse_arg(arg: str | None) -> tuple[str | None, str | None]:
 
 
 def check_style(style: str) -> None:
+    """ValueError unless ``style`` is a built-in style or a readable, valid style file."""
+    if is_style_file(style):
+        style_file(style)
+        return
     if style not in STYLES:
-        raise ValueError(f"unknown lm_judge style {style!r}; styles: {sorted(STYLES)} "
-                         "(the style follows the last '@'; a directory containing '@' needs an explicit "
-                         "'<dir>@direct')")
+        raise ValueError(f"unknown lm_judge style {style!r}; styles: {sorted(STYLES)}, or a style file "
+                         "path/to/style.toml (the style follows the last '@'; a directory containing '@' needs "
+                         "an explicit '<dir>@direct')")
 
 
 def check_arg(arg: str | None) -> None:
-    """The kind's spec check (``Kind.check``): a known style, a well-formed endpoint. Touches no file."""
+    """The kind's spec check (``Kind.check``): a known style (a style file is read and checked), a
+    well-formed endpoint. Touches no checkpoint."""
     target, style = parse_arg(arg)
     if style is not None:
         check_style(style)
@@ -273,16 +420,18 @@ def final_answer(completion: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
-def render(style: str, prompt: str, completion: str) -> str | None:
-    """The user message of ``style`` about (prompt, completion); None when it cannot be asked
-    (``compare`` on a completion without a final answer)."""
-    st = STYLES[style]
+def render(style: str | Style, prompt: str, completion: str) -> str | None:
+    """The text of ``style`` about (prompt, completion): the question (``yes_no``) or the text
+    before the answer (``likelihood``); None when it cannot be asked (a style that needs a
+    final answer, on a completion without one)."""
+    st = get_style(style)
+    values = {"prompt": prompt.strip(), "question": question_of(prompt), "completion": completion.strip()}
     if st.uses_answer:
         answer = final_answer(completion)
         if answer is None:
             return None
-        return st.template.format(prompt=prompt.strip(), answer=answer)
-    return st.template.format(prompt=prompt.strip(), completion=completion.strip())
+        values["answer"] = answer
+    return st.template.format(**values)
 
 
 class ChatJudgeUnavailable(RuntimeError):
@@ -290,11 +439,12 @@ class ChatJudgeUnavailable(RuntimeError):
 
 
 class ChatJudge:
-    """An HF chat checkpoint as a yes/no judge: renders, truncates, batches, scores P(yes).
+    """An HF causal-LM checkpoint as a judge: renders, truncates, batches, scores P(yes) or P(answer).
 
     Thread-safe: one lock serialises the tokenizer and the forward, so the styles of one
     process (and late threads of a verifier past its deadline) share one copy of the model.
     ``forwards`` and ``questions`` count the model calls and the questions they scored.
+    Chat styles need a chat template in the tokenizer; plain styles (``chat = false``) do not.
     """
 
     def __init__(self, directory: str | Path, *, max_batch: int = MAX_BATCH, max_tokens: int = MAX_QUESTION_TOKENS,
@@ -315,15 +465,9 @@ class ChatJudge:
             raise ChatJudgeUnavailable(f"lm_judge {str(d)!r}: cannot load its tokenizer: "
                                        f"{type(exc).__name__}: {exc}") from exc
         self.tokenizer.model_max_length = 1 << 62  # questions are cut here (encode), not by the tokenizer
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ChatJudgeUnavailable(f"lm_judge {str(d)!r}: the tokenizer has no chat template (chat_template "
-                                       "in tokenizer_config.json or chat_template.jinja); a chat judge needs an "
-                                       "instruct model")
+        self.has_chat_template = bool(getattr(self.tokenizer, "chat_template", None))
         self.yes_ids = self._single_token_ids(YES_VARIANTS)
         self.no_ids = self._single_token_ids(NO_VARIANTS)
-        if not self.yes_ids or not self.no_ids:
-            raise ChatJudgeUnavailable(f"lm_judge {str(d)!r}: no single-token yes/no in the vocabulary "
-                                       f"(yes ids {self.yes_ids}, no ids {self.no_ids})")
         self.model, _ = load_checkpoint(d)
         self.device = torch.device(device)
         self.model.to(self.device)
@@ -355,37 +499,74 @@ class ChatJudge:
     def no_tokens(self) -> list[str]:
         return self.tokenizer.convert_ids_to_tokens(self.no_ids)
 
-    def _ids(self, message: str) -> list[int]:
+    def _usable(self, st: Style) -> None:
+        """ChatJudgeUnavailable when this checkpoint cannot ask ``st``."""
+        if st.chat and not self.has_chat_template:
+            raise ChatJudgeUnavailable(f"lm_judge {self.directory!r}: the tokenizer has no chat template "
+                                       "(chat_template in tokenizer_config.json or chat_template.jinja), which a chat "
+                                       "style needs; use an instruct model, or a plain style (chat = false)")
+        if st.kind == "yes_no" and (not self.yes_ids or not self.no_ids):
+            raise ChatJudgeUnavailable(f"lm_judge {self.directory!r}: no single-token yes/no in the vocabulary "
+                                       f"(yes ids {self.yes_ids}, no ids {self.no_ids}); use a likelihood style")
+
+    def _ids(self, st: Style, message: str) -> list[int]:
+        if not st.chat:
+            return self.tokenizer.encode(message)  # with the tokenizer's own BOS, as a base model reads text
+        messages = [{"role": "system", "content": st.system}] if st.system else []
+        messages.append({"role": "user", "content": message})
         # enable_thinking=False: templates with a thinking switch (Qwen3) open the answer at once;
         # templates without one ignore it.
-        text = self.tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True,
-                                                  tokenize=False, enable_thinking=False)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                  enable_thinking=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def encode(self, style: str, prompt: str, completion: str) -> list[int] | None:
-        """Token ids of the chat-templated question, cut to ``max_tokens`` from the left of the
+    def encode(self, style: str | Style, prompt: str, completion: str) -> list[int] | None:
+        """Token ids of a ``yes_no`` style's question, cut to ``max_tokens`` from the left of the
         completion; None when it cannot be asked."""
-        check_style(style)
+        st = get_style(style)
+        if st.kind != "yes_no":
+            raise ValueError(f"encode asks yes_no styles; this one is {st.kind} (encode_answer)")
+        self._usable(st)
         with self._lock:
-            message = render(style, prompt, completion)
+            message = render(st, prompt, completion)
             if message is None:
                 return None
-            ids = self._ids(message)
+            ids = self._ids(st, message)
             if len(ids) <= self.max_tokens:
                 return ids
-            if STYLES[style].uses_answer:
+            if "completion" not in st.fields():
                 return None  # the prompt alone is too long
             body = self.tokenizer.encode(completion.strip(), add_special_tokens=False)
-            keep = self.max_tokens - len(self._ids(render(style, prompt, TRUNCATION_MARK)))
+            keep = self.max_tokens - len(self._ids(st, render(st, prompt, TRUNCATION_MARK)))
             for _ in range(4):  # re-tokenising the cut text may merge differently; shave until it fits
                 if keep <= 0:
                     return None
                 tail = TRUNCATION_MARK + self.tokenizer.decode(body[-keep:])
-                ids = self._ids(render(style, prompt, tail))
+                ids = self._ids(st, render(st, prompt, tail))
                 if len(ids) <= self.max_tokens:
                     return ids
                 keep -= len(ids) - self.max_tokens
             return None
+
+    def encode_answer(self, style: str | Style, prompt: str, completion: str) -> tuple[list[int], list[int]] | None:
+        """``(context ids, answer ids)`` of a ``likelihood`` style: the text before the answer, then the
+        completion's final answer and the style's end; None when the completion states no answer or
+        the whole does not fit in ``max_tokens``."""
+        st = get_style(style)
+        if st.kind != "likelihood":
+            raise ValueError(f"encode_answer asks likelihood styles; this one is {st.kind} (encode)")
+        self._usable(st)
+        with self._lock:
+            context = render(st, prompt, completion)
+            if context is None:
+                return None
+            ctx = self._ids(st, context)
+            end = st.end if st.end is not None else ((self.tokenizer.eos_token or "") if st.chat else "\n")
+            sep = "" if st.chat or context.endswith((" ", "\n")) else " "
+            target = self.tokenizer.encode(sep + final_answer(completion) + end, add_special_tokens=False)
+            if not target or len(ctx) + len(target) > self.max_tokens:
+                return None
+            return ctx, target
 
     def p_yes_ids(self, seqs: Sequence[Sequence[int]]) -> np.ndarray:
         """float64 [N] P(yes) of each question (token ids), in left-padded forwards of at most ``max_batch``."""
@@ -413,14 +594,85 @@ class ChatJudge:
                 self.questions += len(idx)
         return out
 
-    def score(self, style: str, prompt: str, completions: Sequence[str]) -> np.ndarray:
-        """float32 [G] P(yes) of each completion in ``style`` (NaN where it cannot be asked)."""
-        seqs = [self.encode(style, prompt, c) for c in completions]
-        asked = [i for i, s in enumerate(seqs) if s is not None]
-        out = np.full(len(completions), np.nan, dtype=np.float32)
-        if asked:
-            out[asked] = self.p_yes_ids([seqs[i] for i in asked])
+    def answer_logprobs(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> np.ndarray:
+        """float64 [N] log P(answer ids | context ids) of each pair: the sum of the answer tokens'
+        log-probabilities. Pairs that share a context (the completions of one group, asked in one
+        style) share its forward: the context runs once, its KV cache is repeated for the answers,
+        which run together, right-padded, at most ``max_batch`` at a time."""
+        torch = self._torch
+        out = np.full(len(pairs), np.nan, dtype=np.float64)
+        by_context: dict[tuple[int, ...], list[int]] = {}
+        for i, (ctx, _) in enumerate(pairs):
+            by_context.setdefault(tuple(ctx), []).append(i)
+        from pipeline.model.qwen import _cache_kwarg
+
+        kwarg = _cache_kwarg(self.model)  # ``cache`` or ``past_key_values``, by transformers version
+        with self._lock, torch.no_grad():
+            for ctx, members in by_context.items():
+                head = self.model(input_ids=torch.tensor([ctx], dtype=torch.long, device=self.device), use_cache=True)
+                first = torch.log_softmax(head.logits[0, -1].double(), dim=-1).cpu()
+                self.forwards += 1
+                for start in range(0, len(members), self.max_batch):
+                    idx = members[start:start + self.max_batch]
+                    answers = [list(pairs[i][1]) for i in idx]
+                    width = max(len(t) for t in answers)
+                    total = [float(first[t[0]]) for t in answers]
+                    if width > 1:
+                        cache = copy.deepcopy(getattr(head, kwarg))
+                        cache.batch_repeat_interleave(len(idx))
+                        ids = torch.full((len(idx), width - 1), self.pad_id, dtype=torch.long)
+                        mask = torch.ones((len(idx), len(ctx) + width - 1), dtype=torch.long)
+                        for row, t in enumerate(answers):
+                            ids[row, :len(t) - 1] = torch.as_tensor(t[:-1], dtype=torch.long)
+                            mask[row, len(ctx) + len(t) - 1:] = 0
+                        logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                            use_cache=True, **{kwarg: cache}).logits.double()
+                        logp = torch.log_softmax(logits, dim=-1).cpu()
+                        self.forwards += 1
+                        for row, t in enumerate(answers):
+                            # answer token k (k >= 1) is predicted at position k - 1 of the answer forward
+                            rest = torch.as_tensor(t[1:], dtype=torch.long)
+                            total[row] += float(logp[row, :len(rest)].gather(1, rest[:, None]).sum())
+                    out[idx] = total
+                    self.questions += len(idx)
         return out
+
+    def questions_of(self, style: str | Style, prompt: str, completions: Sequence[str]) -> list:
+        """What ``style`` asks of each completion: token ids (``yes_no``), ``(context, answer)`` id
+        pairs (``likelihood``), or None where it cannot ask."""
+        st = get_style(style)
+        encode = self.encode_answer if st.kind == "likelihood" else self.encode
+        return [encode(st, prompt, c) for c in completions]
+
+    def score_questions(self, questions: Sequence) -> np.ndarray:
+        """float64 [N] score of each question ``questions_of`` built (NaN for None): P(yes) of id
+        lists, P(answer) of id pairs; identical questions are scored once."""
+        out = np.full(len(questions), np.nan, dtype=np.float64)
+        unique: dict[tuple, int] = {}
+        where: list[int] = []
+        for q in questions:
+            if q is None:
+                where.append(-1)
+                continue
+            key = (tuple(q[0]), tuple(q[1])) if isinstance(q, tuple) else (tuple(q),)
+            where.append(unique.setdefault(key, len(unique)))
+        keys = list(unique)
+        scores = np.full(len(keys), np.nan, dtype=np.float64)
+        yes_no = [k for k, key in enumerate(keys) if len(key) == 1]
+        pairs = [k for k, key in enumerate(keys) if len(key) == 2]
+        if yes_no:
+            scores[yes_no] = self.p_yes_ids([keys[k][0] for k in yes_no])
+        if pairs:
+            scores[pairs] = np.exp(self.answer_logprobs([keys[k] for k in pairs]))
+        for i, k in enumerate(where):
+            if k >= 0:
+                out[i] = scores[k]
+        return out
+
+    def score(self, style: str | Style, prompt: str, completions: Sequence[str]) -> np.ndarray:
+        """float32 [G] score of each completion in ``style`` (NaN where it cannot be asked): P(yes) for a
+        ``yes_no`` style, P(the judge states the completion's final answer) for a ``likelihood`` one."""
+        return self.score_questions(self.questions_of(style, prompt, completions)).astype(np.float32)
 
 
 # ----------------------------------------------------------------------------- one engine per directory
