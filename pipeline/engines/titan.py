@@ -1,4 +1,4 @@
-"""The ``torchtitan`` trainer engine: torchtitan's Qwen3 under FSDP2, one process per rank.
+"""The ``torchtitan`` trainer engine: torchtitan's Qwen3 or Llama 3 under FSDP2, one process per rank.
 
 ``pipeline train`` runs under ``torchrun --nproc-per-node <trainer.nproc>``. Every rank
 builds a :class:`TitanEngine` (the constructor is collective: process group, model,
@@ -20,7 +20,7 @@ The command protocol (rank 0 -> all, ``torch.distributed.broadcast``, no pickle)
              The statistics, normalised the same way, are summed by an all-reduce.
     LR_STEP  the warm-up schedule advances on every rank.
     WEIGHTS  full_tensor() of every sharded parameter, renamed to HF names by
-             torchtitan's Qwen3 state-dict adapter; only rank 0 keeps the result.
+             the architecture's torchtitan state-dict adapter; only rank 0 keeps the result.
              ``greedy`` and ``export_hf`` need nothing else from the followers: rank 0
              copies the gathered weights into a plain local ``transformers`` model and
              decodes or saves there.
@@ -31,10 +31,13 @@ The command protocol (rank 0 -> all, ``torch.distributed.broadcast``, no pickle)
              SAVE, resharding, so a checkpoint loads under a different rank count.
     STOP     the followers leave :func:`follow`.
 
-The model is built from the ``config.json`` of ``model.base_dir`` (SDPA attention, which
-runs on CPU; docs/design.md §9) and loaded from its safetensors through the adapter's
-``from_hf``. On CPU the process group is gloo, which has no averaging reduce-scatter, so
-FSDP2 is told to reduce by sum (``set_force_sum_reduction_for_comms``); on CUDA it is NCCL.
+The model is built from the ``config.json`` of ``model.base_dir``: its ``model_type`` picks
+the torchtitan model and adapter (``ARCHES``: ``qwen3``, ``llama``), and a checkpoint that
+model cannot compute exactly is refused, naming the field (:func:`checkpoint_problems`). SDPA
+attention, which runs on CPU (docs/design.md §9); the weights come from its safetensors
+through the adapter's ``from_hf``. On CPU the process group is gloo, which has no averaging
+reduce-scatter, so FSDP2 is told to reduce by sum (``set_force_sum_reduction_for_comms``); on
+CUDA it is NCCL.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import datetime
 import json
 import os
 import signal
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -52,6 +56,8 @@ import torch
 import torch.distributed as dist
 
 from pipeline.config import RunConfig
+from pipeline.engines.titan_arch import (  # noqa: F401  re-exported
+    ARCHES, COMMON_REQUIRED, LLAMA3_ROPE_FIELDS, TitanArch, checkpoint_problems, rope_parameters)
 from pipeline.algo.losses import LossSettings, advantages, objective
 from pipeline.model.qwen import safetensors_files, token_logprobs
 from pipeline.records import ScoredGroup
@@ -74,40 +80,46 @@ SHARDS_DIR = "shards"
 
 def _hf_config(directory: Path) -> dict:
     cfg = json.loads((directory / "config.json").read_text())
-    problems = []
-    if cfg.get("model_type") != "qwen3":
-        problems.append(f"model_type {cfg.get('model_type')!r} (need 'qwen3')")
-    if cfg.get("hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act {cfg.get('hidden_act')!r} (need 'silu')")
-    if cfg.get("attention_bias", False):
-        problems.append("attention_bias true")
-    if cfg.get("use_sliding_window", False):
-        problems.append("sliding-window attention")
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        problems.append(f"rope type {rope.get('rope_type', rope.get('type'))!r} (need 'default')")
+    problems = checkpoint_problems(cfg)
     if problems:
         raise ValueError(f"model.base_dir {directory}: torchtitan backend cannot build this model: "
                          + "; ".join(problems))
     return cfg
 
 
-def _rope_theta(cfg: dict) -> float:
-    rope = cfg.get("rope_parameters") or {}
-    theta = rope.get("rope_theta", cfg.get("rope_theta"))
-    if theta is None:
-        raise ValueError("config.json has no rope_theta (top level or in rope_parameters)")
-    return float(theta)
+def _rope_config(cfg: dict, arch: TitanArch, head_dim: int):
+    """The RoPE config of ``arch``'s layout with the checkpoint's theta and scaling (the
+    frequencies transformers' ``default`` / ``llama3`` initialisers compute)."""
+    from torchtitan.models.common import rope as titan_rope
+
+    rope = rope_parameters(cfg)
+    kw = {}
+    if rope["rope_type"] == "llama3":
+        # transformers prefers a top-level original_max_position_embeddings, then the
+        # rope's own, then max_position_embeddings (standardize_rope_params).
+        original = cfg.get("original_max_position_embeddings",
+                           rope.get("original_max_position_embeddings", cfg["max_position_embeddings"]))
+        kw = dict(scaling="llama", scaling_factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+                  high_freq_factor=float(rope["high_freq_factor"]), original_max_position_embeddings=int(original))
+    # transformers' default_theta when a config states none.
+    theta = float(rope.get("rope_theta", 10000.0))
+    return getattr(titan_rope, arch.rope).Config(dim=head_dim, max_seq_len=int(cfg["max_position_embeddings"]),
+                                                  theta=theta, **kw)
 
 
 def titan_model_config(cfg: dict):
-    """torchtitan's ``Qwen3Model.Config`` for an HF Qwen3 ``config.json`` (dense, SDPA attention, separate q/k/v projections)."""
-    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    """torchtitan's model config for an HF ``config.json`` that :func:`checkpoint_problems` accepts:
+    the ``ARCHES`` entry of its ``model_type``, dense, SDPA attention, separate q/k/v projections."""
+    import importlib
+
+    from torchtitan.models.common import Embedding, Linear
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
     from torchtitan.models.common.nn_modules import RMSNorm
-    from torchtitan.models.qwen3 import Qwen3Model, Qwen3TransformerBlock
 
+    arch = ARCHES[cfg["model_type"]]
+    package = importlib.import_module(f"torchtitan.models.{arch.package}")
+    model_cls, block_cls = getattr(package, arch.model), getattr(package, arch.block)
     dim = int(cfg["hidden_size"])
     n_heads = int(cfg["num_attention_heads"])
     n_kv = int(cfg.get("num_key_value_heads") or n_heads)
@@ -121,18 +133,19 @@ def titan_model_config(cfg: dict):
     def norm(n: int):
         return RMSNorm.Config(normalized_shape=n, eps=eps, param_init=norm_init)
 
-    rope = CosSinRoPE.Config(dim=head_dim, max_seq_len=int(cfg["max_position_embeddings"]), theta=_rope_theta(cfg))
+    rope = _rope_config(cfg, arch, head_dim)
+    # head_dim is always stated, so the softmax scale is head_dim ** -0.5, as transformers passes it.
     layers = [
-        Qwen3TransformerBlock.Config(
+        block_cls.Config(
             attention_norm=norm(dim), ffn_norm=norm(dim),
             attention=make_gqa_config(dim=dim, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
                                       wqkv_param_init=linear_init, wo_param_init=linear_init,
                                       inner_attention=ScaledDotProductAttention.Config(), fuse_qkv=False,
-                                      rope=rope, qk_norm=norm(head_dim)),
+                                      rope=rope, qk_norm=norm(head_dim) if arch.qk_norm else None),
             feed_forward=make_ffn_config(dim=dim, hidden_dim=int(cfg["intermediate_size"]),
                                          w1_param_init=linear_init, w2w3_param_init=linear_init))
         for _ in range(int(cfg["num_hidden_layers"]))]
-    return Qwen3Model.Config(
+    return model_cls.Config(
         vocab_size=vocab, dim=dim, norm=norm(dim), enable_weight_tying=bool(cfg.get("tie_word_embeddings", False)),
         tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=linear_init),
         lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=linear_init), layers=layers)
@@ -150,15 +163,37 @@ def read_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def build_titan_model(base_dir: Path):
-    """(model, model config, state-dict adapter): torchtitan's Qwen3 with the HF checkpoint's weights, float32."""
-    from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+    """(model, model config, state-dict adapter): the torchtitan model of the checkpoint's
+    ``model_type`` (``ARCHES``) with its weights, float32."""
+    import importlib
 
-    mcfg = titan_model_config(_hf_config(base_dir))
+    cfg = _hf_config(base_dir)
+    arch = ARCHES[cfg["model_type"]]
+    mcfg = titan_model_config(cfg)
     model = mcfg.build()
     model.init_states()
-    adapter = Qwen3StateDictAdapter(mcfg, None)
-    model.load_state_dict(adapter.from_hf(read_hf_tensors(base_dir)), strict=True)
+    adapter_cls = getattr(importlib.import_module(f"torchtitan.models.{arch.package}.state_dict_adapter"), arch.adapter)
+    adapter = adapter_cls(mcfg, None)
+    hf = read_hf_tensors(base_dir)
+    if mcfg.enable_weight_tying:
+        # transformers ties the head to the embedding whatever the file holds; so does from_hf
+        # when the head is absent.
+        hf.pop("lm_head.weight", None)
+    model.load_state_dict(adapter.from_hf(hf), strict=True)
     return model.float(), mcfg, adapter
+
+
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """Parameter names that share an earlier name's tensor (a tied head: ``lm_head.weight`` ->
+    ``tok_embeddings.weight``); the same on every rank."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            out[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return out
 
 
 def titan_completion_logprobs(model, prompts: list[torch.Tensor], completion_ids: torch.Tensor, *, pad_id: int,
@@ -260,6 +295,7 @@ class TitanEngine:
         model, self.model_config, self.adapter = build_titan_model(self.base_dir)
         self.vocab_size = int(self.model_config.vocab_size)
         self.model = shard(model)
+        self.aliases = tied_aliases(self.model)
         self.model.eval()
         self.ref_model = shard(build_titan_model(self.base_dir)[0]).eval() if t.kl_coef > 0 else None
         if self.ref_model is not None:
@@ -389,6 +425,8 @@ class TitanEngine:
 
         full = {}
         for name, value in self.model.state_dict().items():
+            if name in self.aliases:
+                continue  # the tied head: to_hf drops it; it is re-added below without a second gather
             value = value.full_tensor() if isinstance(value, DTensor) else value
             if self.rank == 0:
                 full[name] = value.detach().to("cpu", copy=True).contiguous()
@@ -409,7 +447,9 @@ class TitanEngine:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         msd, osd = get_state_dict(self.model, self.opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
-        state = {f"model.{k}": v for k, v in msd.items()}
+        # A tied head is the embedding's tensor under a second name: stored once (safetensors
+        # refuses two names for one tensor), re-aliased on load. The optimizer state names it once.
+        state = {f"model.{k}": v for k, v in msd.items() if k not in self.aliases}
         state.update({f"optim.{k}": v for k, v in osd.items() if isinstance(v, torch.Tensor)})
         state["rng"] = torch.get_rng_state()
         return state
@@ -434,6 +474,7 @@ class TitanEngine:
         # Reads the rows this rank needs, whatever the writers' rank count.
         load_sharded(directory / SHARDS_DIR, state, rank=self.rank, world=self.world)
         msd = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+        msd.update({alias: msd[source] for alias, source in self.aliases.items()})
         osd = {k[len("optim."):]: v for k, v in state.items() if k.startswith("optim.")}
         osd.update(hyper)
         set_state_dict(self.model, self.opt, model_state_dict=msd, optim_state_dict=osd, options=flat)

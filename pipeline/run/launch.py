@@ -250,6 +250,15 @@ def model_problems(cfg: RunConfig) -> list[str]:
     if missing:
         return [f"model.base_dir: must be a loadable checkpoint directory (config.json with vocab_size, "
                 f"tokenizer.json, model.safetensors); {str(base)!r} lacks {', '.join(missing)}: {how}"]
+    if cfg.trainer.backend == "torchtitan":
+        import json
+
+        from pipeline.engines.titan_arch import checkpoint_problems as titan_problems
+
+        why = titan_problems(json.loads((base / "config.json").read_text()))
+        if why:
+            return [f"model.base_dir: trainer.backend 'torchtitan' cannot build {str(base)!r} exactly: "
+                    + "; ".join(why)]
     return []
 
 
