@@ -67,14 +67,20 @@ def test_the_yes_and_no_variants_of_the_vocabulary_are_found(judge_engine):
     assert judge_engine.no_tokens == ["No", "ĠNo", "no", "Ġno", "NO", "ĠNO"]
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-prefix", "left-padded"])
 @pytest.mark.parametrize("style", sorted(k for k, v in LJ.STYLES.items() if v.kind == "yes_no"))
-def test_batched_p_yes_equals_one_question_at_a_time(judge_engine, style):
+def test_batched_p_yes_equals_one_question_at_a_time(judge_engine, style, shared, monkeypatch):
+    monkeypatch.setattr(LJ, "SHARED_PREFIX_MIN", 16 if shared else 1 << 30)
     seqs = [judge_engine.encode(style, ADD, c) for c in COMPLETIONS]
     asked = [s for s in seqs if s is not None]
     assert len({len(s) for s in asked}) > 2, "the questions must differ in length, so padding is exercised"
+    order = sorted(asked, key=len)
+    chunks = [order[k:k + 3] for k in range(0, len(order), 3)]  # max_batch 3
+    if shared:
+        assert all(LJ._common_prefix(c) >= 16 for c in chunks), "every chunk shares its beginning"
     before = judge_engine.forwards
     batched = judge_engine.p_yes_ids(asked)
-    assert judge_engine.forwards - before == math.ceil(len(asked) / 3)  # max_batch 3
+    assert judge_engine.forwards - before == len(chunks) * (2 if shared else 1)
     single = np.array([judge_engine.p_yes_ids([s])[0] for s in asked])
     np.testing.assert_allclose(batched, single, atol=1e-5, rtol=0)
     assert ((batched > 0) & (batched < 1)).all()
@@ -289,7 +295,8 @@ def test_the_server_returns_the_in_process_scores(server, chat_dir):
     client.close()
 
 
-def test_concurrent_clients_share_forwards(server):
+def test_concurrent_clients_share_forwards(server, monkeypatch):
+    monkeypatch.setattr(LJ, "SHARED_PREFIX_MIN", 1 << 30)  # one forward per batch, so forwards count batches
     clients, rounds = 4, 3
     barrier = threading.Barrier(clients)
     results: dict[int, list] = {}

@@ -118,6 +118,9 @@ TRUNCATION_MARK = "... "
 YES_VARIANTS = ("Yes", " Yes", "yes", " yes", "YES", " YES")
 NO_VARIANTS = ("No", " No", "no", " no", "NO", " NO")
 
+SHARED_PREFIX_MIN = 16
+"""Tokens yes/no questions must share at their start before their common beginning runs once."""
+
 ENDPOINT_SCHEMES = ("tcp://", "ipc://")
 """Spec arguments starting with these name a judge server instead of a directory."""
 
@@ -569,13 +572,24 @@ class ChatJudge:
             return ctx, target
 
     def p_yes_ids(self, seqs: Sequence[Sequence[int]]) -> np.ndarray:
-        """float64 [N] P(yes) of each question (token ids), in left-padded forwards of at most ``max_batch``."""
+        """float64 [N] P(yes) of each question (token ids), at most ``max_batch`` per forward. Questions
+        that begin alike (one group's, asked in one style) share the forward of their common beginning
+        when it is at least ``SHARED_PREFIX_MIN`` tokens: it runs once, its KV cache is repeated for
+        the rest of each question, right-padded; otherwise each chunk is one left-padded forward."""
         torch = self._torch
         out = np.full(len(seqs), np.nan, dtype=np.float64)
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))  # similar lengths share a forward
         with self._lock, torch.no_grad():
             for start in range(0, len(order), self.max_batch):
                 idx = order[start:start + self.max_batch]
+                shared = _common_prefix([seqs[i] for i in idx])
+                if shared >= SHARED_PREFIX_MIN:
+                    logits = self._last_logits_after(seqs, idx, shared)
+                    ly = torch.logsumexp(logits[:, self._yes], dim=-1)
+                    ln = torch.logsumexp(logits[:, self._no], dim=-1)
+                    out[idx] = torch.sigmoid(ly - ln).cpu().numpy()
+                    self.questions += len(idx)
+                    continue
                 width = max(len(seqs[i]) for i in idx)
                 ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)
                 mask = torch.zeros((len(idx), width), dtype=torch.long)
@@ -593,6 +607,30 @@ class ChatJudge:
                 self.forwards += 1
                 self.questions += len(idx)
         return out
+
+    def _last_logits_after(self, seqs: Sequence[Sequence[int]], idx: list[int], shared: int):
+        """float64 [len(idx), V] next-token logits of each ``seqs[i]`` (``i`` in ``idx``), whose first
+        ``shared`` tokens are the same: those run once, the rest of each runs on a copy of their cache."""
+        from pipeline.model.qwen import _cache_kwarg
+
+        torch = self._torch
+        kwarg = _cache_kwarg(self.model)
+        head = self.model(input_ids=torch.tensor([list(seqs[idx[0]][:shared])], dtype=torch.long,
+                                                 device=self.device), use_cache=True)
+        cache = getattr(head, kwarg)
+        cache.batch_repeat_interleave(len(idx))
+        width = max(len(seqs[i]) for i in idx) - shared
+        ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)
+        mask = torch.ones((len(idx), shared + width), dtype=torch.long)
+        for row, i in enumerate(idx):
+            rest = list(seqs[i][shared:])
+            ids[row, :len(rest)] = torch.as_tensor(rest, dtype=torch.long)
+            mask[row, shared + len(rest):] = 0
+        logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=True,
+                            **{kwarg: cache}).logits.double()
+        self.forwards += 2
+        last = torch.tensor([len(seqs[i]) - shared - 1 for i in idx])
+        return logits[torch.arange(len(idx)), last.to(logits.device)]
 
     def answer_logprobs(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> np.ndarray:
         """float64 [N] log P(answer ids | context ids) of each pair: the sum of the answer tokens'
@@ -673,6 +711,17 @@ class ChatJudge:
         """float32 [G] score of each completion in ``style`` (NaN where it cannot be asked): P(yes) for a
         ``yes_no`` style, P(the judge states the completion's final answer) for a ``likelihood`` one."""
         return self.score_questions(self.questions_of(style, prompt, completions)).astype(np.float32)
+
+
+def _common_prefix(seqs: Sequence[Sequence[int]]) -> int:
+    """Tokens all ``seqs`` share at their start, leaving at least one token of each to run after them."""
+    n = min(len(x) for x in seqs) - 1
+    first = seqs[0]
+    for k in range(max(n, 0)):
+        t = first[k]
+        if any(x[k] != t for x in seqs):
+            return k
+    return max(n, 0)
 
 
 # ----------------------------------------------------------------------------- one engine per directory
