@@ -1,0 +1,43 @@
+"""bench/real_experiment.py's measures and report, on results written here (the runs themselves
+take an hour each: `make real-experiment`)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import real_experiment as RX
+
+
+def test_auc_counts_ties_half_and_leaves_abstentions_out():
+    assert RX.auc(np.array([0.9, 0.8, 0.1, np.nan]), np.array([1, 1, 0, 1])) == 1.0
+    assert RX.auc(np.array([0.5, 0.5]), np.array([1, 0])) == 0.5
+    assert RX.auc(np.array([0.2, 0.9, np.nan]), np.array([1, 0, 0])) == 0.0
+    assert RX.auc(np.array([0.2, 0.3]), np.array([1, 1])) is None
+
+
+def test_the_gap_closed_is_weavers_share_of_the_single_to_truth_distance():
+    assert RX.gap_closed(0.5, 0.6, 0.7) == pytest.approx(0.5)
+    assert RX.gap_closed(0.5, 0.45, 0.7) == pytest.approx(-0.25)
+    assert RX.gap_closed(0.7, 0.8, 0.7) is None, "no gap to close when the single judge matches the truth"
+
+
+def _run(final, last, base=0.38):
+    return {"run": "runs/x", "base": base, "final": final, "last": last, "evals": {"0": base, "30": last},
+            "wall_seconds": 1200.0, "accounting_ok": True, "lost": 0, "unexpected": 0, "fitted": None}
+
+
+def test_the_report_gives_medians_ranges_and_the_share_closed_per_seed(tmp_path):
+    result = {"command": "python bench/real_experiment.py", "finished": "now", "probe": None, "heldout_size": 100,
+              "runs": {"ground_truth": {"0": _run(0.60, 0.62), "1": _run(0.56, 0.58)},
+                       "single": {"0": _run(0.50, 0.50), "1": _run(0.48, 0.49)},
+                       "weaver": {"0": _run(0.55, 0.57), "1": _run(0.54, 0.50)}}}
+    RX.report(result, tmp_path)
+    md = (tmp_path / "real.md").read_text()
+    assert "| ground_truth | 2 | 0.380 | 0.580 (0.560 – 0.600) | +20.0 (+18.0 – +22.0) |" in md
+    # medians: truth 0.58, single 0.49, weaver 0.545 -> (0.545 - 0.49) / (0.58 - 0.49) = 61%
+    assert "Weaver closes **61%** of it" in md and "seed 0: 50%; seed 1: 75%" in md
+    assert json.loads((tmp_path / "real.json").read_text())["runs"]["weaver"]["1"]["final"] == 0.54
+    assert (tmp_path / "real.png").stat().st_size > 1000
