@@ -512,6 +512,15 @@ class ChatJudge:
             raise ChatJudgeUnavailable(f"lm_judge {self.directory!r}: no single-token yes/no in the vocabulary "
                                        f"(yes ids {self.yes_ids}, no ids {self.no_ids}); use a likelihood style")
 
+    def _asking(self, style: str | Style, kind: str) -> Style:
+        """The style, checked to be of ``kind`` and askable of this checkpoint."""
+        st = get_style(style)
+        if st.kind != kind:
+            other = "encode" if kind == "likelihood" else "encode_answer"
+            raise ValueError(f"a {kind} question asked in a {st.kind} style ({other} asks those)")
+        self._usable(st)
+        return st
+
     def _ids(self, st: Style, message: str) -> list[int]:
         if not st.chat:
             return self.tokenizer.encode(message)  # with the tokenizer's own BOS, as a base model reads text
@@ -526,10 +535,7 @@ class ChatJudge:
     def encode(self, style: str | Style, prompt: str, completion: str) -> list[int] | None:
         """Token ids of a ``yes_no`` style's question, cut to ``max_tokens`` from the left of the
         completion; None when it cannot be asked."""
-        st = get_style(style)
-        if st.kind != "yes_no":
-            raise ValueError(f"encode asks yes_no styles; this one is {st.kind} (encode_answer)")
-        self._usable(st)
+        st = self._asking(style, "yes_no")
         with self._lock:
             message = render(st, prompt, completion)
             if message is None:
@@ -555,10 +561,7 @@ class ChatJudge:
         """``(context ids, answer ids)`` of a ``likelihood`` style: the text before the answer, then the
         completion's final answer and the style's end; None when the completion states no answer or
         the whole does not fit in ``max_tokens``."""
-        st = get_style(style)
-        if st.kind != "likelihood":
-            raise ValueError(f"encode_answer asks likelihood styles; this one is {st.kind} (encode)")
-        self._usable(st)
+        st = self._asking(style, "likelihood")
         with self._lock:
             context = render(st, prompt, completion)
             if context is None:
