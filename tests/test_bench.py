@@ -125,3 +125,32 @@ def test_e2e_figures_are_read_from_the_run_files(tmp_path):
     rows = bench_run.e2e_rows({"command": "c", "runs": [{**f, "max_staleness": 0, "step_s": 4.0,
                                                          "tokens_per_s_window": 20.0}, f]})
     assert next(r for r in rows if r.figure.startswith("wall time")).ratio == pytest.approx(2.0)
+
+
+def test_the_real_model_generation_section_renders_from_its_results_file_alone():
+    """bench/results/gen-real.json (bench/bench_gen_real.py, run in the vllm lane's venv) becomes a
+    section of BENCHMARKS.md without vLLM or the model: each system's median beside HF generate's."""
+    def system(label, tps, paired):
+        return {"label": label, "start_s": 2.5, "tokens_per_s_median": tps, "seconds_median": 4096 / tps,
+                "mean_length": 30.2, "ended_fraction": 0.1, "vs_hf_generate": round(tps / 200.0, 2),
+                "vs_hf_generate_paired_median": paired, "rounds": []}
+
+    res = {"command": "python bench/bench_gen_real.py --threads 1", "date": "2026-01-01 00:00 UTC",
+           "base_dir": "/x/artifacts/smollm2-135m-instruct",
+           "model": {"parameters": 134_515_008, "architecture": "LlamaForCausalLM", "tied_embeddings": True},
+           "workload": {"prompts": 16, "group_size": 8, "sequences": 128, "prompt_tokens": [36], "max_new_tokens": 32,
+                        "temperature": 1.0, "threads": 1, "dtype": "float32", "repeats": 5},
+           "versions": {"torch": "2.13.0+cpu", "transformers": "5.24.0", "vllm": "0.32.0"},
+           "load_average": {"start": [3.0, 2.0, 1.0]},
+           "systems": {"vllm": system("vLLM-CPU", 500.0, 2.4), "hf_generate": system("HF generate", 200.0, 1.0),
+                       "torch_sample": system("torch sampler", 300.0, 1.6)}}
+    text = "\n".join(bench_run.gen_real_section(res))
+    assert "## Generation on a real model (bench/results/gen-real.json)" in text
+    assert "smollm2-135m-instruct (134.5M parameters, LlamaForCausalLM)" in text and "128 sequences" in text
+    assert "1 torch thread;" in text and "vllm 0.32.0" in text
+    assert "`python bench/bench_gen_real.py --threads 1`" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "tok/s" in line]
+    # HF generate first (the baseline), then the others in a fixed order; absent systems are left out.
+    assert [r.split(" | ")[0] for r in rows] == ["| HF generate", "| torch sampler", "| vLLM-CPU"]
+    assert "| 1.00× | 1.00× |" in rows[0] and "| 1.50× | 1.60× |" in rows[1] and "| 2.50× | 2.40× |" in rows[2]
+    assert "500 tok/s" in rows[2] and "30.2 tokens" in rows[2]

