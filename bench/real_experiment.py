@@ -165,13 +165,16 @@ def probe(cfg, *, prompts: int, seed: int) -> dict:
 # --------------------------------------------------------------------------- the runs
 
 
-def run_arm(arm: str, seed: int, *, best: str, steps: int | None, runs_dir: Path, extra: dict) -> Path:
+def run_arm(arm: str, seed: int, *, best: str, steps: int | None, runs_dir: Path, extra: dict,
+            variant: dict | None = None) -> Path:
+    """One run of ``arm`` (or of the post-hoc ``variant``: the weaver reward with its overrides)."""
     reward = {"ground_truth": "ground_truth", "single": f"single:{best}", "weaver": "weaver"}[arm]
     overrides: dict[str, object] = {"verifier.reward": reward, "trainer.seed": seed, "feeder.seed": seed,
-                                    "generator.seed": seed, **extra}
+                                    "generator.seed": seed, **extra, **(variant or {}).get("overrides", {})}
     if steps is not None:
         overrides["trainer.steps"] = steps
-    run_dir = run_up(f"real-{arm.replace('_', '-')}-s{seed}", overrides, runs_dir=runs_dir, config=CONFIG)
+    label = arm.replace("_", "-") if variant is None else variant["label"]
+    run_dir = run_up(f"real-{label}-s{seed}", overrides, runs_dir=runs_dir, config=CONFIG)
     for ckpt in (run_dir / "checkpoints").glob("step-*"):
         shutil.rmtree(ckpt, ignore_errors=True)  # ~1.6 GB each (model and optimizer); final/ stays
     return run_dir
@@ -210,7 +213,11 @@ def plot(result: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     colors = {"ground_truth": "tab:green", "single": "tab:orange", "weaver": "tab:blue"}
-    for arm, runs in result["runs"].items():
+    extra_colors = iter(["tab:purple", "tab:red", "tab:brown"])
+    series = {**result["runs"], **{f"{k} (post hoc)": v["runs"] for k, v in result.get("variants", {}).items()}}
+    for arm, runs in series.items():
+        if arm not in colors:
+            colors[arm] = next(extra_colors)
         for k, r in enumerate(runs.values()):
             x = [int(v) for v in r["evals"]]
             ax.plot(x, list(r["evals"].values()), color=colors[arm], alpha=0.8, marker="o", ms=3,
@@ -266,8 +273,26 @@ def report(result: dict, out: Path) -> None:
                       f"{gm:+.1f} ({glo:+.1f} – {ghi:+.1f})", f"{lm_:.3f} ({llo:.3f} – {lhi:.3f})",
                       f"{np.median([r['wall_seconds'] or 0 for r in rs]) / 60:.0f} min",
                       "yes" if all(r["accounting_ok"] for r in rs) else "NO"])
+    variants = result.get("variants", {})
+    for label, var in variants.items():
+        rs = list(var["runs"].values())
+        if not rs:
+            continue
+        finals[label] = {seed: r["final"] for seed, r in var["runs"].items()}
+        gain = [100 * (r["final"] - r["base"]) for r in rs]
+        fm, flo, fhi = median_range([r["final"] for r in rs])
+        gm, glo, ghi = median_range(gain)
+        lm_, llo, lhi = median_range([r["last"] for r in rs])
+        table.append([f"{label} (post hoc)", len(rs), f"{rs[0]['base']:.3f}", f"{fm:.3f} ({flo:.3f} – {fhi:.3f})",
+                      f"{gm:+.1f} ({glo:+.1f} – {ghi:+.1f})", f"{lm_:.3f} ({llo:.3f} – {lhi:.3f})",
+                      f"{np.median([r['wall_seconds'] or 0 for r in rs]) / 60:.0f} min",
+                      "yes" if all(r["accounting_ok"] for r in rs) else "NO"])
     lines += [md_table(["reward", "seeds", "base", "final", "gain (points)", "last evaluation", "wall per run",
                         "accounting balances"], table)]
+    for label, var in variants.items():
+        lines += [f"`{label}` is not one of the three arms: the weaver reward with "
+                  + ", ".join(f"`{k} = {v}`" for k, v in var["overrides"].items())
+                  + f", run after the arms above had been seen. {var.get('why', '')}", ""]
     if all(a in finals for a in ARMS):
         med = {a: float(np.median(list(finals[a].values()))) for a in ARMS}
         closed = gap_closed(med["single"], med["weaver"], med["ground_truth"])
@@ -281,11 +306,13 @@ def report(result: dict, out: Path) -> None:
                   + f" ({100 * (med['weaver'] - med['single']):+.1f} points over the single judge). Per seed: "
                   + "; ".join(per_seed) + ".", ""]
     lines += ["![held-out accuracy over steps](real.png)", "", "Runs:", ""]
-    for arm in ARMS:
-        for seed, r in runs.get(arm, {}).items():
+    every = {**{a: runs.get(a, {}) for a in ARMS}, **{k: v["runs"] for k, v in variants.items()}}
+    for arm, by_seed in every.items():
+        for seed, r in by_seed.items():
             lines.append(f"- {arm}, seed {seed}: `{r['run']}` (base {r['base']:.3f}, final {r['final']:.3f}, "
                          f"last {r['last']:.3f}, lost {r['lost']}, unexpected {r['unexpected']})")
-    fits = [(seed, r["fitted"]) for seed, r in runs.get("weaver", {}).items() if r.get("fitted")]
+    fits = [(f"{arm}, seed {seed}", r["fitted"]) for arm, by_seed in every.items() if arm not in ("ground_truth", "single")
+            for seed, r in by_seed.items() if r.get("fitted")]
     if fits:
         lines += ["", "## What the label model fitted in the weaver runs", "",
                   "The newest fit of each weaver run (`labelmodel_fitted` in its verifier's log; `pipeline "
@@ -299,7 +326,7 @@ def report(result: dict, out: Path) -> None:
             rows = [[f"`{n}`", "yes" if v["kept"] else f"no: {v['dropped'] or 'filtered'}", g(v["threshold"]),
                      g(v["tpr_fitted"]), g(v["tpr_measured"]), g(v["tnr_fitted"]), g(v["tnr_measured"])]
                     for n, v in f["verifiers"].items()]
-            lines += [f"Seed {seed}, label model version {f['version']} ({f['rows']} completions, π = {f['pi']}; "
+            lines += [f"{seed.capitalize()}, label model version {f['version']} ({f['rows']} completions, π = {f['pi']}; "
                       f"measured on {f['groups_measured']} groups):", "",
                       md_table(["verifier", "in the posterior", "threshold", "TPR fitted", "TPR measured",
                                 "TNR fitted", "TNR measured"], rows)]
@@ -318,6 +345,10 @@ def main() -> int:
     ap.add_argument("--single", default=None, help="the single judge's spec (default: the probe's best)")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="a config override for every run (repeatable)")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL:FIELD=VALUE[,FIELD=VALUE]",
+                    help="a post-hoc weaver variant, run for every seed after the arms and reported apart from them "
+                         "(repeatable)")
+    ap.add_argument("--variant-why", default="", help="why the variant was run (printed with it)")
     ap.add_argument("--runs-dir", default="runs", help="where the runs go")
     ap.add_argument("--out", default=str(RESULTS), help="results directory")
     ap.add_argument("--reuse", action="store_true", help="re-read the runs named in <out>/real.json, rewrite the report")
@@ -327,7 +358,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     prior = json.loads((out / "real.json").read_text()) if (args.reuse or args.resume) else None
     if args.reuse:
-        for arm, runs in prior["runs"].items():
+        for runs in [*prior["runs"].values(), *(v["runs"] for v in prior.get("variants", {}).values())]:
             for seed, r in runs.items():
                 runs[seed] = summarise_run(ROOT / r["run"])
         report(prior, out)
@@ -370,6 +401,21 @@ def main() -> int:
                 continue
             run_dir = run_arm(arm, seed, best=best, steps=args.steps, runs_dir=ROOT / args.runs_dir, extra=extra)
             result["runs"].setdefault(arm, {})[str(seed)] = summarise_run(run_dir)
+            report(result, out)
+    for item in args.variant:
+        label, sep, fields = item.partition(":")
+        pairs = [f.partition("=") for f in fields.split(",") if f]
+        if not sep or not label or any(not eq for _, eq, _ in pairs):
+            raise SystemExit(f"--variant {item!r}: expected LABEL:FIELD=VALUE[,FIELD=VALUE]")
+        var = result.setdefault("variants", {}).setdefault(label, {"label": label, "runs": {}})
+        var["overrides"] = {k: v for k, _, v in pairs}
+        var["why"] = args.variant_why or var.get("why", "")
+        for seed in seeds:
+            if str(seed) in var["runs"]:
+                continue
+            run_dir = run_arm("weaver", seed, best=best, steps=args.steps, runs_dir=ROOT / args.runs_dir, extra=extra,
+                              variant=var)
+            var["runs"][str(seed)] = summarise_run(run_dir)
             report(result, out)
     result["finished"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     report(result, out)

@@ -41,3 +41,17 @@ def test_the_report_gives_medians_ranges_and_the_share_closed_per_seed(tmp_path)
     assert "Weaver closes **61%** of it" in md and "seed 0: 50%; seed 1: 75%" in md
     assert json.loads((tmp_path / "real.json").read_text())["runs"]["weaver"]["1"]["final"] == 0.54
     assert (tmp_path / "real.png").stat().st_size > 1000
+
+
+def test_a_post_hoc_variant_is_reported_apart_from_the_arms(tmp_path):
+    result = {"command": "python bench/real_experiment.py", "finished": "now", "probe": None, "heldout_size": 100,
+              "runs": {"ground_truth": {"0": _run(0.60, 0.62)}, "single": {"0": _run(0.50, 0.50)},
+                       "weaver": {"0": _run(0.55, 0.57)}},
+              "variants": {"weaver-no-sound": {"label": "weaver-no-sound", "why": "Because.",
+                                               "overrides": {"verifier.sound_checks": "false"},
+                                               "runs": {"0": _run(0.58, 0.59)}}}}
+    RX.report(result, tmp_path)
+    md = (tmp_path / "real.md").read_text()
+    assert "| weaver-no-sound (post hoc) | 1 | 0.380 | 0.580 (0.580 – 0.580) | +20.0 (+20.0 – +20.0) |" in md
+    assert "`weaver-no-sound` is not one of the three arms: the weaver reward with `verifier.sound_checks = false`" in md
+    assert "Weaver closes **50%** of it" in md, "the gap is the three arms' alone"
