@@ -400,3 +400,10 @@ def test_the_server_scores_likelihood_styles_and_style_files_it_has_no_copy_of(s
     sock.close(0)
     ctx.term()
     client.close()
+
+
+def test_a_style_without_a_directory_asks_the_imported_smollm2_and_a_bare_spec_the_base_policy():
+    assert LJ.judge_directory("@solve") == "artifacts/smollm2-135m-instruct"
+    assert LJ.judge_directory(None) == "artifacts/base-model"
+    assert LJ.judge_directory("/some/dir@direct") == "/some/dir"
+    V.check_spec("lm_judge:@compare")

