@@ -488,8 +488,14 @@ class VerifierConfig(_Section):
     fit to believe mod 9 rejects ~23% of right answers, a wrong majority answer that
     fails mod 9 keeps a posterior of ~0.6, and RL with the weaver reward ends below RL
     with mod 9 alone."""
+    class_balance: float = 0.0
+    """Label model: the share of correct completions, if you know it (for example the base
+    policy's accuracy measured on a small labelled sample of the training split), held
+    fixed instead of estimated; 0 estimates it without labels (Weaver). The estimate is the
+    fit's fragile part when verifiers err together (docs/real-models.md)."""
 
     def _validate(self, p: str) -> None:
+        _check(0.0 <= self.class_balance < 1.0, f"{p}.class_balance", "in [0, 1) (0: estimated)", self.class_balance)
         _check(len(self.verifiers) >= 1, f"{p}.verifiers", "a non-empty list", self.verifiers)
         _check(self.batch >= 1, f"{p}.batch", ">= 1", self.batch)
         _check(self.window >= self.min_fit_rows >= 8, f"{p}.window", ">= min_fit_rows >= 8", (self.window, self.min_fit_rows))
@@ -1227,7 +1233,7 @@ PRETRAIN_FIELDS: dict[str, tuple[str, ...]] = {
 checkpoint's ``pretrain.json`` records the value it was built with."""
 
 LABEL_MODEL_FIELDS = ("verifier.window", "verifier.refit_every", "verifier.min_fit_rows", "verifier.dependence",
-                      "verifier.sound_checks")
+                      "verifier.sound_checks", "verifier.class_balance")
 VLLM_FIELDS = tuple(f"generator.{f.name}" for f in dataclasses.fields(GeneratorConfig) if f.name.startswith("vllm_"))
 
 

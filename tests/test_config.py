@@ -40,6 +40,7 @@ def test_dotted_overrides_are_coerced_to_the_field_type():
     ({"task.ops": "-"}, "task.ops"),
     ({"run_id": "a b"}, "run_id"),
     ({"task.digits": "1"}, "task.heldout_size"),
+    ({"verifier.class_balance": "1.0"}, "verifier.class_balance"),
 ])
 def test_bad_values_are_refused_naming_the_field(overrides, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):

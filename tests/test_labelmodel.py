@@ -419,3 +419,32 @@ def test_the_rule_checks_are_registered_sound_and_the_majority_vote_is_not():
 
     assert {"format", "units_digit", "mod9", "magnitude", "leading_digit"} <= SOUND
     assert "majority" not in SOUND
+
+
+def _judges_that_err_together(n: int, pi: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(truth, votes): three continuous judges sharing one error (40% of wrong answers look right
+    to all three), beside two independent binary checks."""
+    rng = np.random.default_rng(seed)
+    y = (rng.random(n) < pi).astype(np.float64)
+    looks_right = np.where(y == 1.0, 1.0, (rng.random(n) < 0.4).astype(np.float64))
+    judges = [1.0 / (1.0 + np.exp(-(3.0 * looks_right - 1.5 + rng.normal(0.0, 0.8, n)))) for _ in range(3)]
+    checks = [np.where(y == 1.0, rng.random(n) < 0.8, rng.random(n) < 0.3).astype(np.float64) for _ in range(2)]
+    return y, np.column_stack(judges + checks)
+
+
+def test_a_known_class_balance_is_held_and_sets_the_quantile_thresholds():
+    y, votes = _judges_that_err_together(4000, 0.2, seed=5)
+    names = ["j0", "j1", "j2", "c0", "c1"]
+    known = fit_label_model(votes, names, class_balance=0.2)
+    assert known.pi == 0.2 and known.rounds == 1
+    assert known.pos_rate[:3] == pytest.approx((0.2, 0.2, 0.2), abs=0.01)  # the judges pass a π-share
+    assert known.thresholds[3:] == (0.5, 0.5)                              # binary checks keep 0.5
+    post = known.posterior(votes)
+    assert accuracy(post, y) > 0.8 and post[y == 0].mean() < 0.2 < post[y == 1].mean()
+    # Judges that err together pull the label-free estimate of π up, their quantile thresholds
+    # down with it, and wrong answers are rewarded: the known balance is the better fit here.
+    free = fit_label_model(votes, names)
+    assert free.pi > 0.3 and accuracy(free.posterior(votes), y) < accuracy(post, y) - 0.1
+    for bad in (0.0, 1.0, -0.1):
+        with pytest.raises(ValueError, match="class_balance"):
+            fit_label_model(votes, names, class_balance=bad)

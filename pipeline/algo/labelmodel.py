@@ -35,7 +35,14 @@ Fit (``fit_label_model``), §5 steps 2–6:
    if EM still ends below random on average, its solution is swapped. Reference
    answers are never used. Because the quantile thresholds depend on π and π on
    the binarised votes, steps 3–5 alternate until π moves less than 1e-3
-   (at most ``MAX_ROUNDS`` rounds).
+   (at most ``MAX_ROUNDS`` rounds). A known class balance (``class_balance``, e.g.
+   the base policy's accuracy measured on a small labelled sample of the training
+   split) replaces the estimate: π is held there, the quantile thresholds are set
+   from it once, and EM estimates the rates alone. The label-free estimate is the
+   fragile part of the fit: the (1 − π) quantile thresholds give every verifier a
+   positive rate of about π, so the marginals say nothing about π and only the
+   verifiers' agreements do; verifiers that err together (LLM judges of one model)
+   pull it up, thresholds fall with it, and wrong answers are rewarded.
 6. **μ by moment matching** (MeTaL): with one-hot votes L [N, 2k] and
    P = diag(1 − π, π), minimise ‖M∘(O − μPμᵀ)‖²_F + ‖μP𝟙 − diag O‖² over
    μ[2j+a, y] = P(v_j = a | Y = y) with scipy's bounded L-BFGS-B to convergence,
@@ -326,6 +333,7 @@ def fit_label_model(
     thresholds: Mapping[str, float] | Sequence[float] | None = None,
     dependence: str = "drop",
     sound: Sequence[str] = (),
+    class_balance: float | None = None,
 ) -> LabelModel:
     """Fit the Weaver label model on pooled votes [N, m] (NaN = abstain) without labels.
 
@@ -333,16 +341,20 @@ def fit_label_model(
     binarisation rule for those verifiers; ``dependence`` (``drop`` or ``merge``) is
     what happens to the weaker verifier of a dependent pair; ``sound`` names verifiers
     a correct answer always passes (known from how they are built), whose TPR is then
-    held at 1 in EM and in moment matching instead of estimated. See the module
+    held at 1 in EM and in moment matching instead of estimated; ``class_balance``, a
+    known π in (0, 1), is used instead of estimating π (step 5). See the module
     docstring for each step.
     """
+    if class_balance is not None and not 0.0 < class_balance < 1.0:
+        raise ValueError(f"class_balance must lie in (0, 1), got {class_balance!r}")
     if dependence not in DEPENDENCE_POLICIES:
         raise ValueError(f"dependence must be one of {DEPENDENCE_POLICIES}, got {dependence!r}")
     unknown = set(sound) - set(names)
     if unknown:
         raise ValueError(f"sound verifiers {sorted(unknown)} are not among {list(names)}")
     with _single_threaded_blas():
-        return _fit(votes, names, version=version, thresholds=thresholds, dependence=dependence, sound=tuple(sound))
+        return _fit(votes, names, version=version, thresholds=thresholds, dependence=dependence, sound=tuple(sound),
+                    class_balance=class_balance)
 
 
 def _fit(
@@ -353,6 +365,7 @@ def _fit(
     thresholds: Mapping[str, float] | Sequence[float] | None,
     dependence: str,
     sound: tuple[str, ...] = (),
+    class_balance: float | None = None,
 ) -> LabelModel:
     raw = np.array(votes, dtype=np.float64)  # copy: non-finite → NaN below
     names = tuple(names)
@@ -372,8 +385,13 @@ def _fit(
     # Steps 3–5, alternated until π settles: the quantile thresholds need π, the degenerate
     # filter's rule depends on π, and π comes from the binarised, filtered votes. Round 0
     # starts from π = 0.5 with quantile columns at the midpoint of their normalised range.
-    pi = 0.5
+    # A known class balance sets π and the quantile thresholds once: one round.
+    pi = 0.5 if class_balance is None else float(class_balance)
     thr = np.array([g if g is not None else 0.5 for g in given], dtype=np.float64)
+    if class_balance is not None:
+        for j in quantile_cols:
+            col = norm[~np.isnan(norm[:, j]), j]
+            thr[j] = float(np.quantile(col, 1.0 - pi)) if col.size else 0.5
     rounds = 0
     for rounds in range(1, MAX_ROUNDS + 1):
         b = _binarise(norm, thr)
@@ -387,8 +405,8 @@ def _fit(
                 dropped[names[k]] = dropped[names[k]].replace("dependent on", "merged into", 1) + (
                     " (inverted)" if inv else "")
         fixed = np.array([names[j] in sound for j in range(m)])[kept]
-        em_tpr, em_tnr, new_pi, em_ok, em_iters = _em(b[:, kept], fixed)
-        settled = abs(new_pi - pi) < 1e-3
+        em_tpr, em_tnr, new_pi, em_ok, em_iters = _em(b[:, kept], fixed, pi=class_balance)
+        settled = class_balance is not None or abs(new_pi - pi) < 1e-3
         pi = new_pi
         if settled:
             break
@@ -558,10 +576,12 @@ def _select(
     return kept, dropped, pairs
 
 
-def _em(b: np.ndarray, fixed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, float, bool, int]:
+def _em(b: np.ndarray, fixed: np.ndarray | None = None, pi: float | None = None,
+        ) -> tuple[np.ndarray, np.ndarray, float, bool, int]:
     """Dawid–Skene EM on binarised votes [N, k] (NaN = abstain): (TPR, TNR, π, converged, iterations).
 
-    ``fixed`` marks sound verifiers, whose TPR is held at 1 (clipped like every rate).
+    ``fixed`` marks sound verifiers, whose TPR is held at 1 (clipped like every rate);
+    ``pi``, when given, is the known class balance, held instead of estimated.
 
     Started from the soft majority vote (the "better than random on average" assumption);
     a solution that still ends worse than random on average is label-swapped. Rows are
@@ -569,8 +589,9 @@ def _em(b: np.ndarray, fixed: np.ndarray | None = None) -> tuple[np.ndarray, np.
     counts, which makes each iteration independent of N.
     """
     n, k = b.shape
+    known_pi = pi
     if k == 0 or n == 0:
-        return np.zeros(0), np.zeros(0), 0.5, True, 0
+        return np.zeros(0), np.zeros(0), 0.5 if known_pi is None else known_pi, True, 0
     state = np.where(np.isnan(b), 0, b + 1).astype(np.int64)      # 0 abstain, 1 vote 0, 2 vote 1
     codes = state @ (3 ** np.arange(k, dtype=np.int64))
     _, first, count = np.unique(codes, return_index=True, return_counts=True)
@@ -587,7 +608,7 @@ def _em(b: np.ndarray, fixed: np.ndarray | None = None) -> tuple[np.ndarray, np.
     for iters in range(1, _EM_MAX_ITERS + 1):
         # M step (weighted by pattern counts)
         wq, wq0 = w * q, w * (1.0 - q)
-        new_pi = float(np.clip(wq.sum() / w.sum(), *_EM_CLIP))
+        new_pi = float(np.clip(wq.sum() / w.sum(), *_EM_CLIP)) if known_pi is None else known_pi
         new_tpr = np.clip((wq @ v) / np.maximum(wq @ a, 1e-12), *_EM_CLIP)
         if fixed is not None:
             new_tpr[fixed] = _EM_CLIP[1]
@@ -600,7 +621,7 @@ def _em(b: np.ndarray, fixed: np.ndarray | None = None) -> tuple[np.ndarray, np.
         # E step: per-pattern log-likelihood ratio of Y = 1 vs Y = 0
         llr = v @ (np.log(tpr) - np.log(1.0 - tnr)) + (a - v) @ (np.log(1.0 - tpr) - np.log(tnr))
         q = 1.0 / (1.0 + np.exp(-(_logit(pi) + llr)))
-    if np.mean(tpr + tnr) < 1.0 and (fixed is None or not fixed.any()):  # label swap: Y' = 1 − Y
+    if np.mean(tpr + tnr) < 1.0 and (fixed is None or not fixed.any()) and known_pi is None:  # label swap: Y' = 1 − Y
         tpr, tnr, pi = 1.0 - tnr, 1.0 - tpr, 1.0 - pi
     return tpr, tnr, pi, converged, iters
 
