@@ -140,7 +140,20 @@ def _episode(d: dict, n_tokens: int, g: int) -> dict:
         raise RecordError(f"field 'turns': expected {g} non-negative counts")
     if env.size != g or np.isinf(env).any():
         raise RecordError(f"field 'env_rewards': expected {g} finite values or NaN")
-    return {"loss_mask": mask, "turns": turns, "env_rewards": env}
+    return {"loss_mask": mask, "turns": turns, "env_rewards": env, **_tool_calls(d, g)}
+
+
+def _tool_calls(d: dict, g: int) -> dict:
+    """The optional tool-call counts of an episode group (both or none), checked."""
+    present = [k for k in ("tool_calls", "tool_calls_ok") if d.get(k) is not None]
+    if not present:
+        return {}
+    if len(present) != 2:
+        raise RecordError(f"fields tool_calls and tool_calls_ok come together; got only {present}")
+    calls, ok = _blob(d, "tool_calls", "<i4"), _blob(d, "tool_calls_ok", "<i4")
+    if calls.size != g or ok.size != g or (ok < 0).any() or (ok > calls).any():
+        raise RecordError(f"fields tool_calls / tool_calls_ok: expected {g} counts each, 0 <= answered <= calls")
+    return {"tool_calls": calls, "tool_calls_ok": ok}
 
 
 def version_runs(per_token: np.ndarray) -> np.ndarray:
@@ -322,6 +335,11 @@ class RolloutGroup:
     env_rewards: np.ndarray | None = None
     """Episodes: the environment's reward of each completion, float32 [G] (NaN: it gave none);
     a labelled signal (reward mode ``environment``), never shown to weak verifiers."""
+    tool_calls: np.ndarray | None = None
+    """Episodes: tool calls per completion (steps the environment marked ``Step.tool_call``),
+    int32 [G]; None: not recorded (a record written before the field existed)."""
+    tool_calls_ok: np.ndarray | None = None
+    """Episodes: of those, the ones the environment answered (``Step.tool_ok`` not False), int32 [G]."""
 
     @property
     def group_size(self) -> int:
@@ -348,6 +366,8 @@ class RolloutGroup:
             **({} if self.loss_mask is None else {
                 "loss_mask": np.ascontiguousarray(self.loss_mask, dtype=np.uint8).tobytes(),
                 "turns": _i4(self.turns), "env_rewards": _f4(self.env_rewards)}),
+            **({} if self.loss_mask is None or self.tool_calls is None else {
+                "tool_calls": _i4(self.tool_calls), "tool_calls_ok": _i4(self.tool_calls_ok)}),
         }
 
     def encode(self) -> bytes:
@@ -461,13 +481,15 @@ def _rollout_structs(blob: type, name: str) -> tuple[type, type]:
     """(body, wire) structs of a RolloutGroup as ``RolloutGroup._body`` writes it, with the token
     and log-prob blobs decoded as ``blob``: ``bytes`` (copies, cheapest for small records) or
     ``memoryview`` (views into the read bytes that the record's arrays share: nothing copied).
-    Episodes (``loss_mask``, ``turns``, ``env_rewards``) take the field-by-field path."""
+    Episodes (``loss_mask``, ``turns``, ``env_rewards``, ``tool_calls``, ``tool_calls_ok``) take
+    the field-by-field path."""
     body = msgspec.defstruct(f"_RolloutBody{name}", [
         ("prompt_id", str), ("group_id", str), ("generator_id", str), ("prompt", str), ("prompt_ids", blob),
         ("reference", str), ("completions", tuple[str, ...]), ("completion_ids", blob), ("completion_lens", blob),
         ("behaviour_logprobs", blob), ("min_version", int), ("max_version", int), ("created_at", float),
         ("version_runs", bytes | None, None), ("loss_mask", None, None), ("turns", None, None),
-        ("env_rewards", None, None)], forbid_unknown_fields=True)
+        ("env_rewards", None, None), ("tool_calls", None, None), ("tool_calls_ok", None, None)],
+        forbid_unknown_fields=True)
     wire = msgspec.defstruct(f"_RolloutWire{name}", [("schema", int), ("type", str)], bases=(body,), kw_only=True)
     return body, wire
 
@@ -591,7 +613,7 @@ def _fast_rollout(cls: type, w: _RolloutBody) -> RolloutGroup | None:
         "prompt_ids": np.frombuffer(prompt_b, _I4), "reference": w.reference, "completions": w.completions,
         "completion_ids": np.frombuffer(ids_b, _I4), "completion_lens": lens, "behaviour_logprobs": logprobs,
         "min_version": min_v, "max_version": max_v, "created_at": w.created_at, "version_runs": runs,
-        "loss_mask": None, "turns": None, "env_rewards": None})
+        "loss_mask": None, "turns": None, "env_rewards": None, "tool_calls": None, "tool_calls_ok": None})
 
 
 def _fast_rollout_record(cls: type, data: Any) -> RolloutGroup | None:

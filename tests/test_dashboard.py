@@ -79,6 +79,40 @@ def test_json_endpoint_matches_xinfo_and_keeps_samples(dashboard):
     assert again["rates"]["in"]["prompts"] > 0
 
 
+def test_the_episodes_panel_data_appears_with_episodes_and_the_page_has_its_elements(dashboard, tmp_path):
+    r, keys, url = dashboard
+    data = json.load(urllib.request.urlopen(f"{url}/api/snapshot", timeout=10))
+    assert data["snapshot"]["episodes"] is None and "episodes" not in data["rates"]  # the panel stays hidden
+    rows = [{"kind": "step", "version": v, "reward_mean": 0.5, "sample_accuracy": 0.5, "staleness_hist": [1],
+             "episodes": 8, "env_reward_mean": v / 4, "tool_call_rate": v / 8 if v < 3 else None} for v in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+    r.hset(keys.shard(0).stats, mapping={"episodes_total": 10, "episodes_finished_total": 8, "turns_total": 12,
+                                         "env_steps_total": 4, "env_step_seconds_total": 0.02,
+                                         "env_step_seconds_bucket:0.005": 4, "tool_calls_total": 4,
+                                         "tool_calls_ok_total": 3, "episodes_with_tool_calls_total": 2})
+    body = urllib.request.urlopen(f"{url}/api/snapshot", timeout=10).read().decode()
+
+    def refuse(name):  # as the browser's JSON.parse: no NaN or Infinity
+        raise ValueError(f"{name} in the JSON")
+
+    data = json.loads(body, parse_constant=refuse)
+    ep = data["snapshot"]["episodes"]
+    assert (ep["episodes"], ep["episodes_finished"], ep["turns_per_episode"]) == (10, 8, 1.5)
+    assert (ep["tool_call_rate"], ep["tool_calls_per_episode"], ep["tool_call_success"]) == (0.25, 0.5, 0.75)
+    assert ep["env_step_mean_s"] == 0.005 and 0.0025 < ep["env_step_p50_s"] < ep["env_step_p95_s"] <= 0.005
+    assert data["rates"]["episodes"] >= 0
+    assert data["history"]["tool_call_rate"] == [0.125, 0.25, None]
+    assert data["history"]["env_reward"] == [0.25, 0.5, 0.75]
+    # The page has the panel, hidden until episodes exist, and a cell for every number app.js fills in.
+    page = urllib.request.urlopen(f"{url}/", timeout=10).read().decode()
+    assert '<section id="episodes" hidden>' in page and 'id="chart-episodes"' in page
+    panel = page[page.index('<dl id="episodes-summary">'):page.index("</dl>", page.index('id="episodes-summary"'))]
+    fields = set(re.findall(r'data-field="(\w+)"', panel))
+    js = (STATIC / "app.js").read_text()
+    filled = js[js.index("function renderEpisodes"):js.index("function renderStreams")]
+    assert fields == set(re.findall(r"\b(\w+): (?:fmt|ms)\(", filled)) and len(fields) == 12
+
+
 def test_unknown_paths_are_404_and_the_page_fetches_nothing_from_the_network(dashboard):
     _, _, url = dashboard
     with pytest.raises(urllib.error.HTTPError) as e:
@@ -110,5 +144,6 @@ def test_the_page_rendered_by_headless_chromium_shows_the_servers_numbers(dashbo
     s = cells.summary
     assert (s["version"], s["steps"], s["reward_mean"], s["eval_accuracy"], s["dead_letters_total"]) == \
         ("4", "10", "0.625", "0.410", "2")
+    assert s["tool_call_rate"] == "-"  # a run without episodes: the episodes panel is never filled in
     # The charts were drawn from the polled samples: one backlog line per stream.
     assert re.findall(r'data-series="(\w+)"', dom)[:3] == ["prompts", "rollouts", "scored"]

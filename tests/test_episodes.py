@@ -22,7 +22,7 @@ from pipeline.bus.stats import read_stats
 from pipeline.config import ConfigError, RunConfig, load_config
 from pipeline.engines.slots import SlotSampler
 from pipeline.engines.torch import sampled_mask, train_step
-from pipeline.envs.base import Step
+from pipeline.envs.base import EpisodeRunner, Step
 from pipeline.envs.calculator import CalculatorEpisode, evaluate
 from pipeline.keys import Keys
 from pipeline.model.qwen import ModelShape, build_model, ragged_completion_logprobs, save_checkpoint
@@ -58,12 +58,43 @@ def _model(tok, seed=0):
 def test_the_calculator_answers_calls_and_scores_the_final_answer():
     ep = CalculatorEpisode(" 357")
     assert ep.reset() == ""
-    assert ep.step("12+345=") == Step(observation="357")
-    assert ep.step("2+3*4 =") == Step(observation="14")
-    assert ep.step("12+=") == Step(observation="")  # malformed: nothing back
+    assert ep.step("12+345=") == Step(observation="357", tool_call=True, tool_ok=True)
+    assert ep.step("2+3*4 =") == Step(observation="14", tool_call=True, tool_ok=True)
+    assert ep.step("12+=") == Step(observation="", tool_call=True, tool_ok=False)  # malformed: nothing back
     assert ep.step("356") == Step(observation="", reward=0.0, done=True)
     assert CalculatorEpisode("357").step(" 357 ") == Step(observation="", reward=1.0, done=True)
     assert evaluate("7*8*9+1") == 505 and ep.calls == 3
+
+
+def test_the_runner_counts_each_episodes_tool_calls_and_the_answered_ones(tok):
+    """A calculator episode making a valid and a malformed call, then its answer: 2 calls, 1
+    answered (success 1/2); its sibling answers at once (no call). Real steps on the runner's
+    threads, through its collect loop."""
+    from pipeline.config import EnvConfig
+    from pipeline.records import PromptTask
+    from pipeline.envs.calculator import calculator
+
+    runner = EpisodeRunner(calculator(None), EnvConfig(), tok, _Log())
+    task = PromptTask(prompt_id="p", prompt=" 12+345=", prompt_ids=np.array(tok.encode(" 12+345="), np.int32),
+                      reference="357", issued_at=0.0)
+    assert runner.start("k", task, 2) == [[], []]
+    script = {0: ["12+345=", "12+=", "357"], 1: ["356"]}
+    steps = {0: [], 1: []}
+    for turn in range(3):
+        for j, actions in script.items():
+            if turn < len(actions):
+                runner.submit("k", j, actions[turn])
+        while runner.waiting:
+            for key, j, obs, done in runner.collect(1.0):
+                steps[j].append((tok.decode(obs), done))
+    assert steps == {0: [("357", False), ("", False), ("", True)], 1: [("", True)]}
+    assert runner.tools("k", 2) == ([2, 0], [1, 0])
+    assert runner.finish("k", 2) == [1.0, 0.0] and runner.calls == {}
+    counters = runner.take_counters()
+    assert counters["episodes_total"] == 2 and counters["env_steps_total"] == 4
+    buckets = {k: v for k, v in counters.items() if k.startswith("env_step_seconds_bucket:")}
+    assert sum(buckets.values()) == 4  # every step attempt in one latency bucket
+    runner.close()
 
 
 # ---------------------------------------------------------------------- the slot sampler
@@ -142,26 +173,35 @@ def _episode_rollout(tok) -> RolloutGroup:
         completion_lens=np.array([len(a), len(b)], np.int32),
         behaviour_logprobs=np.array([-1.0, -0.5, 0.0, 0.0, -2.0, -0.3, -1.2, -0.1], np.float32),
         min_version=0, max_version=0, created_at=0.0, loss_mask=np.array(mask, np.uint8),
-        turns=np.array([2, 1], np.int32), env_rewards=np.array([0.0, np.nan], np.float32))
+        turns=np.array([2, 1], np.int32), env_rewards=np.array([0.0, np.nan], np.float32),
+        tool_calls=np.array([1, 0], np.int32), tool_calls_ok=np.array([1, 0], np.int32))
 
 
 def test_episode_records_round_trip_and_bad_episode_fields_are_refused(tok):
     g = RolloutGroup.decode(_episode_rollout(tok).encode())
     assert g.loss_mask.tolist() == [1, 1, 0, 0, 1, 1, 1, 1] and g.turns.tolist() == [2, 1]
     assert g.env_rewards[0] == 0.0 and np.isnan(g.env_rewards[1])
+    assert g.tool_calls.tolist() == [1, 0] and g.tool_calls_ok.tolist() == [1, 0]
+    assert ScoredGroup.decode(_scored(g, [1, 0]).encode()).rollout.tool_calls.tolist() == [1, 0]
     for field, value, why in (("loss_mask", bytes([1, 1, 0, 2, 1, 1, 1, 1]), "loss_mask"),
                               ("loss_mask", bytes([1, 1, 0]), "loss_mask"),
                               ("turns", np.array([2], "<i4").tobytes(), "turns"),
                               ("turns", np.array([-1, 1], "<i4").tobytes(), "turns"),
                               ("env_rewards", np.array([1.0], "<f4").tobytes(), "env_rewards"),
-                              ("env_rewards", np.array([np.inf, 0], "<f4").tobytes(), "env_rewards")):
+                              ("env_rewards", np.array([np.inf, 0], "<f4").tobytes(), "env_rewards"),
+                              ("tool_calls", np.array([1], "<i4").tobytes(), "tool_calls"),
+                              ("tool_calls_ok", np.array([2, 0], "<i4").tobytes(), "tool_calls"),
+                              ("tool_calls_ok", None, "come together")):
         d = msgpack.unpackb(_episode_rollout(tok).encode())
         d[field] = value
         with pytest.raises(RecordError, match=why):
             RolloutGroup.decode(msgpack.packb(d))
     plain = RolloutGroup.decode(msgpack.packb({k: v for k, v in msgpack.unpackb(_episode_rollout(tok).encode()).items()
                                                if k not in ("loss_mask", "turns", "env_rewards")}))
-    assert plain.loss_mask is None and plain.env_rewards is None
+    assert plain.loss_mask is None and plain.env_rewards is None and plain.tool_calls is None
+    older = RolloutGroup.decode(msgpack.packb({k: v for k, v in msgpack.unpackb(_episode_rollout(tok).encode()).items()
+                                               if k not in ("tool_calls", "tool_calls_ok")}))
+    assert older.turns.tolist() == [2, 1] and older.tool_calls is None  # an episode record without the counts
 
 
 def _scored(ro, rewards):
@@ -276,7 +316,13 @@ def test_the_generator_runs_episodes_token_in_token_out(redis_url, tmp_path, tok
     assert len(groups) == 2
     stats = read_stats(r, keys)
     assert stats["episodes_total"] == 6 and stats["turns_total"] == sum(int(g.turns.sum()) for g in groups)
+    # The tool-call counters are the records' own counts, summed.
+    assert stats["episodes_finished_total"] == 6
+    assert stats.get("tool_calls_total", 0) == sum(int(g.tool_calls.sum()) for g in groups)
+    assert stats.get("tool_calls_ok_total", 0) == sum(int(g.tool_calls_ok.sum()) for g in groups)
+    assert stats.get("episodes_with_tool_calls_total", 0) == sum(int((g.tool_calls > 0).sum()) for g in groups)
     calls = 0
+    calls_of = {id(g): list(zip(g.tool_calls.tolist(), g.tool_calls_ok.tolist())) for g in groups}
     for g in groups:
         assert g.loss_mask is not None and g.turns is not None and g.env_rewards is not None
         for ids, m, lp, text, turns, reward in zip(g.split(g.completion_ids), g.split(g.loss_mask),
@@ -298,6 +344,12 @@ def test_the_generator_runs_episodes_token_in_token_out(redis_url, tmp_path, tok
             if env == "calculator":
                 # A random model rarely spells a call: every episode is then one turn, a final
                 # answer the calculator scored (or cut off by the token budget, unscored).
+                # The record's tool calls: the turns the calculator was sent (eos-ended, with
+                # room left) that ended in "=", and of those the well-formed ones.
+                sent = [CalculatorEpisode(g.reference).step(tok.decode(turn[:-1])) for k, turn in enumerate(model_runs)
+                        if turn[-1] == tok.eos_id and (k + 1 < len(model_runs) or len(ids) < 40)]
+                assert calls_of[id(g)].pop(0) == (sum(st.tool_call for st in sent),
+                                                  sum(st.tool_call and st.tool_ok for st in sent))
                 for (sampled, turn), (after, obs) in zip(runs, runs[1:]):
                     if sampled and not after:
                         step = CalculatorEpisode(g.reference).step(tok.decode(turn[:-1]))

@@ -229,3 +229,46 @@ def test_a_workers_log_lines_feed_its_metrics(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "trainer.jsonl").read_text().splitlines()]
     assert [x["event"] for x in lines] == ["step", "evaluated", "trainer_started"]
     assert all(x["worker"] == "trainer" and x["stage"] == "trainer" for x in lines)
+
+
+def test_episode_counters_become_a_latency_histogram_and_per_episode_gauges(exporter):
+    r, keys, port = exporter
+    assert not any(name.startswith("pipeline_env_") for name, _ in scrape(port))  # no episodes: none of them
+    r.hset(keys.shard(0).stats, mapping={"episodes_total": 12, "episodes_finished_total": 10, "turns_total": 25,
+                                         "env_steps_total": 14, "env_errors_total": 1, "env_step_seconds_total": 0.3,
+                                         "tool_calls_total": 8, "tool_calls_ok_total": 6,
+                                         "episodes_with_tool_calls_total": 5,
+                                         "env_step_seconds_bucket:0.001": 9, "env_step_seconds_bucket:0.05": 4,
+                                         "env_step_seconds_bucket:+Inf": 2})
+    m = scrape(port)
+    assert m[("pipeline_env_turns_per_episode", ())] == 2.5
+    assert m[("pipeline_env_tool_call_rate_ratio", ())] == 0.5
+    assert m[("pipeline_env_tool_calls_per_episode", ())] == 0.8
+    assert m[("pipeline_env_tool_call_success_ratio", ())] == 0.75
+    assert m[("pipeline_tool_calls_total", ())] == 8 and m[("pipeline_episodes_finished_total", ())] == 10
+    # Cumulative over every bound (empty buckets included), the count is every step attempt.
+    bucket = "pipeline_env_step_latency_seconds_bucket"
+    assert m[(bucket, (("le", "0.001"),))] == 9 and m[(bucket, (("le", "0.025"),))] == 9
+    assert m[(bucket, (("le", "0.05"),))] == 13 and m[(bucket, (("le", "10.0"),))] == 13
+    assert m[(bucket, (("le", "+Inf"),))] == 15 == m[("pipeline_env_step_latency_seconds_count", ())]
+    assert m[("pipeline_env_step_latency_seconds_sum", ())] == pytest.approx(0.3)
+    assert not any(name.startswith("pipeline_env_step_seconds_bucket") for name, _ in m)
+
+
+def test_the_exporters_queue_samples_carry_the_episode_numbers(redis_client, redis_url, tmp_path):
+    keys = Keys("obs")
+    fill_streams(redis_client, keys)
+    cfg = load_config(None, {"run_id": "obs", "redis.url": redis_url, "metrics.port": "0",
+                             "metrics.sample_every_s": "0.01"})
+    log = setup_logging(None, stage="exporter", worker="exporter")
+    run_exporter(cfg, redis_client, keys, log, run_dir=tmp_path, max_samples=1)
+    redis_client.hset(keys.shard(0).stats, mapping={"episodes_total": 4, "episodes_finished_total": 4,
+                                                    "turns_total": 6, "tool_calls_total": 2,
+                                                    "tool_calls_ok_total": 1, "episodes_with_tool_calls_total": 2})
+    run_exporter(cfg, redis_client, keys, log, run_dir=tmp_path, max_samples=1)
+    first, second = [json.loads(x) for x in (tmp_path / "queues.jsonl").read_text().splitlines()]
+    assert "episodes" not in first
+    ep = second["episodes"]
+    assert (ep["episodes_finished"], ep["turns_per_episode"], ep["tool_call_rate"], ep["tool_call_success"]) == \
+        (4, 1.5, 0.5, 0.5)
+    assert ep["env_step_p50_s"] is None and ep["env_step_mean_s"] is None  # no step timed yet

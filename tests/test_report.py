@@ -96,6 +96,7 @@ def test_report_writes_real_pngs_and_markdown_that_links_them(tmp_path):
             assert high - low > 100  # something dark was drawn on the white canvas
     assert f"| trainer | trainer | 12 | {12 * 1.5:.1f} |" in md
     assert "| prompts |" in md and "held-out greedy accuracy: base 0.300" in md
+    assert rep["episodes"] is None and "## Episodes" not in md  # a single-turn run: no episodes section
 
 
 def test_report_command_prints_the_markdown_and_rejects_a_non_run_directory(tmp_path):
@@ -155,3 +156,51 @@ def test_a_weaver_runs_report_shows_each_verifiers_fitted_and_measured_rates(tmp
     md = (run / "report.md").read_text()
     assert "## Weak verifiers: what the label model fitted" in md
     assert all(f"| `{name}` |" in md for name in newest["thresholds"])
+
+
+def test_a_run_with_episodes_gets_their_section_table_and_figure(tmp_path):
+    run = tmp_path / "run-ep"
+    write_run(run, steps=12)
+    rows = _jsonl_rows(run / "metrics.jsonl")
+    for r in rows:
+        if r["kind"] == "step":
+            v = r["version"]
+            calls = v if v % 3 else 0
+            r.update(episodes=16, turns_mean=1.5, env_reward_mean=v / 24, tool_call_rate=min(v, 16) / 16,
+                     tool_calls_mean=calls / 16, episodes_with_tool_calls=min(v, 16), tool_calls=calls,
+                     tool_calls_ok=calls // 2, tool_call_success=(calls // 2) / calls if calls else None)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    queues = _jsonl_rows(run / "queues.jsonl")
+    queues[-1]["episodes"] = {"episodes": 200, "episodes_finished": 195, "turns_per_episode": 1.4,
+                              "env_steps": 270, "env_errors": 3, "env_step_mean_s": 0.002, "env_step_p50_s": 0.001,
+                              "env_step_p95_s": 0.004, "tool_calls": 80, "tool_calls_ok": 60,
+                              "episodes_with_tool_calls": 70, "tool_call_rate": 70 / 195,
+                              "tool_calls_per_episode": 80 / 195, "tool_call_success": 0.75}
+    (run / "queues.jsonl").write_text("".join(json.dumps(r) + "\n" for r in queues))
+    rep = write_report(run)
+    steps = [r for r in rows if r["kind"] == "step"]
+    ep = rep["episodes"]
+    assert ep["per_step"]["versions"] == list(range(1, 13))
+    assert ep["per_step"]["tool_call_rate"] == [s["tool_call_rate"] for s in steps]
+    assert ep["per_step"]["env_reward"] == [s["env_reward_mean"] for s in steps]
+    t = ep["trained"]
+    assert t["episodes"] == 192 and t["episodes_with_tool_calls"] == sum(range(1, 13))
+    assert t["tool_call_rate"] == pytest.approx(sum(range(1, 13)) / 192)
+    calls = sum(v for v in range(1, 13) if v % 3)
+    assert t["tool_calls"] == calls and t["tool_calls_ok"] == sum(v // 2 for v in range(1, 13) if v % 3)
+    assert t["tool_call_success"] == pytest.approx(t["tool_calls_ok"] / calls)
+    assert t["tool_call_rate_first10"] == pytest.approx(sum(range(1, 11)) / 160)
+    assert t["env_reward_last10"] == pytest.approx(sum(v / 24 for v in range(3, 13)) / 10)
+    # Run-wide: the exporter's last sample, its finished episodes over the samples' span (39 s).
+    assert ep["run"]["episodes_finished"] == 195 and ep["run"]["episodes_per_s"] == pytest.approx(195 / 39)
+    md = (run / "report.md").read_text()
+    assert "## Episodes" in md and f"]({rep['figures']['episodes']})" in md
+    assert f"| tool-call rate | {t['tool_call_rate']:.3f} | {t['tool_call_rate_first10']:.3f} |" in md
+    assert f"| tool-call success | {t['tool_call_success']:.3f} ({t['tool_calls_ok']} of {calls}) |" in md
+    assert "| 200 (195) | 5.00 | 1.400 | 2.0 / 1.0 / 4.0 | 3 | 80 | 0.359 | 0.750 |" in md
+    with Image.open(run / rep["figures"]["episodes"]) as img:
+        assert img.format == "PNG" and img.size == (800, 450)
+
+
+def _jsonl_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]

@@ -146,3 +146,54 @@ def test_episode_counters_show_as_a_line_of_their_own(redis_client):
     text = frame_text(render(snapshot(redis_client, keys)))
     assert "episodes 40" in text and "turns per episode 2.500" in text
     assert "env step 50.0 ms" in text and "env errors 2" in text
+    assert "tool-call rate -" in text and "tool-call success -" in text  # counters of an older generator
+
+
+def test_the_episode_lines_show_rates_latency_percentiles_and_tool_calls(redis_client):
+    keys = Keys("obsep2")
+    fill_streams(redis_client, keys)
+    stats = keys.shard(0).stats
+    # 40 finished episodes, 25 of them with a tool call: 32 calls, 24 answered. 60 step attempts:
+    # 30 at most 1 ms, 24 in (1, 2.5] ms, 6 in (50, 100] ms.
+    redis_client.hset(stats, mapping={"episodes_total": 44, "episodes_finished_total": 40, "turns_total": 100,
+                                      "env_steps_total": 58, "env_errors_total": 2, "env_step_seconds_total": 0.9,
+                                      "tool_calls_total": 32, "tool_calls_ok_total": 24,
+                                      "episodes_with_tool_calls_total": 25,
+                                      "env_step_seconds_bucket:0.001": 30, "env_step_seconds_bucket:0.0025": 24,
+                                      "env_step_seconds_bucket:0.1": 6})
+    before = snapshot(redis_client, keys)
+    redis_client.hincrby(stats, "episodes_finished_total", 8)
+    time.sleep(0.05)
+    after = snapshot(redis_client, keys)
+    dt = after["time"] - before["time"]
+    text = frame_text(render(after, prev=before), width=200)
+    assert f"episodes 44 (finished 48, {8 / dt:.2f}/s)" in text
+    assert "turns per episode 2.083" in text  # per finished episode: 100 / 48
+    # Mean 0.9 s / 60 = 15 ms; p50 at rank 30: the top of the first bucket, 1 ms; p95 at rank 57:
+    # half-way through the (50, 100] ms bucket's 6 steps, linearly, 50 + 50 * 3/6 = 75 ms.
+    assert "env step 15.0 ms (p50 1.0, p95 75.0)" in text
+    assert "tool calls 32 (0.667 per episode)" in text
+    assert "tool-call rate 0.521" in text and "tool-call success 0.750 (24 answered)" in text
+
+
+def test_history_carries_the_per_step_tool_call_rate_and_environment_reward(redis_client, tmp_path):
+    keys = Keys("obsep3")
+    fill_streams(redis_client, keys)
+    rows = [{"kind": "step", "version": v, "reward_mean": 0.1, "sample_accuracy": 0.1, "staleness_hist": [1],
+             "episodes": 8, "env_reward_mean": v / 8, "tool_call_rate": v / 4 if v != 2 else None}
+            for v in range(1, 4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    snap = snapshot(redis_client, keys)
+    h = History(tmp_path / "metrics.jsonl").update(snap)
+    assert h.env_reward == [0.125, 0.25, 0.375] and h.tool_call_rate[0] == 0.25 and h.tool_call_rate[2] == 0.75
+    text = frame_text(render(snap, history=h))
+    (rate,) = [row for row in table_rows(text, "tool-call") if row[1] == "rate"]
+    (env,) = [row for row in table_rows(text, "env") if row[1] == "reward"]
+    assert rate[3] == "0.750" and env[3] == "0.375" and env[2] == sparkline(h.env_reward, lo=0.0, hi=1.0)
+    # Without the file, from the trainer's progress hash.
+    h = History(None)
+    redis_client.hset(keys.trainer, mapping={"version": 5, "env_reward_mean": 0.5, "tool_call_rate": 0.25})
+    h.update(snapshot(redis_client, keys))
+    assert h.env_reward == [0.5] and h.tool_call_rate == [0.25]
+    single = History(None).update(snapshot(redis_client, Keys("obs-none")))
+    assert single.env_reward == [] and "tool-call" not in frame_text(render(snapshot(redis_client, keys), history=single))

@@ -129,8 +129,31 @@ def step_metrics(batch, fresh, signal, *, version: int, stats: dict, wait_s: flo
         # Staleness as consumed: against the version before this step (row["version"] is after it).
         "staleness_hist": np.bincount([version - 1 - g.rollout.min_version for _, g in batch]).tolist(),
         "wait_seconds": wait_s, "step_seconds": step_s,
-        "labelmodel_versions": sorted({g.labelmodel_version for g in fresh}), **stats,
+        "labelmodel_versions": sorted({g.labelmodel_version for g in fresh}), **episode_metrics(fresh), **stats,
     }
+
+
+def episode_metrics(fresh) -> dict:
+    """Multi-turn episodes among a step's groups (none: {}): how many, turns per episode, the
+    environment's reward (an episode it gave none counts 0, as reward mode ``environment``
+    has it), and, when the records carry tool calls, the share of episodes with one
+    (``tool_call_rate``), calls per episode and the share answered (``tool_call_success``,
+    None when no call was made). docs/observing.md, "Episodes"."""
+    eps = [g.rollout for g in fresh if g.rollout.turns is not None]
+    if not eps:
+        return {}
+    turns = np.concatenate([r.turns for r in eps]).astype(np.float64)
+    env = np.nan_to_num(np.concatenate([r.env_rewards for r in eps]).astype(np.float64), nan=0.0)
+    out = {"episodes": int(turns.size), "turns_mean": float(turns.mean()), "env_reward_mean": float(env.mean())}
+    counted = [r for r in eps if r.tool_calls is not None]
+    if counted:
+        calls = np.concatenate([r.tool_calls for r in counted]).astype(np.int64)
+        ok = np.concatenate([r.tool_calls_ok for r in counted]).astype(np.int64)
+        out.update(tool_call_rate=float((calls > 0).mean()), tool_calls_mean=float(calls.mean()),
+                   episodes_with_tool_calls=int((calls > 0).sum()), tool_calls=int(calls.sum()),
+                   tool_calls_ok=int(ok.sum()),
+                   tool_call_success=float(ok.sum() / calls.sum()) if calls.sum() else None)
+    return out
 
 
 def step_record(batch, kinds: list[Outcome], *, version: int, row: dict) -> StepRecord:
@@ -229,8 +252,9 @@ def commit(r, keys: Keys, steps: list[StepRecord]) -> None:
 
 
 def report_progress(r, keys: Keys, *, version: int, row: dict) -> None:
+    episodes = {k: row[k] for k in ("env_reward_mean", "tool_call_rate") if row.get(k) is not None}
     r.hset(keys.trainer, mapping={"version": version, "reward_mean": row["reward_mean"],
-                                  "sample_accuracy": row["sample_accuracy"], "updated_at": time.time()})
+                                  "sample_accuracy": row["sample_accuracy"], "updated_at": time.time(), **episodes})
 
 
 def accuracy_by_source(items, right) -> dict[str, float]:

@@ -14,6 +14,10 @@ observation) on text: ``reset()`` returns the first observation (appended after 
 prompt; ``""`` for none), ``step(action)`` a :class:`Step`. ``env.kind`` names one:
 ``calculator`` (pipeline.envs.calculator), or your own as ``module:function`` /
 ``path/to/file.py:function`` returning the factory for a config (pipeline.plugins).
+
+A step may say that its action was a tool call and whether the environment answered it
+(``Step.tool_call``, ``Step.tool_ok``); both default to "not a tool call", so an environment
+that does not say is counted as making none. The runner counts them per episode.
 """
 
 from __future__ import annotations
@@ -36,6 +40,12 @@ class Step:
     """The environment's own score of the episode so far (the last one given is kept)."""
     done: bool = False
     """The episode is over: no further model turn."""
+    tool_call: bool = False
+    """The action was a tool call (the environment's own judgement: the calculator's is an
+    expression ending in ``=``). Counted per episode (docs/observing.md, "Episodes")."""
+    tool_ok: bool | None = None
+    """For a tool call: whether the environment answered it (False: malformed, unknown tool,
+    or the tool failed). None counts as answered. Ignored when ``tool_call`` is False."""
 
 
 class Episode(Protocol):
@@ -53,6 +63,22 @@ class Episode(Protocol):
 EnvFactory = Callable[["PromptTask"], Episode]
 
 
+ENV_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+"""Upper bounds (seconds) of the environment step latency histogram (then +Inf)."""
+ENV_STEP_BUCKET = "env_step_seconds_bucket:"
+"""Counter name prefix of one latency bucket in ``{ns}:stats``: ``env_step_seconds_bucket:0.005``
+counts the step attempts that took more than the bound below it and at most 0.005 s
+(``+Inf`` the rest); not cumulative (the exporter and the views add them up)."""
+
+
+def step_bucket(seconds: float) -> str:
+    """The ``{ns}:stats`` counter of the latency bucket ``seconds`` falls in."""
+    for bound in ENV_STEP_BUCKETS:
+        if seconds <= bound:
+            return f"{ENV_STEP_BUCKET}{bound:g}"
+    return f"{ENV_STEP_BUCKET}+Inf"
+
+
 class EnvError(RuntimeError):
     """An environment step that failed (raised, timed out, lost its server)."""
 
@@ -60,7 +86,13 @@ class EnvError(RuntimeError):
 class EpisodeRunner:
     """The environment side of one generator's episodes in flight: one :class:`Episode` per
     completion, their steps on a thread pool of ``env.workers`` so environment latency
-    overlaps decoding, timeouts and the ``env.on_error`` policy, and the counters."""
+    overlaps decoding, timeouts and the ``env.on_error`` policy, and the counters.
+
+    Counters (``take_counters``, added to ``{ns}:stats`` with the next groups emitted):
+    ``episodes_total`` (started), ``env_steps_total`` (answered), ``env_errors_total``,
+    ``env_step_seconds_total`` and the latency buckets (``step_bucket``) of every step
+    attempt. Each episode's tool calls and the ones answered are kept until :meth:`tools`
+    hands them over with its group (the generator counts them per finished episode)."""
 
     def __init__(self, factory: EnvFactory, env_cfg, tokenizer, log) -> None:
         from concurrent.futures import ThreadPoolExecutor
@@ -71,6 +103,8 @@ class EpisodeRunner:
         self.pending: dict[tuple, list] = {}
         """(group key, completion) -> [future, started, attempts, action text]."""
         self.rewards: dict[object, list[float]] = {}
+        self.calls: dict[object, list[list[int]]] = {}
+        """Group key -> per completion [tool calls, tool calls answered]."""
         self.counters: dict[str, float] = {}
         self.broken: set[tuple] = set()
         """Episodes whose environment failed to start."""
@@ -91,6 +125,7 @@ class EpisodeRunner:
         an error and ends at its first turn, unrewarded."""
         firsts = []
         self.rewards[key] = [float("nan")] * n
+        self.calls[key] = [[0, 0] for _ in range(n)]
         for j in range(n):
             try:
                 ep = self.factory(task)
@@ -146,6 +181,7 @@ class EpisodeRunner:
                 continue
             del self.pending[(key, member)]
             self._count("env_step_seconds_total", now - started)
+            self._count(step_bucket(now - started))
             if error is not None:
                 self._count("env_errors_total")
                 self.log.warning("env_step_failed", member=member, error=error, attempt=attempts + 1)
@@ -155,10 +191,20 @@ class EpisodeRunner:
                 out.append((key, member, [], True))
                 continue
             self._count("env_steps_total")
+            if step.tool_call:
+                calls = self.calls[key][member]
+                calls[0] += 1
+                calls[1] += step.tool_ok is not False
             if step.reward is not None:
                 self.rewards[key][member] = float(step.reward)
             out.append((key, member, obs, bool(step.done)))
         return out
+
+    def tools(self, key, n: int) -> tuple[list[int], list[int]]:
+        """A group's tool calls and the ones the environment answered, per completion (call it
+        before :meth:`finish`)."""
+        calls = self.calls.get(key) or [[0, 0] for _ in range(n)]
+        return [c[0] for c in calls], [c[1] for c in calls]
 
     def finish(self, key, n: int) -> list[float]:
         """Close a group's episodes; their environment rewards (NaN where none was given)."""
@@ -171,6 +217,7 @@ class EpisodeRunner:
                     ep.close()
                 except Exception as e:  # a failed close loses nothing
                     self.log.warning("env_close_failed", error=f"{type(e).__name__}: {e}")
+        self.calls.pop(key, None)
         return self.rewards.pop(key, [float("nan")] * n)
 
     def close(self) -> None:

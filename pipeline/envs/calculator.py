@@ -4,7 +4,9 @@ The model's turn is either a **tool call**, an expression ending in ``=`` (``12+
 which the calculator answers with its exact value as the observation (``357``), or its
 **final answer** (anything else), which ends the episode with reward 1 when it equals the
 reference answer, else 0. A malformed call (``12+=``) is answered with nothing (an empty
-observation: the model simply takes another turn). The tiny
+observation: the model simply takes another turn). Each call's step says so
+(``Step.tool_call``), and whether it was answered (``Step.tool_ok``: False for a malformed
+one), for the tool-call metrics (docs/observing.md). The tiny
 character model's alphabet (digits, ``+``, ``*``, ``=``, space) spells both, so it can
 learn to call the tool before it answers.
 """
@@ -43,7 +45,8 @@ class CalculatorEpisode:
         if text.endswith("="):
             self.calls += 1
             m = _CALL.match(text)
-            return Step(observation=str(evaluate(m.group(1).replace(" ", ""))) if m else "")
+            return Step(observation=str(evaluate(m.group(1).replace(" ", ""))) if m else "", tool_call=True,
+                        tool_ok=m is not None)
         return Step(observation="", reward=float(text == self.reference), done=True)
 
     def close(self) -> None:

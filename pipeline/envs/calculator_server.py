@@ -5,6 +5,8 @@ every generator serves this app itself and drives it through OpenEnv's client. I
 that of OpenEnv's environment template: an Action, an Observation, an ``Environment`` and
 the app ``create_app`` makes of them. The prompt's reference answer comes with ``reset``
 (the pipeline passes ``reference``); the episode logic is the in-process one's, unchanged.
+The Observation's ``tool_call`` and ``tool_ok`` fields carry the step's tool-call flags
+(pipeline.envs.openenv reads them).
 
 Importable only where openenv-core is installed (the ``openenv`` extra). By hand::
 
@@ -42,6 +44,8 @@ class CalculatorObservation(Observation):
     """The calculator's answer to a call ("" for a final answer or a malformed call)."""
 
     result: str = Field(default="", description="The exact value of the call's expression")
+    tool_call: bool = Field(default=False, description="The action was a tool call (it ended in '=')")
+    tool_ok: Optional[bool] = Field(default=None, description="The call was well-formed and answered")
 
 
 class CalculatorEnvironment(Environment):
@@ -64,7 +68,8 @@ class CalculatorEnvironment(Environment):
              **kwargs: Any) -> CalculatorObservation:  # type: ignore[override]
         self._state.step_count += 1
         step = self._episode.step(action.text)
-        return CalculatorObservation(result=step.observation, done=step.done, reward=step.reward)
+        return CalculatorObservation(result=step.observation, done=step.done, reward=step.reward,
+                                     tool_call=step.tool_call, tool_ok=step.tool_ok)
 
     @property
     def state(self) -> State:

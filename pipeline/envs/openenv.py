@@ -17,6 +17,12 @@ what the model reads next, its ``reward`` and ``done`` are the step's. Both fiel
 from the server's ``/schema`` when the factory starts; an Action without exactly one string
 field, or with other required fields, is refused there, naming env.kind.
 
+Tool calls (docs/observing.md): an Observation with a boolean field ``tool_call`` (and
+``tool_ok``, a boolean or null) says whether the action was a tool call and whether it was
+answered; the step carries them (``Step.tool_call``, ``Step.tool_ok``). Without those fields
+a step is no tool call. (openenv-core 0.3.0 drops an Observation's ``metadata`` on the wire,
+so the flags travel as fields of their own.)
+
 ``reset`` receives the keyword arguments ``prompt``, ``reference`` and ``prompt_id`` of the
 episode's prompt; the server passes on those its environment's ``reset`` accepts (by name,
 or all of them to ``**kwargs``), and drops the others.
@@ -123,6 +129,15 @@ def fetch_schema(url: str, kind: str) -> dict:
             or not isinstance(schema.get("observation"), dict):
         raise EnvError(f"env.kind {kind!r}: {url}/schema is not an OpenEnv schema (action, observation)")
     return schema
+
+
+def tool_flags(observation) -> tuple[bool, bool | None]:
+    """``(tool_call, tool_ok)`` of an Observation (as the client's dict): its boolean ``tool_call``
+    and ``tool_ok`` fields when it has them, else no tool call."""
+    if not isinstance(observation, dict):
+        return False, None
+    call, ok = observation.get("tool_call"), observation.get("tool_ok")
+    return call is True, ok if isinstance(ok, bool) else None
 
 
 def _server_error(e: BaseException) -> str | None:
@@ -318,8 +333,9 @@ class OpenEnvEpisode:
             self.client = None
             raise EnvError(self.broken) from None
         reward = result.reward
+        call, ok = tool_flags(result.observation)
         return Step(observation=envs.text(result.observation), reward=None if reward is None else float(reward),
-                    done=bool(result.done))
+                    done=bool(result.done), tool_call=call, tool_ok=ok)
 
     def close(self) -> None:
         client, self.client = self.client, None

@@ -41,6 +41,7 @@ from prometheus_client.utils import floatToGoString
 
 from pipeline.keys import Keys
 from pipeline.bus.stats import read_stats
+from pipeline.envs.base import ENV_STEP_BUCKET, ENV_STEP_BUCKETS
 from pipeline.bus.streams import group_lag
 
 DELIVERY_BUCKETS = (1, 2, 3, 5, 10)
@@ -205,6 +206,68 @@ def snapshot(r: redis.Redis, keys: Keys) -> dict:
         "ns": keys.ns, "time": now_ms / 1000, "streams": streams, "stats": stats, "trainer": trainer,
         "workers": workers,
         "goodput": stats.get("tokens_trained_total", 0.0) / generated if generated else 0.0,
+        "episodes": episode_summary(stats),
+    }
+
+
+def step_histogram(stats: dict[str, float]) -> list[tuple[float, float]]:
+    """The environment step latency histogram in ``stats``: (upper bound in seconds, cumulative
+    count) per bucket, ``inf`` last; [] when no step was timed."""
+    counts: dict[float, float] = {}
+    for k, v in stats.items():
+        if k.startswith(ENV_STEP_BUCKET):
+            counts[float(k[len(ENV_STEP_BUCKET):])] = v
+    if not counts:
+        return []
+    out, total = [], 0.0
+    for bound in sorted({*ENV_STEP_BUCKETS, *counts, float("inf")}):  # every bucket, empty ones too
+        total += counts.get(bound, 0.0)
+        out.append((bound, total))
+    return out
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """The ``q`` quantile of a cumulative histogram, interpolated linearly inside its bucket (as
+    Prometheus' ``histogram_quantile``: a quantile in the +Inf bucket is the highest finite bound);
+    None when it is empty."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    lo, below = 0.0, 0.0
+    for bound, cum in buckets:
+        if cum >= rank and cum > below:
+            if bound == float("inf"):
+                return lo
+            return lo + (bound - lo) * (rank - below) / (cum - below)
+        lo, below = (bound if bound != float("inf") else lo), cum
+    return lo
+
+
+def episode_summary(stats: dict[str, float]) -> dict | None:
+    """The multi-turn episode numbers of a run's counters (docs/observing.md, "Episodes"), or None
+    for a run without episodes: what ``pipeline top``, the dashboard and the exporter's gauges show.
+
+    Per-episode numbers are over finished episodes (``episodes_finished_total``: their groups
+    were emitted); the step latency is over every step attempt (answered, raised or timed out)."""
+    started = stats.get("episodes_total", 0.0)
+    if not started:
+        return None
+    done = stats.get("episodes_finished_total", 0.0)
+    per = done or started  # counters written before episodes_finished_total existed: the started ones
+    steps, errors = stats.get("env_steps_total", 0.0), stats.get("env_errors_total", 0.0)
+    calls, ok = stats.get("tool_calls_total", 0.0), stats.get("tool_calls_ok_total", 0.0)
+    hist = step_histogram(stats)
+    return {
+        "episodes": started, "episodes_finished": done,
+        "turns_per_episode": stats.get("turns_total", 0.0) / per,
+        "env_steps": steps, "env_errors": errors,
+        "env_step_mean_s": stats.get("env_step_seconds_total", 0.0) / (steps + errors) if steps + errors else None,
+        "env_step_p50_s": histogram_quantile(0.5, hist), "env_step_p95_s": histogram_quantile(0.95, hist),
+        "tool_calls": calls, "tool_calls_ok": ok,
+        "episodes_with_tool_calls": stats.get("episodes_with_tool_calls_total", 0.0),
+        "tool_call_rate": stats.get("episodes_with_tool_calls_total", 0.0) / done if done else None,
+        "tool_calls_per_episode": calls / done if done else None,
+        "tool_call_success": ok / calls if calls else None,
     }
 
 
@@ -283,8 +346,9 @@ def families(snap: dict) -> Iterator:
     dl = GaugeMetricFamily("pipeline_dead_letter_stream_length", "Entries in the dead-letter stream.")
     dl.add_metric([], dead["length"])
     yield dl
-    # Every {ns}:stats counter (dead_letters_total, dropped_stale_total, tokens_generated_total, ...).
-    stats = dict(snap["stats"])
+    # Every {ns}:stats counter (dead_letters_total, dropped_stale_total, tokens_generated_total, ...),
+    # but the step latency buckets: those are one histogram.
+    stats = {k: v for k, v in snap["stats"].items() if not k.startswith(ENV_STEP_BUCKET)}
     stats.setdefault("dead_letters_total", 0.0)
     stats.setdefault("dropped_stale_total", 0.0)
     for name, value in sorted(stats.items()):
@@ -295,6 +359,7 @@ def families(snap: dict) -> Iterator:
     goodput = GaugeMetricFamily("pipeline_goodput_ratio", "Tokens trained / tokens generated so far.")
     goodput.add_metric([], snap["goodput"])
     yield goodput
+    yield from episode_families(snap)
     for field, (metric, doc) in TRAINER_GAUGES.items():
         value = snap["trainer"].get(field)
         if isinstance(value, float):
@@ -310,6 +375,35 @@ def families(snap: dict) -> Iterator:
         state.add_metric([w["worker"], str(w.get("stage", "")), str(w.get("state", ""))], 1)
     yield age
     yield state
+
+
+EPISODE_GAUGES = {
+    "turns_per_episode": ("pipeline_env_turns_per_episode", "Model turns per finished episode."),
+    "tool_call_rate": ("pipeline_env_tool_call_rate_ratio", "Share of finished episodes with at least one tool call."),
+    "tool_calls_per_episode": ("pipeline_env_tool_calls_per_episode", "Tool calls per finished episode."),
+    "tool_call_success": ("pipeline_env_tool_call_success_ratio",
+                          "Share of tool calls the environment answered (not malformed, not failed)."),
+}
+
+
+def episode_families(snap: dict) -> Iterator:
+    """Multi-turn episodes (only for a run with some): the step latency histogram and the
+    per-episode gauges of ``episode_summary``. The counters themselves come with every other
+    ``{ns}:stats`` counter (``pipeline_episodes_finished_total``, ``pipeline_tool_calls_total``, ...)."""
+    summary = snap.get("episodes")
+    if not summary:
+        return
+    hist = step_histogram(snap["stats"])
+    if hist:
+        h = HistogramMetricFamily("pipeline_env_step_latency_seconds",
+                                  "Environment step attempts by latency (answered, raised or timed out).")
+        h.add_metric([], [(floatToGoString(b), c) for b, c in hist], snap["stats"].get("env_step_seconds_total", 0.0))
+        yield h
+    for field, (metric, doc) in EPISODE_GAUGES.items():
+        if summary.get(field) is not None:
+            g = GaugeMetricFamily(metric, doc)
+            g.add_metric([], summary[field])
+            yield g
 
 
 # ----------------------------------------------------------------------------- per-worker metrics
@@ -472,6 +566,7 @@ def run_exporter(cfg, r: redis.Redis, keys: Keys, log, *, run_dir: Path | None =
 
     consumes:     nothing (reads XINFO/XPENDING, stats, heartbeats at each scrape and sample)
     produces:     ``/metrics`` on ``port_for(cfg, "exporter")``; one queues.jsonl line per sample
+                  (with ``episodes``, ``episode_summary``, in a run with multi-turn episodes)
     waits for:    ``metrics.sample_every_s`` between samples
     unblocked by: the stop key (checked every sample), or ``max_samples``
     """
@@ -488,9 +583,11 @@ def run_exporter(cfg, r: redis.Redis, keys: Keys, log, *, run_dir: Path | None =
         while not stop_requested(r, keys) and (max_samples is None or samples < max_samples):
             snap = snapshot(r, keys)
             if out is not None:
-                out.write(json.dumps({"time": snap["time"], "version": snap["trainer"].get("version", 0),
-                                      "queues": queue_rows(snap),
-                                      "workers": {w["worker"]: w.get("state", "") for w in snap["workers"]}}) + "\n")
+                row = {"time": snap["time"], "version": snap["trainer"].get("version", 0), "queues": queue_rows(snap),
+                       "workers": {w["worker"]: w.get("state", "") for w in snap["workers"]}}
+                if snap["episodes"]:  # the run-wide episode numbers, for the report
+                    row["episodes"] = snap["episodes"]
+                out.write(json.dumps(row) + "\n")
             samples += 1
             if max_samples is None or samples < max_samples:
                 time.sleep(cfg.metrics.sample_every_s)

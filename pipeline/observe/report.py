@@ -9,6 +9,9 @@ Reads what a run leaves in its directory:
 
 and writes ``report/{reward_accuracy,queues,staleness,utilisation}.png``, ``report.json``
 (every number the report states, and the series it plots) and ``report.md`` linking them.
+A run with multi-turn episodes (its step rows carry ``env_reward_mean``, its queue samples
+``episodes``) also gets ``report/episodes.png`` (tool-call rate and environment reward per
+step) and an "Episodes" section (docs/observing.md, "Episodes").
 """
 
 from __future__ import annotations
@@ -105,6 +108,54 @@ def label_model_fit(run_dir: Path) -> dict | None:
             "groups_measured": len(rows), "verifiers": verifiers}
 
 
+def _wmean(rows: list[dict], field: str, weight: str) -> float | None:
+    """``field`` averaged over ``rows`` weighted by ``weight``, skipping rows without it."""
+    pairs = [(r[field], r[weight]) for r in rows if r.get(field) is not None and r.get(weight)]
+    total = sum(w for _, w in pairs)
+    return sum(v * w for v, w in pairs) / total if total else None
+
+
+def episode_report(steps: list[dict], queues: list[dict]) -> dict | None:
+    """Multi-turn episodes: the trained batches' numbers per step and in all (from the step rows),
+    and the run-wide ones as the exporter last sampled them (``queues.jsonl``); None for a run
+    without episodes."""
+    eps = [s for s in steps if "env_reward_mean" in s]
+    sampled = [q for q in queues if q.get("episodes")]
+    if not eps and not sampled:
+        return None
+    counted = [s for s in eps if s.get("tool_calls") is not None]
+    n_counted = sum(s["episodes"] for s in counted)
+    calls = sum(s["tool_calls"] for s in counted)
+    ok = sum(s.get("tool_calls_ok", 0) for s in counted)
+    rates = [s["tool_call_rate"] for s in counted]
+    rewards = [s["env_reward_mean"] for s in eps]
+    trained = {
+        "steps": len(eps), "episodes": sum(s.get("episodes", 0) for s in eps),
+        "turns_mean": _wmean(eps, "turns_mean", "episodes"),
+        "env_reward_mean": _wmean(eps, "env_reward_mean", "episodes"),
+        "env_reward_first10": _mean(rewards[:10]) if rewards else None,
+        "env_reward_last10": _mean(rewards[-10:]) if rewards else None,
+        "tool_calls": calls, "tool_calls_ok": ok,
+        "episodes_with_tool_calls": sum(s.get("episodes_with_tool_calls", 0) for s in counted),
+        "tool_call_rate": sum(s.get("episodes_with_tool_calls", 0) for s in counted) / n_counted if n_counted else None,
+        "tool_call_rate_first10": _mean(rates[:10]) if rates else None,
+        "tool_call_rate_last10": _mean(rates[-10:]) if rates else None,
+        "tool_calls_per_episode": calls / n_counted if n_counted else None,
+        "tool_call_success": ok / calls if calls else None,
+    }
+    per_step = {"versions": [s.get("version") for s in eps], "episodes": [s.get("episodes") for s in eps],
+                "tool_call_rate": [s.get("tool_call_rate") for s in eps],
+                "tool_call_success": [s.get("tool_call_success") for s in eps],
+                "turns_mean": [s.get("turns_mean") for s in eps], "env_reward": rewards}
+    run = None
+    if sampled:
+        run = dict(sampled[-1]["episodes"])
+        span = sampled[-1]["time"] - queues[0]["time"]
+        run["episodes_per_s"] = run.get("episodes_finished", 0.0) / span if span > 0 else None
+        run["sampled_at"] = sampled[-1]["time"]
+    return {"trained": trained, "per_step": per_step, "run": run}
+
+
 def analyse(run_dir: Path) -> dict:
     """Every number and series the report shows, from the run directory's files."""
     rows = _jsonl(run_dir / "metrics.jsonl")
@@ -172,6 +223,7 @@ def analyse(run_dir: Path) -> dict:
         "stages": stages,
         "evals_beside_training": _jsonl(run_dir / "evals.jsonl"),
         "label_model": label_model_fit(run_dir),
+        "episodes": episode_report(steps, queues),
         "_t0": t0, "_t1": t1,
     }
 
@@ -232,8 +284,22 @@ def _figures(run_dir: Path, a: dict, out: Path) -> dict[str, str]:
         ax.set(xlabel="policy version", ylabel="fraction", ylim=(0, 1), title="evaluated beside training")
         ax.legend(loc="lower right", fontsize="small")
 
+    def episodes(ax):
+        ps = a["episodes"]["per_step"]
+        nan = float("nan")
+        ax.plot(ps["versions"], [nan if x is None else x for x in ps["tool_call_rate"]], "o-",
+                label="tool-call rate (episodes with a call)")
+        ax.plot(ps["versions"], ps["env_reward"], "s-", label="environment reward (mean)")
+        ax.plot(ps["versions"], [nan if x is None else x for x in ps["tool_call_success"]], ".--",
+                label="tool-call success (calls answered)")
+        ax.set(xlabel="policy version (optimizer step)", ylabel="fraction", ylim=(0, 1),
+               title="multi-turn episodes of the trained batches")
+        ax.legend(loc="lower right", fontsize="small")
+
     plots = {"reward_accuracy": reward_accuracy, "queues": queue_depths, "staleness": staleness,
              "utilisation": utilisation}
+    if a["episodes"] and a["episodes"]["per_step"]["versions"]:
+        plots["episodes"] = episodes
     if a["evals_beside_training"]:
         plots["beside"] = beside
     for name, draw in tqdm(plots.items(), desc="report figures", unit="fig"):
@@ -274,6 +340,7 @@ def _markdown(run_dir: Path, a: dict, figs: dict[str, str]) -> str:
            for n, u in a["workers"].items()]
     md += ["", "Per stage (mean over its workers): "
            + ", ".join(f"{s} {v['busy_fraction']:.1%}" for s, v in a["stages"].items()), ""]
+    md += _episodes_markdown(a["episodes"], figs)
     rows = a["evals_beside_training"]
     if rows:
         ks = list(rows[0]["pass_at_k"])
@@ -302,6 +369,44 @@ def _markdown(run_dir: Path, a: dict, figs: dict[str, str]) -> str:
                for n, v in lm["verifiers"].items()]
         md += [""]
     return "\n".join(md)
+
+
+def _episodes_markdown(ep: dict | None, figs: dict[str, str]) -> list[str]:
+    if not ep:
+        return []
+
+    def f(x, fmt="{:.3f}") -> str:
+        return "-" if x is None or x != x else fmt.format(x)
+
+    def ms(x) -> str:
+        return "-" if x is None else f"{1000 * x:.1f}"
+
+    t = ep["trained"]
+    md = ["## Episodes", ""]
+    if "episodes" in figs:
+        md += [f"![tool-call rate and environment reward]({figs['episodes']})", ""]
+    md += [f"The trained batches of {t['steps']} steps held {t['episodes']} episodes "
+           "(tool-call rate: the share of episodes with at least one tool call; tool-call success: the "
+           "share of tool calls the environment answered).", "",
+           "| trained batches | all steps | first 10 steps | last 10 steps |", "|---|---|---|---|",
+           f"| tool-call rate | {f(t['tool_call_rate'])} | {f(t['tool_call_rate_first10'])} | "
+           f"{f(t['tool_call_rate_last10'])} |",
+           f"| environment reward | {f(t['env_reward_mean'])} | {f(t['env_reward_first10'])} | "
+           f"{f(t['env_reward_last10'])} |",
+           f"| tool calls per episode | {f(t['tool_calls_per_episode'])} | | |",
+           f"| tool-call success | {f(t['tool_call_success'])} ({t['tool_calls_ok']} of {t['tool_calls']}) | | |",
+           f"| turns per episode | {f(t['turns_mean'])} | | |", ""]
+    run = ep["run"]
+    if run:
+        md += ["Run-wide, every episode the generators finished (the exporter's last sample):", "",
+               "| episodes (finished) | episodes/s | turns per episode | env step mean / p50 / p95 (ms) | "
+               "env errors | tool calls | tool-call rate | tool-call success |", "|---|---|---|---|---|---|---|---|",
+               f"| {f(run.get('episodes'), '{:.0f}')} ({f(run.get('episodes_finished'), '{:.0f}')}) | "
+               f"{f(run.get('episodes_per_s'), '{:.2f}')} | {f(run.get('turns_per_episode'))} | "
+               f"{ms(run.get('env_step_mean_s'))} / {ms(run.get('env_step_p50_s'))} / {ms(run.get('env_step_p95_s'))} | "
+               f"{f(run.get('env_errors'), '{:.0f}')} | {f(run.get('tool_calls'), '{:.0f}')} | "
+               f"{f(run.get('tool_call_rate'))} | {f(run.get('tool_call_success'))} |", ""]
+    return md
 
 
 def write_report(run_dir: Path) -> dict:

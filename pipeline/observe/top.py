@@ -2,7 +2,9 @@
 
 One row per stream and consumer group (depth, lag, pending, oldest pending age, rate in
 and out), one row per worker (stage, state, heartbeat age, throughput), the policy
-version, and sparklines of reward, sampled-answer accuracy and held-out accuracy.
+version, and sparklines of reward, sampled-answer accuracy and held-out accuracy. A run
+with multi-turn episodes adds their lines (episodes/s, turns per episode, environment step
+latency, tool-call rate and success) and the tool-call rate and environment reward per step.
 
 The view is a pure function of snapshots (``render``), so a test renders it from a real
 Redis and reads the numbers back; ``--once`` prints one frame.
@@ -54,6 +56,9 @@ def rates(prev: dict | None, cur: dict) -> dict:
                 q = pg[g["group"]]
                 acked = (g["entries_read"] - g["pending"]) - (q["entries_read"] - q["pending"])
                 out["out"][f"{s['stream']}/{g['group']}"] = max(0.0, acked / dt)
+    if cur.get("episodes"):
+        done = cur["stats"].get("episodes_finished_total", 0.0) - prev["stats"].get("episodes_finished_total", 0.0)
+        out["episodes"] = max(0.0, done / dt)
     pw = {w["worker"]: w for w in prev["workers"]}
     for w in cur["workers"]:
         q = pw.get(w["worker"])
@@ -76,6 +81,10 @@ class History:
         self.sample_accuracy: list[float] = []
         self.heldout: list[tuple[int, float]] = []
         self.staleness: list[int] = []
+        self.tool_call_rate: list[float] = []
+        """Multi-turn episodes: per step, the share of the step's episodes with a tool call ..."""
+        self.env_reward: list[float] = []
+        """... and their mean environment reward (both empty for a run without episodes)."""
         self._last_version = None
 
     def update(self, snap: dict) -> "History":
@@ -88,6 +97,9 @@ class History:
             self._last_version = version
             self.reward.append(float(tr.get("reward_mean", float("nan"))))
             self.sample_accuracy.append(float(tr.get("sample_accuracy", float("nan"))))
+            if isinstance(tr.get("env_reward_mean"), float):
+                self.env_reward.append(tr["env_reward_mean"])
+                self.tool_call_rate.append(float(tr.get("tool_call_rate", float("nan"))))
         ev, acc = tr.get("eval_version"), tr.get("eval_accuracy")
         if isinstance(ev, float) and isinstance(acc, float) and (not self.heldout or self.heldout[-1][0] != int(ev)):
             self.heldout.append((int(ev), acc))
@@ -104,6 +116,10 @@ class History:
         self.reward = [float(s.get("reward_mean", float("nan"))) for s in steps]
         self.sample_accuracy = [float(s.get("sample_accuracy", float("nan"))) for s in steps]
         self.heldout = [(int(e["version"]), float(e["heldout_accuracy"])) for e in rows if e.get("kind") == "eval"]
+        episodic = [s for s in steps if "env_reward_mean" in s]
+        self.env_reward = [float(s["env_reward_mean"]) for s in episodic]
+        self.tool_call_rate = [float(s["tool_call_rate"]) if s.get("tool_call_rate") is not None else float("nan")
+                               for s in episodic]
         hist: list[int] = []
         for s in steps:
             for i, n in enumerate(s.get("staleness_hist", [])):
@@ -140,14 +156,23 @@ def render(snap: dict, *, prev: dict | None = None, history: History | None = No
         "   dead letters ", _num(st.get("dead_letters_total", 0.0), "{:.0f}"),
         "   tokens generated ", _num(st.get("tokens_generated_total", 0.0), "{:.0f}"),
         "   trained ", _num(st.get("tokens_trained_total", 0.0), "{:.0f}"))
-    if st.get("episodes_total"):  # multi-turn episodes (env.kind)
-        steps_done = st.get("env_steps_total", 0.0) + st.get("env_errors_total", 0.0)
+    ep = snap.get("episodes")
+    if ep:  # multi-turn episodes (env.kind): docs/observing.md, "Episodes"
+        def ms(v):
+            return _num(None if v is None else 1000 * v, "{:.1f}")
+
         head.append_text(Text.assemble(
-            "\nepisodes ", _num(st["episodes_total"], "{:.0f}"),
-            "   turns per episode ", _num(st.get("turns_total", 0.0) / max(st["episodes_total"], 1.0)),
-            "   env steps ", _num(st.get("env_steps_total", 0.0), "{:.0f}"),
-            "   env step ", _num(1000 * st.get("env_step_seconds_total", 0.0) / max(steps_done, 1.0), "{:.1f}"), " ms",
-            "   env errors ", _num(st.get("env_errors_total", 0.0), "{:.0f}")))
+            "\nepisodes ", _num(ep["episodes"], "{:.0f}"), " (finished ", _num(ep["episodes_finished"], "{:.0f}"),
+            ", ", _num(rt.get("episodes"), "{:.2f}"), "/s)",
+            "   turns per episode ", _num(ep["turns_per_episode"]),
+            "   env steps ", _num(ep["env_steps"], "{:.0f}"),
+            "   env step ", ms(ep["env_step_mean_s"] or 0.0), " ms",
+            " (p50 ", ms(ep["env_step_p50_s"]), ", p95 ", ms(ep["env_step_p95_s"]), ")",
+            "   env errors ", _num(ep["env_errors"], "{:.0f}"),
+            "\ntool calls ", _num(ep["tool_calls"], "{:.0f}"), " (", _num(ep["tool_calls_per_episode"]), " per episode)",
+            "   tool-call rate ", _num(ep["tool_call_rate"]),
+            "   tool-call success ", _num(ep["tool_call_success"]),
+            " (", _num(ep["tool_calls_ok"], "{:.0f}"), " answered)"))
 
     streams = Table(title="streams", box=box.SIMPLE_HEAD, title_justify="left")
     for col in ("stream", "group", "length", "lag", "pending", "oldest pending", "consumers", "in/s", "out/s"):
@@ -182,6 +207,10 @@ def render(snap: dict, *, prev: dict | None = None, history: History | None = No
                       _num(h.sample_accuracy[-1] if h.sample_accuracy else None))
         lines.add_row("held-out accuracy", sparkline([a for _, a in h.heldout], lo=0.0, hi=1.0),
                       _num(h.heldout[-1][1] if h.heldout else None))
+        if h.env_reward:
+            lines.add_row("tool-call rate", sparkline(h.tool_call_rate, lo=0.0, hi=1.0),
+                          _num(h.tool_call_rate[-1] if h.tool_call_rate else None))
+            lines.add_row("env reward", sparkline(h.env_reward, lo=0.0, hi=1.0), _num(h.env_reward[-1]))
         if h.staleness:
             lines.add_row("staleness (versions)", sparkline([float(n) for n in h.staleness], lo=0.0),
                           " ".join(f"{i}:{n}" for i, n in enumerate(h.staleness)))

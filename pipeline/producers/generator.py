@@ -92,10 +92,12 @@ def to_groups(tasks: list[PromptTask], samples: list[Sampled], *, tok, worker_id
 
 
 def finished_group(t: PromptTask, fin: Finished, *, tok, worker_id: str, serial: int,
-                   env_rewards: list[float] | None = None) -> RolloutGroup:
+                   env_rewards: list[float] | None = None,
+                   tools: tuple[list[int], list[int]] | None = None) -> RolloutGroup:
     """The RolloutGroup of a group the slot sampler finished, with every token's version (and,
-    for episodes, the loss mask, turns and environment rewards; the completion text is the
-    final model turn, the answer the verifiers read)."""
+    for episodes, the loss mask, turns, environment rewards and ``tools``, the tool calls and
+    the answered ones per completion; the completion text is the final model turn, the answer
+    the verifiers read)."""
     lens = np.array([len(x) for x in fin.tokens], dtype=np.int32)
     versions = np.concatenate([np.asarray(v, dtype=np.int64) for v in fin.versions])
     lo, hi = int(versions.min()), int(versions.max())
@@ -104,6 +106,9 @@ def finished_group(t: PromptTask, fin: Finished, *, tok, worker_id: str, serial:
         "turns": np.asarray(fin.turns, dtype=np.int32),
         "env_rewards": np.asarray(env_rewards if env_rewards is not None else [np.nan] * len(fin.tokens),
                                   dtype=np.float32)}
+    if episode and tools is not None:
+        episode["tool_calls"] = np.asarray(tools[0], dtype=np.int32)
+        episode["tool_calls_ok"] = np.asarray(tools[1], dtype=np.int32)
     texts = fin.last_turns if fin.last_turns is not None else fin.tokens
     return RolloutGroup(
         prompt_id=t.prompt_id, group_id=f"{t.prompt_id}:{worker_id}:s{serial}", generator_id=worker_id, prompt=t.prompt,
@@ -312,19 +317,32 @@ class Streamer:
         gen, st = self.gen, self.gen.stage
         by_shard: dict[int, list] = {}
         tokens = 0
+        episodes: dict[str, float] = {}
         for fin in finished:
             e, task = self.inflight.pop(fin.key)
             self.serial += 1
-            env_rewards = None if self.env is None else self.env.finish(fin.key, len(fin.tokens))
+            env_rewards = tools = None
+            if self.env is not None:
+                tools = self.env.tools(fin.key, len(fin.tokens))
+                env_rewards = self.env.finish(fin.key, len(fin.tokens))
             grp = finished_group(task, fin, tok=gen.backend.tokenizer, worker_id=gen.worker_id, serial=self.serial,
-                                 env_rewards=env_rewards)
+                                 env_rewards=env_rewards, tools=tools)
             tokens += int(grp.completion_ids.size)
             by_shard.setdefault(e.shard, []).append((e, grp.encode()))
-            gen.log.info("group_generated", prompt_id=task.prompt_id, min_version=grp.min_version,
-                         max_version=grp.max_version, tokens=int(grp.completion_ids.size))
+            more = {}
+            if tools is not None:  # this group's finished episodes: the counters below and its log line
+                calls, ok = tools
+                for name, n in (("episodes_finished_total", len(calls)), ("tool_calls_total", sum(calls)),
+                                ("tool_calls_ok_total", sum(ok)),
+                                ("episodes_with_tool_calls_total", sum(c > 0 for c in calls))):
+                    episodes[name] = episodes.get(name, 0) + n
+                more = {"turns": list(fin.turns or ()), "tool_calls": calls, "tool_calls_ok": ok}
+            gen.log.info("group_generated", prompt_id=task.prompt_id, group_id=grp.group_id,
+                         min_version=grp.min_version, max_version=grp.max_version,
+                         tokens=int(grp.completion_ids.size), **more)
         gen.produced += len(finished)
         # Environment counters go with the first shard's transaction.
-        extra = {} if self.env is None else {**self.env.take_counters(),
+        extra = {} if self.env is None else {**self.env.take_counters(), **episodes,
                                               "turns_total": sum(sum(f.turns or ()) for f in finished)}
         for shard, written in by_shard.items():
             seconds, self.decode_s = self.decode_s, 0.0

@@ -1082,6 +1082,11 @@ def write_summary(cfg: RunConfig, r, keys, accounting: dict, base_info: dict, **
     by_dataset = {e["version"]: e["heldout_by_dataset"] for e in evals if e.get("heldout_by_dataset")}
     if by_dataset:  # a task of several sources (reasoning_gym): each one's held-out accuracy
         summary["evals_by_dataset"] = by_dataset
+    from pipeline.observe.metrics import episode_summary
+
+    episodes = episode_summary(stats)
+    if episodes:  # multi-turn episodes: the run-wide numbers (docs/observing.md, "Episodes")
+        summary["episodes"] = episodes
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
     a = accounting
     md = [

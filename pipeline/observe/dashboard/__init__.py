@@ -7,6 +7,11 @@ network fetch) and one JSON endpoint the page polls:
     GET /static/<file>    app.js, style.css
     GET /api/snapshot     {"snapshot", "rates", "history", "samples"} (see ``Dashboard.payload``)
 
+A run with multi-turn episodes also shows the episodes panel: ``snapshot.episodes``
+(``pipeline.observe.metrics.episode_summary``), ``rates.episodes`` (finished episodes per
+second) and the per-step ``history.tool_call_rate`` and ``history.env_reward``; the panel
+stays hidden while ``snapshot.episodes`` is null.
+
 A sampler thread reads a snapshot every ``interval`` seconds and keeps the last
 ``MAX_SAMPLES`` queue depths and trainer numbers, so the charts cover the time the
 dashboard has been running; the per-step curves come from ``<run_dir>/metrics.jsonl``
@@ -67,7 +72,10 @@ class Dashboard:
             h = self.history
             return {"snapshot": snap, "rates": rates(self.prev, snap),
                     "history": {"reward": h.reward, "sample_accuracy": h.sample_accuracy,
-                                "heldout": h.heldout, "staleness": h.staleness},
+                                "heldout": h.heldout, "staleness": h.staleness,
+                                # null, not NaN, for a step without a number: JSON.parse refuses NaN
+                                "tool_call_rate": [None if x != x else x for x in h.tool_call_rate],
+                                "env_reward": [None if x != x else x for x in h.env_reward]},
                     "samples": list(self.samples)}
 
     def run_sampler(self) -> None:

@@ -33,6 +33,31 @@ function renderSummary(snap) {
   }
 }
 
+// Multi-turn episodes (docs/observing.md, "Episodes"): shown only when the run has some.
+function renderEpisodes(data) {
+  const ep = data.snapshot.episodes, section = document.getElementById("episodes");
+  section.hidden = !ep;
+  if (!ep) return;
+  const ms = v => (typeof v === "number" ? fmt(1000 * v, 1) : "-");
+  const values = {
+    episodes: fmt(ep.episodes, 0), episodes_finished: fmt(ep.episodes_finished, 0),
+    episodes_per_s: fmt(data.rates.episodes, 2), turns_per_episode: fmt(ep.turns_per_episode, 3),
+    env_step_mean_ms: ms(ep.env_step_mean_s), env_step_p50_ms: ms(ep.env_step_p50_s),
+    env_step_p95_ms: ms(ep.env_step_p95_s), env_errors: fmt(ep.env_errors, 0),
+    tool_calls: fmt(ep.tool_calls, 0), tool_calls_per_episode: fmt(ep.tool_calls_per_episode, 3),
+    tool_call_rate: fmt(ep.tool_call_rate, 3), tool_call_success: fmt(ep.tool_call_success, 3),
+  };
+  for (const el of document.querySelectorAll("#episodes-summary [data-field]")) {
+    el.textContent = values[el.dataset.field];
+  }
+  const step = x => "step " + fmt(x, 0);
+  const points = xs => xs.map((v, i) => [i + 1, v]).filter(p => typeof p[1] === "number" && isFinite(p[1]));
+  lineChart(document.getElementById("chart-episodes"), [
+    {name: "tool-call rate", points: points(data.history.tool_call_rate || [])},
+    {name: "env reward", points: points(data.history.env_reward || [])},
+  ], {y0: 0, y1: 1, digits: 1, xlabel: step});
+}
+
 function renderStreams(snap, rates) {
   const body = document.querySelector("#streams tbody");
   body.replaceChildren();
@@ -148,6 +173,7 @@ async function poll() {
     renderStreams(data.snapshot, data.rates);
     renderWorkers(data.snapshot, data.rates);
     renderCharts(data);
+    renderEpisodes(data);
     const status = document.getElementById("status");
     status.textContent = "updated " + new Date(data.snapshot.time * 1000).toISOString();
     status.dataset.time = data.snapshot.time;
