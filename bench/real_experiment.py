@@ -180,7 +180,7 @@ def run_arm(arm: str, seed: int, *, best: str, steps: int | None, runs_dir: Path
     return run_dir
 
 
-def summarise_run(run_dir: Path) -> dict:
+def summarise_run(run_dir: Path, known_pi: float | None = None) -> dict:
     run = read_run(run_dir)
     s = run["summary"]
     x, y = eval_series(run)
@@ -190,7 +190,44 @@ def summarise_run(run_dir: Path) -> dict:
             "evals": dict(zip(x, y)), "wall_seconds": s.get("wall_seconds"),
             "accounting_ok": bool(acc.get("ok", s.get("accounting_ok"))),
             "lost": acc.get("lost"), "unexpected": acc.get("unexpected"),
-            "fitted": label_model_fit(run_dir) if s.get("reward_mode") == "weaver" else None}
+            "fitted": label_model_fit(run_dir) if s.get("reward_mode") == "weaver" else None,
+            "refit": pi_diagnosis(run_dir, known_pi) if s.get("reward_mode") == "weaver" and known_pi else None}
+
+
+def pi_diagnosis(run_dir: Path, known_pi: float) -> dict | None:
+    """The label model refitted offline on a weaver run's votes (its ``posteriors/*.jsonl``, the
+    whole run as one window) with π estimated as the run did, held at ``known_pi`` (the probe's
+    measured base accuracy) and held at the run's own hidden share (an oracle): π, AUC of the
+    posterior, and the mean posterior (the reward) on right and on wrong answers. It tells
+    whether the estimate of π is what separates Weaver from the truth."""
+    from pipeline.algo.labelmodel import fit_label_model
+    from pipeline.config import load_config
+    from pipeline.verifiers.base import is_sound
+
+    votes, truth, names = [], [], None
+    for path in sorted((run_dir / "posteriors").glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            g = json.loads(line)
+            if g.get("truth") is None:
+                continue
+            names = g["names"]
+            votes += [[np.nan if x is None else float(x) for x in v] for v in g["votes"]]
+            truth += [float(t) for t in g["truth"]]
+    if not votes:
+        return None
+    v, y = np.array(votes), np.array(truth)
+    cfg = load_config(run_dir / "config.toml")
+    sound = [n for n in names if is_sound(n)] if cfg.verifier.sound_checks else []
+    out = {"completions": int(len(y)), "true_share": round(float(y.mean()), 4), "fits": {}}
+    for label, cb in (("estimated (as the run)", None), (f"held at the probe's {known_pi:.3f}", known_pi),
+                      ("held at the run's true share (oracle)", float(np.clip(y.mean(), 0.01, 0.99)))):
+        lm = fit_label_model(v, names, sound=sound, dependence=cfg.verifier.dependence, class_balance=cb)
+        post = np.asarray(lm.posterior(v, names), dtype=np.float64)
+        a = auc(post, y)
+        out["fits"][label] = {"pi": round(float(lm.pi), 4), "auc": None if a is None else round(a, 3),
+                              "reward_right": round(float(post[y == 1].mean()), 3) if (y == 1).any() else None,
+                              "reward_wrong": round(float(post[y == 0].mean()), 3) if (y == 0).any() else None}
+    return out
 
 
 # --------------------------------------------------------------------------- the report
@@ -330,6 +367,19 @@ def report(result: dict, out: Path) -> None:
                       f"measured on {f['groups_measured']} groups):", "",
                       md_table(["verifier", "in the posterior", "threshold", "TPR fitted", "TPR measured",
                                 "TNR fitted", "TNR measured"], rows)]
+    refits = [(f"{arm}, seed {seed}", r["refit"]) for arm, by_seed in every.items()
+              for seed, r in by_seed.items() if r.get("refit")]
+    if refits:
+        lines += ["", "## The label model refitted offline, π estimated or known", "",
+                  "Each weaver run's votes (`posteriors/`, the whole run as one window) refitted three ways: π "
+                  "estimated without labels as the run did, held at the probe's measured base accuracy "
+                  "(`verifier.class_balance`), and held at the run's own hidden share of right answers (an "
+                  "oracle). Reward = the posterior, averaged over right and over wrong completions.", ""]
+        rows = [[seed, f"{r['completions']} ({r['true_share']:.3f})", label, f"{f['pi']:.3f}",
+                 "-" if f["auc"] is None else f"{f['auc']:.3f}", f"{f['reward_right']}", f"{f['reward_wrong']}"]
+                for seed, r in refits for label, f in r["fits"].items()]
+        lines += [md_table(["run", "completions (true share right)", "π", "fitted π", "AUC", "reward on right",
+                            "reward on wrong"], rows)]
     (out / "real.md").write_text("\n".join(lines) + "\n")
     if runs:
         plot(result, out / "real.png")
@@ -360,7 +410,10 @@ def main() -> int:
     if args.reuse:
         for runs in [*prior["runs"].values(), *(v["runs"] for v in prior.get("variants", {}).values())]:
             for seed, r in runs.items():
-                runs[seed] = summarise_run(ROOT / r["run"])
+                if not (ROOT / r["run"] / "summary.json").is_file():  # a run directory not on this machine
+                    print(f"--reuse: {r['run']} is not here; its recorded summary is kept", flush=True)
+                    continue
+                runs[seed] = summarise_run(ROOT / r["run"], known_pi=prior["probe"]["sample_accuracy"])
         report(prior, out)
         return 0
 
@@ -400,7 +453,8 @@ def main() -> int:
             if str(seed) in result["runs"].get(arm, {}):
                 continue
             run_dir = run_arm(arm, seed, best=best, steps=args.steps, runs_dir=ROOT / args.runs_dir, extra=extra)
-            result["runs"].setdefault(arm, {})[str(seed)] = summarise_run(run_dir)
+            result["runs"].setdefault(arm, {})[str(seed)] = summarise_run(
+                run_dir, known_pi=result["probe"]["sample_accuracy"])
             report(result, out)
     for item in args.variant:
         label, sep, fields = item.partition(":")
@@ -415,7 +469,7 @@ def main() -> int:
                 continue
             run_dir = run_arm("weaver", seed, best=best, steps=args.steps, runs_dir=ROOT / args.runs_dir, extra=extra,
                               variant=var)
-            var["runs"][str(seed)] = summarise_run(run_dir)
+            var["runs"][str(seed)] = summarise_run(run_dir, known_pi=result["probe"]["sample_accuracy"])
             report(result, out)
     result["finished"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     report(result, out)

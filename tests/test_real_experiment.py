@@ -55,3 +55,33 @@ def test_a_post_hoc_variant_is_reported_apart_from_the_arms(tmp_path):
     assert "| weaver-no-sound (post hoc) | 1 | 0.380 | 0.580 (0.580 – 0.580) | +20.0 (+20.0 – +20.0) |" in md
     assert "`weaver-no-sound` is not one of the three arms: the weaver reward with `verifier.sound_checks = false`" in md
     assert "Weaver closes **50%** of it" in md, "the gap is the three arms' alone"
+
+
+def test_the_offline_refit_tells_an_estimated_pi_from_a_known_one(tmp_path):
+    """A weaver run's votes where three judges err together: held at the known share, the refit
+    rewards wrong answers far less than the label-free estimate does, and the report shows both."""
+    from pipeline.config import load_config, to_toml
+
+    run = tmp_path / "runs" / "real-weaver-s0"
+    (run / "posteriors").mkdir(parents=True)
+    (run / "config.toml").write_text(to_toml(load_config(overrides={"verifier.reward": "weaver"})))
+    rng = np.random.default_rng(5)
+    names = ["j0", "j1", "j2", "c0", "c1"]
+    with open(run / "posteriors" / "ver-0.jsonl", "w") as f:
+        for g in range(500):
+            y = (rng.random(8) < 0.2).astype(int)
+            looks_right = np.where(y == 1, 1.0, (rng.random(8) < 0.4).astype(float))
+            judges = [1 / (1 + np.exp(-(3 * looks_right - 1.5 + rng.normal(0, 0.8, 8)))) for _ in range(3)]
+            checks = [np.where(y == 1, rng.random(8) < 0.8, rng.random(8) < 0.3).astype(float) for _ in range(2)]
+            votes = np.column_stack(judges + checks)
+            f.write(json.dumps({"names": names, "votes": votes.round(4).tolist(), "truth": y.tolist()}) + "\n")
+    d = RX.pi_diagnosis(run, 0.2)
+    est, known, oracle = d["fits"].values()
+    assert d["completions"] == 4000 and abs(d["true_share"] - 0.2) < 0.03
+    assert known["pi"] == 0.2 and abs(oracle["pi"] - d["true_share"]) < 1e-3
+    assert est["pi"] > 0.3 and known["reward_wrong"] < 0.2 < est["reward_wrong"]
+    r = {**_run(0.55, 0.57), "refit": d}
+    RX.report({"command": "x", "finished": "now", "probe": None, "runs": {"weaver": {"0": r}}}, tmp_path)
+    md = (tmp_path / "real.md").read_text()
+    assert "## The label model refitted offline, π estimated or known" in md
+    assert f"| weaver, seed 0 | 4000 ({d['true_share']:.3f}) | held at the probe's 0.200 | 0.200 |" in md
