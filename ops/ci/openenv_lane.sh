@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The openenv lane: tests/test_openenv.py (env.kind = "openenv:...": OpenEnv environments served
-# by the generators or running elsewhere, docs/environments.md) and tests/test_chaos_env.py
+# by the generators or running elsewhere, docs/environments.md), tests/test_openenv_games.py (the
+# code environment and a TextArena game served over OpenEnv) and tests/test_chaos_env.py
 # (`pipeline chaos` with the generators' environment servers SIGKILLed), in a venv of its own with the
 # `openenv` extra (openenv-core 0.3.0 and its server stack: fastapi, uvicorn, gradio, fastmcp,
-# openai, huggingface_hub). The default lane skips those tests because it does not install it.
+# openai, huggingface_hub) and the `textarena` extra (textarena 0.7.4). The default lane skips
+# those tests because it installs neither.
 #
 #   bash ops/ci/openenv_lane.sh            # venv in $TMPDIR/rlpipe-venv-openenv, reused when present
 #   OPENENV_VENV=/some/dir bash ops/ci/openenv_lane.sh
@@ -26,16 +28,16 @@ fi
 # The CPU pins first (pyproject.toml holds ranges; an unpinned torch is a CUDA build), then the extra.
 step "installing requirements/cpu.txt (the CPU torch 2.13.0 and the project)"
 "${PIP[@]}" -r requirements/cpu.txt
-step "installing the project with the test and openenv extras"
-"${PIP[@]}" -e '.[test,openenv]'
+step "installing the project with the test, openenv and textarena extras"
+"${PIP[@]}" -e '.[test,openenv,textarena]'
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
 import torch
 assert torch.__version__.startswith("2.13.0") and "+cpu" in torch.__version__, \
     f"torch {torch.__version__}: the lane needs the CPU build 2.13.0 (requirements/cpu.txt)"
-print(f"openenv lane: openenv-core {md.version('openenv-core')}, uvicorn {md.version('uvicorn')}, "
-      f"websockets {md.version('websockets')}, torch {torch.__version__}")
+print(f"openenv lane: openenv-core {md.version('openenv-core')}, textarena {md.version('textarena')}, "
+      f"uvicorn {md.version('uvicorn')}, websockets {md.version('websockets')}, torch {torch.__version__}")
 PY
-step "running tests/test_openenv.py tests/test_chaos_env.py"
-"$VENV/bin/python" -m pytest -q tests/test_openenv.py tests/test_chaos_env.py
+step "running tests/test_openenv.py tests/test_openenv_games.py tests/test_chaos_env.py"
+"$VENV/bin/python" -m pytest -q tests/test_openenv.py tests/test_openenv_games.py tests/test_chaos_env.py
 step "done"

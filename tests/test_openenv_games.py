@@ -1,0 +1,202 @@
+"""The code environment and a TextArena game served over OpenEnv (the openenv lane:
+``bash ops/ci/openenv_lane.sh``, which installs the ``openenv`` and ``textarena`` extras).
+
+Each app is served by the pipeline's own server pool (``env.kind = "openenv:<module>:app"``)
+and driven through the pipeline's OpenEnv client (reset, step, reward, done): the code
+server answers every action exactly as the in-process ``code`` environment does (the same
+sandbox, feedback, rewards and done), and the TextArena server plays the same seeded game
+as the in-process ``textarena`` environment. Games textarena cannot play alone offline are
+refused before launch, naming env.kind. Then `pipeline up` runs two steps of the code task
+on the code server.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("openenv.core", reason="the openenv lane installs openenv-core: bash ops/ci/openenv_lane.sh")
+pytest.importorskip("textarena", reason="the openenv lane installs textarena: bash ops/ci/openenv_lane.sh")
+
+from pipeline.config import RunConfig, load_config  # noqa: E402
+from pipeline.envs.base import EnvError, Step  # noqa: E402
+from pipeline.envs.code import CodeEpisode  # noqa: E402
+from pipeline.envs.registry import make_env  # noqa: E402
+from pipeline.envs.servers import live_pools  # noqa: E402
+from pipeline.envs.textarena import DEFAULT_GAME, TextArenaEpisode, seed_of  # noqa: E402
+from pipeline.records import PromptTask  # noqa: E402
+from pipeline.tasks import code as ct  # noqa: E402
+
+CODE = "openenv:pipeline.envs.code_server:app"
+GAME = "openenv:pipeline.envs.textarena_server:app"
+
+
+@pytest.fixture(autouse=True)
+def no_server_left():
+    """Every server pool a test started is stopped after it, its processes gone."""
+    yield
+    pools = live_pools()
+    procs = [s.proc for p in pools for s in p.servers if s.proc is not None]
+    for p in pools:
+        p.close()
+    assert all(proc.poll() is not None for proc in procs)
+
+
+def _task(reference: str = "", prompt_id: str = "p0") -> PromptTask:
+    return PromptTask(prompt_id=prompt_id, prompt="play", prompt_ids=np.array([3], np.int32), reference=reference,
+                      issued_at=0.0)
+
+
+def _served(kind: str, tmp_path: Path, **extra):
+    return make_env(RunConfig().with_overrides({"generator.swap": "step", "env.kind": kind, "task.kind": "code",
+                                                "runs_dir": str(tmp_path / "runs"), **extra}))
+
+
+# ---------------------------------------------------------------------- the code environment's server
+
+
+def test_the_code_server_answers_as_the_in_process_code_environment(tmp_path):
+    served = _served(CODE, tmp_path)
+    assert (served.action_field, served.observation_field) == ("code", "feedback")  # read from /schema
+    clamp, add = ct.problems_of("clamp")[100], ct.problems_of("add_const")[6]
+    cases = [
+        (clamp, [clamp.solution]),
+        (add, ["def add_const(x):\n    return x + 6\n", "def add_const(x:\n", "raise ValueError('no')\n",
+               "def add_const(x):\n    return x + 7 if x < 200 else x\n", f"```python\n{add.solution}```"]),
+        (clamp, ["def clamp(x):\n    while True:\n        pass\n", "def clamp(x):\n    return 0\n"]),
+    ]
+    seen_failures = 0
+    for k, (p, actions) in enumerate(cases):
+        ref = ct.encode_reference(p)
+        ours, theirs = served(_task(ref, f"p{k}")), CodeEpisode(ref)
+        assert ours.reset() == theirs.reset() == ""
+        for a in actions:
+            want = theirs.step(a)
+            got = ours.step(a)
+            assert (got.observation, got.reward, got.done) == (want.observation, want.reward, want.done), a
+            seen_failures += not got.done
+        assert got.done == (actions[-1] in (p.solution, f"```python\n{p.solution}```"))
+        if got.done:
+            assert got.reward == 1.0
+        ours.close()
+    assert seen_failures == 6
+    # A reference without tests: the server's reset fails, and the episode's first step says why.
+    bad = served(_task("357"))
+    assert bad.reset() == ""
+    with pytest.raises(EnvError, match="not a code task's reference"):
+        bad.step("def f(): pass")
+    served.close()
+
+
+# ---------------------------------------------------------------------- a TextArena game's server
+
+
+def _search(ep) -> list[tuple[str, Step]]:
+    """Binary search for GuessTheNumber's secret (1..20), reading the game's hints."""
+    lo, hi, out = 1, 20, []
+    while True:
+        guess = (lo + hi) // 2
+        step = ep.step(f"I guess [{guess}]")
+        out.append((f"[{guess}]", step))
+        if step.done:
+            return out
+        if "higher" in step.observation:
+            lo = guess + 1
+        elif "lower" in step.observation:
+            hi = guess - 1
+
+
+def test_a_textarena_game_served_over_openenv_plays_as_in_process(tmp_path):
+    served = _served(GAME, tmp_path)
+    assert (served.action_field, served.observation_field) == ("action", "message")
+    secrets = set()
+    for pid in ("p1", "p2", "p3"):
+        ours, theirs = served(_task(prompt_id=pid)), TextArenaEpisode(DEFAULT_GAME, seed_of(pid))
+        first = ours.reset()
+        assert first == theirs.reset() and first.startswith("\nYou are Player 0. You are playing Guess The Number.")
+        secrets.add(theirs.env.state.game_state["game_number"])
+        played = _search(ours)
+        assert played[-1][1].done and played[-1][1].reward == 1.0 and len(played) <= 5
+        for action, step in played:  # the same game in process: the same answers, turn for turn
+            assert theirs.step(action) == step
+        ours.close()
+    assert len(secrets) > 1, "every prompt got the same game"
+    # Two invalid moves in a row end the game, unrewarded by how close a guess came (none was made).
+    ours = served(_task(prompt_id="p4"))
+    ours.reset()
+    warned = ours.step("seven")
+    assert not warned.done and warned.reward is None and "invalid move" in warned.observation
+    over = ours.step("eight")
+    assert over.done and over.reward == 0.0
+    ours.close()
+    served.close()
+
+
+def test_the_textarena_environment_in_process_and_games_it_cannot_play_are_refused_before_launch(tmp_path):
+    from pipeline.run.launch import registry_problems
+
+    games = make_env(RunConfig().with_overrides({"generator.swap": "step", "env.kind": "textarena"}))
+    ep = games(_task(prompt_id="p1"))
+    assert ep.reset() == TextArenaEpisode(DEFAULT_GAME, seed_of("p1")).reset()
+    assert _search(ep)[-1][1] == Step(observation="", reward=1.0, done=True)
+    for kind, says in (("textarena:TicTacToe-v0", "not a single-player game"),
+                       ("textarena:GuessTheNumbr-v0", "has no game 'GuessTheNumbr-v0'; close ids: GuessTheNumber-v0")):
+        problems = registry_problems(RunConfig().with_overrides({"generator.swap": "step", "env.kind": kind}))
+        assert len(problems) == 1 and problems[0].startswith("env.kind") and f"env.kind {kind!r}" in problems[0], \
+            problems
+        assert says in problems[0], problems
+
+
+# ---------------------------------------------------------------------- pipeline up on the code server
+
+
+@pytest.fixture(scope="module")
+def code_model(tmp_path_factory) -> Path:
+    """A tiny checkpoint whose byte-level BPE tokenizer is trained on the task's prompts and
+    solutions, warmed up for a few steps so its turns end and the environment steps."""
+    from pipeline.model.init_model import init_model, warm_up
+
+    cfg = load_config(overrides={"task.kind": "code", "task.heldout_size": 4}).task
+    rows = ct.sample_rows(cfg, 200, seed=5)
+    out = tmp_path_factory.mktemp("code") / "model"
+    texts = [r["problem"] for r in rows] + [r["answer"] for r in rows] + ["6 of 6 tests failed: -> AssertionError()"]
+    init_model(out, preset="tiny", texts=texts, tokenizer_vocab=512, seed=0)
+    warm_up(out, [{"problem": r["problem"], "answer": "x"} for r in rows], template="{problem}", steps=25,
+            batch_size=8, seed=0)
+    return out
+
+
+@pytest.mark.slow
+def test_pipeline_up_runs_the_code_task_on_the_code_server(tmp_path, code_model, redis_url):
+    from harness import env_servers_of, up
+
+    from pipeline.bus.connection import connect
+    from pipeline.bus.stats import read_stats
+    from pipeline.keys import Keys
+
+    t0 = time.monotonic()
+    p = up(tmp_path, code_model, "--run-id", "code-oe", "--redis.url", redis_url, "--trainer.steps", "2",
+           "--trainer.eval_every", "2", "--generator.swap", "step", "--task.kind", "code", "--env.kind", CODE,
+           "--env.max_turns", "2", "--task.heldout_size", "4", "--task.max_new_tokens", "32",
+           "--verifier.reward", "environment", "--verifier.verifiers", "states_answer:full,code_exec",
+           "--cluster.generators", "1", "--cluster.verifiers", "1", "--cluster.timeout_s", "300", weak_rewards=False)
+    out = p.communicate(timeout=400)[0].decode()
+    assert p.returncode == 0, out[-4000:]
+    run = tmp_path / "runs" / "code-oe"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps"] == 2
+    acc = summary["accounting"]
+    assert acc["ok"] and acc["adds_up"] and acc["lost"] == 0 and acc["unexpected"] == 0, acc
+    cfg = load_config(run / "config.toml")
+    r = connect(redis_url, name="t")
+    stats = read_stats(r, Keys.of(cfg.run_id, cfg.redis))
+    r.close()
+    assert stats.get("env_steps_total", 0) >= 1 and stats.get("env_errors_total", 0) == 0, stats
+    logs = sorted((run / "logs").glob("env-server-*.log"))
+    assert logs, "the generator started no environment server"
+    assert not env_servers_of({f.name.split("-")[2] for f in logs}), "environment servers outlived their generator"
+    print(f"pipeline up, code task on the code server: {time.monotonic() - t0:.1f} s")
