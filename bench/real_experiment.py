@@ -219,7 +219,7 @@ def pi_diagnosis(run_dir: Path, known_pi: float) -> dict | None:
     cfg = load_config(run_dir / "config.toml")
     sound = [n for n in names if is_sound(n)] if cfg.verifier.sound_checks else []
     out = {"completions": int(len(y)), "true_share": round(float(y.mean()), 4), "fits": {}}
-    for label, cb in (("estimated (as the run)", None), (f"held at the probe's {known_pi:.3f}", known_pi),
+    for label, cb in (("estimated without labels", None), (f"held at the probe's {known_pi:.3f}", known_pi),
                       ("held at the run's true share (oracle)", float(np.clip(y.mean(), 0.01, 0.99)))):
         lm = fit_label_model(v, names, sound=sound, dependence=cfg.verifier.dependence, class_balance=cb)
         post = np.asarray(lm.posterior(v, names), dtype=np.float64)
@@ -372,7 +372,7 @@ def report(result: dict, out: Path) -> None:
     if refits:
         lines += ["", "## The label model refitted offline, π estimated or known", "",
                   "Each weaver run's votes (`posteriors/`, the whole run as one window) refitted three ways: π "
-                  "estimated without labels as the run did, held at the probe's measured base accuracy "
+                  "estimated without labels (as the weaver arm does), held at the probe's measured base accuracy "
                   "(`verifier.class_balance`), and held at the run's own hidden share of right answers (an "
                   "oracle). Reward = the posterior, averaged over right and over wrong completions.", ""]
         rows = [[seed, f"{r['completions']} ({r['true_share']:.3f})", label, f"{f['pi']:.3f}",

@@ -75,7 +75,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from scipy.optimize import minimize
 
 SCHEMA = 2
 """Version of the ``to_dict`` layout; ``from_dict`` rejects any other."""
@@ -670,6 +669,8 @@ def _moment_match(
 
     x0 = np.concatenate([tpr0, tnr0])
     bounds = [(_EM_CLIP[1], 1.0) if fixed is not None and fixed[j] else (0.0, 1.0) for j in range(k)] + [(0.0, 1.0)] * k
+    from scipy.optimize import minimize  # here, not at import: scipy.optimize costs ~1 s, which every CLI start paid
+
     res = minimize(objective, x0, jac=True, method="L-BFGS-B", bounds=bounds,
                    options={"maxiter": 10_000, "maxfun": 20_000, "ftol": 1e-15, "gtol": 1e-11})
     tpr, tnr = res.x[:k], res.x[k:]
