@@ -34,3 +34,19 @@ def make_scored(*, prompt_id: str = "p00000001", version: int = 0, rewards=None)
     return ScoredGroup(rollout=ro, verifier_names=("format", "mod9"), votes=np.ones((g, 2), dtype=np.float32),
                        rewards=rewards, truth=rewards.copy(), reward_mode="weaver", labelmodel_version=3,
                        verifier_id="ver-0", scored_at=time.time())
+
+
+def build_code_model(out):
+    """A tiny checkpoint at ``out`` for the code task: its byte-level BPE tokenizer trained on the
+    task's prompts and solutions, warmed up for a few steps so its turns end (an eos) and the
+    environment steps."""
+    from pipeline.config import load_config
+    from pipeline.model.init_model import init_model, warm_up
+    from pipeline.tasks import code as ct
+
+    rows = ct.sample_rows(load_config(overrides={"task.kind": "code", "task.heldout_size": 4}).task, 200, seed=5)
+    texts = [r["problem"] for r in rows] + [r["answer"] for r in rows] + ["6 of 6 tests failed: -> AssertionError()"]
+    init_model(out, preset="tiny", texts=texts, tokenizer_vocab=512, seed=0)
+    warm_up(out, [{"problem": r["problem"], "answer": "x"} for r in rows], template="{problem}", steps=25,
+            batch_size=8, seed=0)
+    return out

@@ -191,17 +191,9 @@ def test_textarena_without_the_package_is_refused_before_launch_naming_env_kind(
 
 @pytest.fixture(scope="module")
 def code_model(tmp_path_factory) -> Path:
-    """A tiny checkpoint whose byte-level BPE tokenizer is trained on the task's prompts and
-    solutions, warmed up for a few steps so its turns end (an eos) and the environment steps."""
-    from pipeline.model.init_model import init_model, warm_up
+    from builders import build_code_model
 
-    rows = ct.sample_rows(code_task(heldout_size=4), 200, seed=5)
-    out = tmp_path_factory.mktemp("code") / "model"
-    texts = [r["problem"] for r in rows] + [r["answer"] for r in rows] + ["6 of 6 tests failed: -> AssertionError()"]
-    init_model(out, preset="tiny", texts=texts, tokenizer_vocab=512, seed=0)
-    warm_up(out, [{"problem": r["problem"], "answer": "x"} for r in rows], template="{problem}", steps=25,
-            batch_size=8, seed=0)
-    return out
+    return build_code_model(tmp_path_factory.mktemp("code") / "model")
 
 
 @pytest.mark.slow

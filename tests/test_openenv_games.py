@@ -156,18 +156,9 @@ def test_the_textarena_environment_in_process_and_games_it_cannot_play_are_refus
 
 @pytest.fixture(scope="module")
 def code_model(tmp_path_factory) -> Path:
-    """A tiny checkpoint whose byte-level BPE tokenizer is trained on the task's prompts and
-    solutions, warmed up for a few steps so its turns end and the environment steps."""
-    from pipeline.model.init_model import init_model, warm_up
+    from builders import build_code_model
 
-    cfg = load_config(overrides={"task.kind": "code", "task.heldout_size": 4}).task
-    rows = ct.sample_rows(cfg, 200, seed=5)
-    out = tmp_path_factory.mktemp("code") / "model"
-    texts = [r["problem"] for r in rows] + [r["answer"] for r in rows] + ["6 of 6 tests failed: -> AssertionError()"]
-    init_model(out, preset="tiny", texts=texts, tokenizer_vocab=512, seed=0)
-    warm_up(out, [{"problem": r["problem"], "answer": "x"} for r in rows], template="{problem}", steps=25,
-            batch_size=8, seed=0)
-    return out
+    return build_code_model(tmp_path_factory.mktemp("code") / "model")
 
 
 @pytest.mark.slow
