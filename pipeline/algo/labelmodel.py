@@ -388,9 +388,7 @@ def _fit(
     pi = 0.5 if class_balance is None else float(class_balance)
     thr = np.array([g if g is not None else 0.5 for g in given], dtype=np.float64)
     if class_balance is not None:
-        for j in quantile_cols:
-            col = norm[~np.isnan(norm[:, j]), j]
-            thr[j] = float(np.quantile(col, 1.0 - pi)) if col.size else 0.5
+        _quantile_thresholds(thr, norm, quantile_cols, pi)
     rounds = 0
     for rounds in range(1, MAX_ROUNDS + 1):
         b = _binarise(norm, thr)
@@ -409,9 +407,7 @@ def _fit(
         pi = new_pi
         if settled:
             break
-        for j in quantile_cols:
-            col = norm[~np.isnan(norm[:, j]), j]
-            thr[j] = float(np.quantile(col, 1.0 - pi)) if col.size else 0.5
+        _quantile_thresholds(thr, norm, quantile_cols, pi)
 
     tpr_k, tnr_k, loss, mm_ok, mm_iters = _moment_match(b[:, kept], pi, em_tpr, em_tnr, fixed)
     tpr = np.full(m, np.nan)
@@ -426,6 +422,14 @@ def _fit(
         merged={names[k]: (names[r], bool(inv)) for k, (r, inv) in groups.items()},
         rounds=rounds, em_iterations=em_iters, lbfgs_iterations=mm_iters,
     )
+
+
+def _quantile_thresholds(thr: np.ndarray, norm: np.ndarray, cols: Sequence[int], pi: float) -> None:
+    """Step 3's label-free rule, in place: each of ``cols`` thresholded at the (1 − π) quantile of
+    its own normalised scores (0.5 for a column with no votes)."""
+    for j in cols:
+        col = norm[~np.isnan(norm[:, j]), j]
+        thr[j] = float(np.quantile(col, 1.0 - pi)) if col.size else 0.5
 
 
 def _normalisation(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
