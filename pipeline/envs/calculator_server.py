@@ -16,22 +16,12 @@ Importable only where openenv-core is installed (the ``openenv`` extra). By hand
 
 from __future__ import annotations
 
-from typing import Any, Optional
-from uuid import uuid4
+from typing import Optional
 
-try:
-    from openenv.core.env_server.http_server import create_app
-    from openenv.core.env_server.interfaces import Environment
-    from openenv.core.env_server.types import Action, Observation, State
-    from pydantic import Field
-except ImportError as e:  # pragma: no cover (the default lane has no openenv-core)
-    raise ImportError(f"pipeline.envs.calculator_server needs openenv-core, the `openenv` extra "
-                      f"(pip install -e '.[openenv]'): {e}") from e
+from pydantic import Field
 
 from pipeline.envs.calculator import CalculatorEpisode
-
-MAX_SESSIONS = 1024
-"""Sessions one server holds at once: one per completion in flight on the generators it serves."""
+from pipeline.envs.episode_server import Action, EpisodeEnvironment, Observation, serve
 
 
 class CalculatorAction(Action):
@@ -48,33 +38,18 @@ class CalculatorObservation(Observation):
     tool_ok: Optional[bool] = Field(default=None, description="The call was well-formed and answered")
 
 
-class CalculatorEnvironment(Environment):
+class CalculatorEnvironment(EpisodeEnvironment):
     """One calculator episode per session; ``reset(reference=...)`` starts it."""
 
-    SUPPORTS_CONCURRENT_SESSIONS = True
+    action_type, observation_type = CalculatorAction, CalculatorObservation
+    action_field, observation_field = "text", "result"
 
     def __init__(self) -> None:
         super().__init__()
-        self._episode = CalculatorEpisode("")
-        self._state = State(episode_id=str(uuid4()), step_count=0)
+        self._episode = CalculatorEpisode("")  # a step before any reset is a turn with no reference
 
-    def reset(self, seed: Optional[int] = None, episode_id: Optional[str] = None, reference: str = "",
-              **kwargs: Any) -> CalculatorObservation:
-        self._episode = CalculatorEpisode(reference)
-        self._state = State(episode_id=episode_id or str(uuid4()), step_count=0)
-        return CalculatorObservation(result=self._episode.reset(), done=False, reward=None)
-
-    def step(self, action: CalculatorAction, timeout_s: Optional[float] = None,
-             **kwargs: Any) -> CalculatorObservation:  # type: ignore[override]
-        self._state.step_count += 1
-        step = self._episode.step(action.text)
-        return CalculatorObservation(result=step.observation, done=step.done, reward=step.reward,
-                                     tool_call=step.tool_call, tool_ok=step.tool_ok)
-
-    @property
-    def state(self) -> State:
-        return self._state
+    def start(self, seed: Optional[int], reference: str = "", **kwargs) -> CalculatorEpisode:
+        return CalculatorEpisode(reference)
 
 
-app = create_app(CalculatorEnvironment, CalculatorAction, CalculatorObservation, env_name="calculator",
-                 max_concurrent_envs=MAX_SESSIONS)
+app = serve(CalculatorEnvironment, "calculator")

@@ -19,22 +19,12 @@ extra). By hand::
 
 from __future__ import annotations
 
-from typing import Any, Optional
-from uuid import uuid4
+from typing import Optional
 
-try:
-    from openenv.core.env_server.http_server import create_app
-    from openenv.core.env_server.interfaces import Environment
-    from openenv.core.env_server.types import Action, Observation, State
-    from pydantic import Field
-except ImportError as e:  # pragma: no cover (the default lane has no openenv-core)
-    raise ImportError(f"pipeline.envs.code_server needs openenv-core, the `openenv` extra "
-                      f"(pip install -e '.[openenv]'): {e}") from e
+from pydantic import Field
 
 from pipeline.envs.code import CodeEpisode
-
-MAX_SESSIONS = 1024
-"""Sessions one server holds at once: one per completion in flight on the generators it serves."""
+from pipeline.envs.episode_server import Action, EpisodeEnvironment, Observation, serve
 
 
 class CodeAction(Action):
@@ -49,33 +39,15 @@ class CodeObservation(Observation):
     feedback: str = Field(default="", description="The failing tests and how they failed, or why the code did not run")
 
 
-class CodeEnvironment(Environment):
+class CodeEnvironment(EpisodeEnvironment):
     """One code episode per session; ``reset(reference=...)`` starts it with the prompt's hidden tests."""
 
-    SUPPORTS_CONCURRENT_SESSIONS = True
+    action_type, observation_type = CodeAction, CodeObservation
+    action_field, observation_field = "code", "feedback"
+    started_by = "reset(reference=...) starts a code episode"
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._episode: CodeEpisode | None = None
-        self._state = State(episode_id=str(uuid4()), step_count=0)
-
-    def reset(self, seed: Optional[int] = None, episode_id: Optional[str] = None, reference: str = "",
-              **kwargs: Any) -> CodeObservation:
-        self._episode = CodeEpisode(reference)  # EnvError naming env.kind 'code' for a reference without tests
-        self._state = State(episode_id=episode_id or str(uuid4()), step_count=0)
-        return CodeObservation(feedback=self._episode.reset(), done=False, reward=None)
-
-    def step(self, action: CodeAction, timeout_s: Optional[float] = None,
-             **kwargs: Any) -> CodeObservation:  # type: ignore[override]
-        if self._episode is None:
-            raise RuntimeError("step before reset: reset(reference=...) starts a code episode")
-        self._state.step_count += 1
-        step = self._episode.step(action.code)
-        return CodeObservation(feedback=step.observation, done=step.done, reward=step.reward)
-
-    @property
-    def state(self) -> State:
-        return self._state
+    def start(self, seed: Optional[int], reference: str = "", **kwargs) -> CodeEpisode:
+        return CodeEpisode(reference)  # EnvError naming env.kind 'code' for a reference without tests
 
 
-app = create_app(CodeEnvironment, CodeAction, CodeObservation, env_name="code", max_concurrent_envs=MAX_SESSIONS)
+app = serve(CodeEnvironment, "code")
