@@ -381,6 +381,20 @@ def test_the_report_warns_when_too_few_verifiers_are_kept_to_reveal_dependence()
     assert any("only 3 verifiers kept" in w for w in few)
 
 
+def test_a_fit_that_keeps_no_verifier_scores_with_the_mean_vote_not_a_constant():
+    # A run's first window: two groups of four, fewer than MIN_VOTES votes per verifier.
+    votes = np.array([[1, 1, 1, 1], [1, 0, 1, 1], [0, np.nan, 0, 1], [1, 1, 0, 0],
+                      [0, 0, 0, 0], [1, 1, 1, 1], [np.nan] * 4, [1, np.nan, 1, 0]], dtype=np.float64)
+    lm = fit_label_model(votes, NAMES[:4])
+    assert tuple(lm.kept_names) == () and len(lm.dropped) == 4
+    post = lm.posterior(votes)
+    np.testing.assert_allclose(post, [1.0, 0.75, 1 / 3, 0.5, 0.0, 1.0, lm.pi, 2 / 3])
+    assert any("no verifier kept" in w for w in lm.report()["warnings"])
+    # The serialised model the verifier replicas share scores the same way.
+    again = LabelModel.from_dict(msgpack.unpackb(msgpack.packb(lm.to_dict())))
+    np.testing.assert_allclose(again.posterior(votes), post)
+
+
 def _correlated_wrong_answers(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Two sound checks (a right answer always passes) and a majority-like vote whose errors
     share a cause with check ``a``: plausible wrong answers fool both, as carry errors fool the

@@ -59,7 +59,9 @@ counts; the verifier stage logs it on each refit.
 
 Posterior (``LabelModel.posterior``), step 7: logit P(y=1 | v) = log(π/(1−π)) +
 Σ_j [log μ̂[2j+v_j, 1] − log μ̂[2j+v_j, 0]] over the kept verifiers that voted,
-μ̂ clipped to [0.01, 0.99]; an abstaining verifier adds nothing.
+μ̂ clipped to [0.01, 0.99]; an abstaining verifier adds nothing. A fit that kept no
+verifier (a first window with fewer than ``MIN_VOTES`` votes per verifier) gives each
+row its mean binarised vote instead, the unweighted ensemble, and π where none voted.
 
 The fitted model is plain data (``to_dict``/``from_dict`` use only lists, floats,
 ints, bools and strings) so it can live, versioned, in the ``{ns}:labelmodel`` hash.
@@ -172,7 +174,10 @@ class LabelModel:
         TPR/TNR of the kept verifiers, π, the objective, and the iterations it took."""
         kept = self.kept_names
         warnings = []
-        if len(kept) <= 3:
+        if not kept:
+            warnings.append("no verifier kept: the posterior is each completion's mean binarised vote "
+                            "(the unweighted ensemble) until a fit keeps one")
+        elif len(kept) <= 3:
             # k binary verifiers give 2k + 1 unknowns and, with k = 3, exactly as many
             # independent moments: any dependence among them is absorbed into the rates.
             warnings.append(f"only {len(kept)} verifiers kept: the model is not over-determined, so dependence "
@@ -212,6 +217,13 @@ class LabelModel:
     def posterior(self, votes: np.ndarray, names: Sequence[str] | None = None) -> np.ndarray:
         """P(correct) per row, float64 [N] (§5 step 7). Never reads any label."""
         b = self.binarize(votes, names)
+        if not any(self.kept):
+            # A fit that kept nothing (too few votes yet) has no rates to weigh: the unweighted
+            # ensemble, each row's mean binarised vote (π where none voted), rather than π for
+            # every row, which would leave the first groups of a run without any signal.
+            voted = (~np.isnan(b)).sum(axis=1)
+            mean = np.nansum(b, axis=1) / np.maximum(voted, 1)
+            return np.where(voted > 0, mean, float(np.clip(self.pi, *MU_CLIP)))
         logit = np.full(b.shape[0], _logit(float(np.clip(self.pi, *MU_CLIP))))
         for j, keep in enumerate(self.kept):
             if not keep:
