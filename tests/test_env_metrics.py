@@ -184,6 +184,32 @@ def test_the_report_has_an_episodes_section_plotting_tool_call_rate_and_reward(c
         assert high - low > 100
 
 
+def test_the_held_out_evaluation_plays_episodes_through_the_environment(calculator_run, tiny_base_model):
+    """With env.kind set, the trainer's held-out accuracy is greedy episodes' success through the
+    calculator, with the tool-call rate beside it; version 0 is the base, played again here."""
+    import numpy as np
+
+    from pipeline.config import TaskConfig
+    from pipeline.envs.calculator import calculator
+    from pipeline.envs.evaluate import play, summarise
+    from pipeline.model.qwen import load_checkpoint
+    from pipeline.tasks.arithmetic import ArithmeticTask
+
+    evals = [e for e in _jsonl(calculator_run["run"] / "metrics.jsonl") if e["kind"] == "eval"]
+    assert [e["version"] for e in evals] == [0, 4]
+    for e in evals:
+        assert {"heldout_tool_call_rate", "heldout_turns_mean", "heldout_env_errors"} <= set(e)
+        assert 0.0 <= e["heldout_tool_call_rate"] <= 1.0 and e["heldout_turns_mean"] >= 1.0
+    summary = json.loads((calculator_run["run"] / "summary.json").read_text())
+    items = ArithmeticTask(TaskConfig(heldout_size=evals[0]["n"])).heldout()
+    model, tok = load_checkpoint(tiny_base_model)
+    again = summarise(play(model.eval(), tok, [np.asarray(tok.encode(i.prompt), dtype=np.int32) for i in items],
+                           [i.reference for i in items], calculator(None), max_turns=3, max_new_tokens=24))
+    assert again["heldout_accuracy"] == pytest.approx(evals[0]["heldout_accuracy"], abs=0.02)
+    assert again["heldout_tool_call_rate"] == pytest.approx(evals[0]["heldout_tool_call_rate"], abs=0.02)
+    assert summary["evals"]["0"] == pytest.approx(evals[0]["heldout_accuracy"])
+
+
 def test_an_openenv_observation_carries_the_tool_call_flags_in_fields_of_its_own():
     """The client's side of the calculator server's ``tool_call`` / ``tool_ok`` fields (the
     served round trip is tested in the openenv lane, tests/test_openenv.py)."""

@@ -299,6 +299,8 @@ class Trainer:
         """Extra reads of the last step under dynamic sampling."""
         self.held: set[str] = set()
         self.labelmodel_versions: set[int] = set()
+        self._env = None
+        """The environment factory of the held-out episodes (``env.kind``), built at the first evaluation."""
 
     def resume(self) -> Path | None:
         """Restore the latest checkpoint and re-apply its commit; the checkpoint, or None for a fresh start."""
@@ -337,19 +339,41 @@ class Trainer:
         self.stage.trim()
 
     def evaluate(self) -> float:
-        """Greedy accuracy of the current policy on the held-out set."""
+        """Greedy accuracy of the current policy on the held-out set; with an environment
+        (``env.kind``), the held-out episodes' success (pipeline.envs.evaluate)."""
         t0 = time.perf_counter()
-        answers = self.engine.greedy(self.heldout_ids, max_new_tokens=self.task.eval_max_new_tokens)
-        right = [self.task.correctness(item.reference, [a])[0] for item, a in zip(self.heldout, answers)]
-        acc = float(np.mean(right))
-        by_source = accuracy_by_source(self.heldout, right)
-        extra = {"heldout_by_dataset": by_source} if by_source else {}
+        if self.cfg.env.kind:
+            extra = self._evaluate_episodes()
+            acc = extra.pop("heldout_accuracy")
+        else:
+            answers = self.engine.greedy(self.heldout_ids, max_new_tokens=self.task.eval_max_new_tokens)
+            right = [self.task.correctness(item.reference, [a])[0] for item, a in zip(self.heldout, answers)]
+            acc = float(np.mean(right))
+            by_source = accuracy_by_source(self.heldout, right)
+            extra = {"heldout_by_dataset": by_source} if by_source else {}
         self.metrics.write("eval", version=self.version, heldout_accuracy=acc, n=len(self.heldout), **extra)
         self.log.info("evaluated", version=self.version, heldout_accuracy=acc,
                       seconds=round(time.perf_counter() - t0, 3), **extra)
         self.r.hset(self.keys.trainer, mapping={"eval_accuracy": acc, "eval_version": self.version})
         self.evals[self.version] = acc
         return acc
+
+    def _evaluate_episodes(self) -> dict:
+        """The held-out prompts played greedily through the run's environment (built here at
+        the first evaluation, closed with the trainer): success, tool-call rate, turns."""
+        from pipeline.envs.evaluate import summarise
+        from pipeline.envs.registry import make_env
+
+        if self._env is None:
+            self._env = make_env(self.cfg)
+        played = self.engine.play(self.heldout_ids, [item.reference for item in self.heldout], self._env,
+                                  max_turns=self.cfg.env.max_turns, max_new_tokens=self.cfg.task.max_new_tokens,
+                                  texts=[item.prompt for item in self.heldout])
+        for p in played:
+            if p.error is not None:
+                self.log.warning("heldout_episode_failed", error=p.error)
+                break
+        return summarise(played)
 
     def publish(self) -> None:
         # publish() copies into the transport's buffer, and that copy is the snapshot:
@@ -451,6 +475,9 @@ class Trainer:
         self.metrics.close()
         self.publisher.close()
         self.engine.close()
+        close_env = getattr(self._env, "close", None)
+        if callable(close_env):  # an OpenEnv app's servers, started for the held-out episodes
+            close_env()
 
 
 def run_trainer(cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = None,

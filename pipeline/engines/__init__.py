@@ -115,6 +115,12 @@ class TrainEngine(Protocol):
         """Decoded greedy completions of the held-out prompts."""
         ...
 
+    def play(self, prompts: list[np.ndarray], references: list[str], factory, *, max_turns: int,
+             max_new_tokens: int, texts: list[str] | None = None) -> list:
+        """The held-out prompts as greedy episodes through ``factory``'s environment, one
+        ``pipeline.envs.evaluate.Played`` each (a run with ``env.kind``)."""
+        ...
+
     def save_state(self, directory: Path) -> dict:
         """Write model, optimizer, schedule and RNG state into ``directory``; returns JSON-able extras."""
         ...

@@ -534,6 +534,14 @@ class TitanEngine:
         self._driver("greedy")
         return greedy_decode(self._local_model(), self.tokenizer, prompts, max_new_tokens=max_new_tokens)
 
+    def play(self, prompts: list[np.ndarray], references: list[str], factory, *, max_turns: int,
+             max_new_tokens: int, texts: list[str] | None = None) -> list:
+        from pipeline.envs.evaluate import play
+
+        self._driver("greedy")
+        return play(self._local_model(), self.tokenizer, prompts, references, factory, max_turns=max_turns,
+                    max_new_tokens=max_new_tokens, texts=texts)
+
     def save_state(self, directory: Path) -> dict:
         self._driver("save_state")
         directory = Path(directory).resolve()

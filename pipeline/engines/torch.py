@@ -320,6 +320,14 @@ class TorchEngine:
     def greedy(self, prompts: list[np.ndarray], *, max_new_tokens: int) -> list[str]:
         return greedy_decode(self.model, self.tokenizer, prompts, max_new_tokens=max_new_tokens)
 
+    def play(self, prompts: list[np.ndarray], references: list[str], factory, *, max_turns: int,
+             max_new_tokens: int, texts: list[str] | None = None) -> list:
+        """Greedy held-out episodes through ``factory``'s environment (pipeline.envs.evaluate)."""
+        from pipeline.envs.evaluate import play
+
+        return play(self.model, self.tokenizer, prompts, references, factory, max_turns=max_turns,
+                    max_new_tokens=max_new_tokens, texts=texts)
+
     def save_state(self, directory: Path) -> dict:
         if self.lora is not None:
             return {"sched": self.sched.state_dict(), **self.lora.save(directory, self.opt)}

@@ -53,10 +53,18 @@ RESTART_BUDGET_WINDOW_S = 3600.0
 
 
 def built_base_model(cfg: RunConfig) -> dict | None:
-    """What the pretrained checkpoint in ``model.base_dir`` records (``pretrain.json``), or
-    None when there is none and ``ensure_base_model`` would build one."""
-    info = Path(cfg.model.base_dir) / "pretrain.json"
-    return json.loads(info.read_text()) if info.exists() else None
+    """What the pretrained checkpoint in ``model.base_dir`` records (``pretrain.json``); for a
+    checkpoint built another way (``config.json`` and no ``pretrain.json``: ``pipeline
+    init-model``, the tool warm-up of pipeline.model.tool_warmup, an imported model) a record
+    saying so; None when there is no checkpoint and ``ensure_base_model`` would build one."""
+    base = Path(cfg.model.base_dir)
+    info = base / "pretrain.json"
+    if info.exists():
+        return json.loads(info.read_text())
+    if (base / "config.json").is_file():
+        tool = base / "tool_warmup.json"
+        return {"source": "checkpoint", **({"tool_warmup": json.loads(tool.read_text())} if tool.is_file() else {})}
+    return None
 
 
 def base_model_differences(cfg: RunConfig, built: dict) -> list[str]:
