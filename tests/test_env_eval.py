@@ -86,16 +86,21 @@ def _turns(completion: list[int], eos: int, obs: list[int]) -> list[list[int]]:
     return turns
 
 
-def test_turns_end_at_eos_and_the_observation_ids_follow_exactly_until_the_turn_limit(shipped, problems):
+def _play_echo(shipped, items, obs: str, **budget) -> tuple[list, list[Echo]]:
+    """``items`` played by the shipped base against :class:`Echo` environments; (played, environments)."""
     model, tok = shipped
-    made = []
+    made: list[Echo] = []
 
     def factory(t):
-        made.append(Echo("77"))
+        made.append(Echo(obs))
         return made[-1]
 
-    played = play(model, tok, _ids(tok, problems[:12]), [p.answer for p in problems[:12]], factory, max_turns=3,
-                  max_new_tokens=40)
+    return play(model, tok, _ids(tok, items), [p.answer for p in items], factory, **budget), made
+
+
+def test_turns_end_at_eos_and_the_observation_ids_follow_exactly_until_the_turn_limit(shipped, problems):
+    _, tok = shipped
+    played, made = _play_echo(shipped, problems[:12], "77", max_turns=3, max_new_tokens=40)
     obs = tok.encode("77")
     for p, env in zip(played, made):
         turns = _turns(p.completion, tok.eos_id, obs)
@@ -107,15 +112,8 @@ def test_turns_end_at_eos_and_the_observation_ids_follow_exactly_until_the_turn_
 
 
 def test_the_token_budget_counts_observations_and_a_cut_turn_is_never_stepped(shipped, problems):
-    model, tok = shipped
-    made = []
-
-    def factory(t):
-        made.append(Echo("1234567"))
-        return made[-1]
-
-    played = play(model, tok, _ids(tok, problems[:8]), [p.answer for p in problems[:8]], factory, max_turns=10,
-                  max_new_tokens=16)
+    _, tok = shipped
+    played, made = _play_echo(shipped, problems[:8], "1234567", max_turns=10, max_new_tokens=16)
     for p, env in zip(played, made):
         assert len(p.completion) <= 16
         ended = p.completion.count(tok.eos_id)
