@@ -16,7 +16,7 @@ import torch
 from pipeline.config import TaskConfig
 from pipeline.model.init_model import corpus, init_model, synthetic_math_rows, warm_up, write_rows
 from pipeline.tasks.math import MathTask, boxed_answer, read_rows
-from pipeline.verifiers.base import VERIFIERS
+from pipeline.verifiers.registry import VERIFIERS  # the registry module registers the math checks
 
 pytest.importorskip("math_verify")
 
