@@ -92,3 +92,15 @@ def env_servers_of(parents: set[str], *, settle_s: float = 1.0) -> list[str]:
                                                    if a == b"--parent"):
             left.append(proc.name)
     return left
+
+
+def stop_live_pools() -> None:
+    """Close every environment server pool this process started (``pipeline.envs.servers``) and
+    check that their processes are gone."""
+    from pipeline.envs.servers import live_pools
+
+    pools = live_pools()
+    procs = [s.proc for p in pools for s in p.servers if s.proc is not None]
+    for p in pools:
+        p.close()
+    assert all(proc.poll() is not None for proc in procs)

@@ -30,7 +30,6 @@ from pipeline.envs.base import EnvError, Step  # noqa: E402
 from pipeline.envs.calculator import CalculatorEpisode  # noqa: E402
 from pipeline.envs.openenv import action_field, observation_field  # noqa: E402
 from pipeline.envs.registry import make_env  # noqa: E402
-from pipeline.envs.servers import live_pools  # noqa: E402
 from pipeline.keys import Keys  # noqa: E402
 from pipeline.model.qwen import ModelShape, build_model, save_checkpoint  # noqa: E402
 from pipeline.model.tokenizer import CharTokenizer  # noqa: E402
@@ -54,12 +53,10 @@ def one_torch_thread():
 @pytest.fixture(autouse=True)
 def no_server_left():
     """Every server pool a test started is stopped after it, its processes gone."""
+    from harness import stop_live_pools
+
     yield
-    pools = live_pools()
-    procs = [s.proc for p in pools for s in p.servers if s.proc is not None]
-    for p in pools:
-        p.close()
-    assert all(proc.poll() is not None for proc in procs)
+    stop_live_pools()
 
 
 @pytest.fixture

@@ -26,7 +26,6 @@ from pipeline.config import RunConfig, load_config  # noqa: E402
 from pipeline.envs.base import EnvError, Step  # noqa: E402
 from pipeline.envs.code import CodeEpisode  # noqa: E402
 from pipeline.envs.registry import make_env  # noqa: E402
-from pipeline.envs.servers import live_pools  # noqa: E402
 from pipeline.envs.textarena import DEFAULT_GAME, TextArenaEpisode, seed_of  # noqa: E402
 from pipeline.records import PromptTask  # noqa: E402
 from pipeline.tasks import code as ct  # noqa: E402
@@ -38,12 +37,10 @@ GAME = "openenv:pipeline.envs.textarena_server:app"
 @pytest.fixture(autouse=True)
 def no_server_left():
     """Every server pool a test started is stopped after it, its processes gone."""
+    from harness import stop_live_pools
+
     yield
-    pools = live_pools()
-    procs = [s.proc for p in pools for s in p.servers if s.proc is not None]
-    for p in pools:
-        p.close()
-    assert all(proc.poll() is not None for proc in procs)
+    stop_live_pools()
 
 
 def _task(reference: str = "", prompt_id: str = "p0") -> PromptTask:
