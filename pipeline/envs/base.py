@@ -79,6 +79,11 @@ def step_bucket(seconds: float) -> str:
     return f"{ENV_STEP_BUCKET}+Inf"
 
 
+def encode_text(tokenizer, text: str) -> list[int]:
+    """An observation's token ids, exactly as the tokenizer encodes them (none for ``""``)."""
+    return list(tokenizer.encode(text)) if text else []
+
+
 class EnvError(RuntimeError):
     """An environment step that failed (raised, timed out, lost its server)."""
 
@@ -116,9 +121,6 @@ class EpisodeRunner:
         out, self.counters = self.counters, {}
         return out
 
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tok.encode(text)) if text else []
-
     def start(self, key, task, n: int) -> list[list[int]]:
         """``n`` new episodes of ``task``; their first observations' token ids. An episode whose
         environment cannot start (or whose first observation cannot be encoded) is counted as
@@ -130,7 +132,7 @@ class EpisodeRunner:
             try:
                 ep = self.factory(task)
                 self.episodes[(key, j)] = ep
-                firsts.append(self._encode(ep.reset()))
+                firsts.append(encode_text(self.tok, ep.reset()))
             except Exception as e:
                 self._count("env_errors_total")
                 self.log.warning("env_reset_failed", member=j, error=f"{type(e).__name__}: {e}")
@@ -172,7 +174,7 @@ class EpisodeRunner:
                     step = fut.result()
                     if not isinstance(step, Step):
                         raise EnvError(f"step returned {type(step).__name__}, not a Step")
-                    obs = self._encode(step.observation)
+                    obs = encode_text(self.tok, step.observation)
                 except Exception as e:
                     error = f"{type(e).__name__}: {e}"
             elif now - started > self.cfg.step_timeout_s:
