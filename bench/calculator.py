@@ -108,17 +108,16 @@ def overrides(base: Path, *, seed: int, steps: int, heldout_size: int, eval_ever
 def summarize_run(run_dir: Path, seed: int) -> dict:
     run = read_run(run_dir)
     ev = sorted(run["evals"], key=lambda e: e["version"])
-    tail = ev[-3:]
     acc = [e["heldout_accuracy"] for e in ev]
-    rate = [e.get("heldout_tool_call_rate") for e in ev]
+    rate = [e["heldout_tool_call_rate"] for e in ev]
+    train_versions, train_reward = step_series(run, "env_reward_mean")
     s = run["summary"]
     return {
         "seed": seed, "run": str(run_dir.relative_to(ROOT)) if run_dir.is_relative_to(ROOT) else str(run_dir),
-        "base": acc[0], "final": float(np.mean([e["heldout_accuracy"] for e in tail])),
-        "base_tool_call_rate": rate[0], "final_tool_call_rate": float(np.mean([e["heldout_tool_call_rate"] for e in tail])),
+        "base": acc[0], "final": float(np.mean(acc[-3:])),
+        "base_tool_call_rate": rate[0], "final_tool_call_rate": float(np.mean(rate[-3:])),
         "versions": [e["version"] for e in ev], "heldout_accuracy": acc, "heldout_tool_call_rate": rate,
-        "train_versions": step_series(run, "env_reward_mean")[0],
-        "train_env_reward": step_series(run, "env_reward_mean")[1],
+        "train_versions": train_versions, "train_env_reward": train_reward,
         "train_tool_call_rate": step_series(run, "tool_call_rate")[1],
         "steps": s.get("steps"), "wall_s": s.get("wall_seconds"),
         "accounting": {k: s["accounting"][k] for k in ("issued", "trained", "nosignal", "stale", "lost",

@@ -6,11 +6,13 @@ direct answers alone never writes ``1234+5678=``; one warmed up on tool transcri
 always does, and leaves RL nothing to learn. ``warm_up_tool_use`` teacher-forces a mixture:
 a share ``tool_rate`` of the problems as a two-turn calculator episode, the rest as a direct
 answer, so the base's own tool-call rate starts near ``tool_rate`` and its success near the
-direct answers' (low: on 4-digit sums the tiny model's arithmetic is poor, which is what
-the tool is for). A tool transcript is what the calculator episode itself returns, laid out
+direct answers'. Those must be poor for the tool to matter: measured here, 600 steps × 128
+of this warm-up teach the tiny model 4-digit sums directly (0.69 held-out greedy), while
+4-digit products stay at 0.000, so the defaults are the calculator experiment's recipe
+(bench/calculator.py: 4-digit multiplication, 30% transcripts, 500 steps × 64). A tool transcript is what the calculator episode itself returns, laid out
 as the generator lays out an episode::
 
-    prompt " 1234+5678="  |  call "1234+5678=" eos | observation "6912" | answer "6912" eos
+    prompt "1234*5678="  |  call "1234*5678=" eos | observation "7006652" | answer "7006652" eos
 
 and the observation's tokens carry no loss (the model never learns to predict the tool's
 output, only to ask for it and to copy it), exactly as the trainer masks them in RL.
@@ -28,7 +30,7 @@ from pathlib import Path
 import torch
 
 from pipeline.envs.calculator import CalculatorEpisode
-from pipeline.model.pretrain import DEFAULT_SHAPE, lr_factor
+from pipeline.model.pretrain import DEFAULT_SHAPE, LOSS_WINDOW, WARMUP_STEPS, lr_factor
 from pipeline.model.qwen import ModelShape, build_model, completion_logprobs, num_parameters, save_checkpoint
 from pipeline.model.tokenizer import CharTokenizer
 from pipeline.tasks import arithmetic as task
@@ -46,7 +48,7 @@ def transcript(tok: CharTokenizer, p: task.Problem, *, tool: bool) -> tuple[list
 
 
 def warm_up_tool_use(out_dir: str | Path, *, heldout: Sequence[task.Problem], digits: int = 4,
-                     ops: Sequence[str] = ("+",), tool_rate: float = 0.15, steps: int = 600, batch_size: int = 128,
+                     ops: Sequence[str] = ("*",), tool_rate: float = 0.3, steps: int = 500, batch_size: int = 64,
                      lr: float = 2e-3, seed: int = 0, shape: ModelShape = DEFAULT_SHAPE, threads: int | None = 1,
                      log: Callable[[str], object] = print, every: int = 50) -> dict:
     """Train a fresh char model on the mixture and save it as a checkpoint in ``out_dir``;
@@ -72,7 +74,7 @@ def warm_up_tool_use(out_dir: str | Path, *, heldout: Sequence[task.Problem], di
             torch.manual_seed(seed)
             for step in range(steps):
                 for g in opt.param_groups:
-                    g["lr"] = lr * lr_factor(step, steps=steps, warmup=50, schedule="constant")
+                    g["lr"] = lr * lr_factor(step, steps=steps, warmup=WARMUP_STEPS, schedule="constant")
                 batch = [next(problems) for _ in range(batch_size)]
                 rows = [transcript(tok, p, tool=choose.random() < tool_rate) for p in batch]
                 width = max(len(ids) for ids, _ in rows)
@@ -85,13 +87,19 @@ def warm_up_tool_use(out_dir: str | Path, *, heldout: Sequence[task.Problem], di
                 opt.step()
                 losses.append(loss.item())
                 if every and ((step + 1) % every == 0 or step + 1 == steps):
-                    log(f"tool warm-up step {step + 1}/{steps}: loss {sum(losses[-20:]) / len(losses[-20:]):.4f}")
+                    log(f"tool warm-up step {step + 1}/{steps}: loss {_mean_tail(losses):.4f}")
         model.eval()
         save_checkpoint(model, tok, out_dir)
     finally:
         torch.set_num_threads(previous)
     info = {"digits": digits, "ops": list(ops), "tool_rate": tool_rate, "steps": steps, "batch_size": batch_size,
-            "lr": lr, "seed": seed, "heldout_excluded": len(heldout), "final_loss": sum(losses[-20:]) / 20,
+            "lr": lr, "seed": seed, "heldout_excluded": len(heldout), "final_loss": _mean_tail(losses),
             "loss_every_50": losses[::50], "seconds": round(time.perf_counter() - t0, 1)}
     (Path(out_dir) / "tool_warmup.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
     return info
+
+
+def _mean_tail(losses: list[float]) -> float:
+    """The mean training loss of the last ``LOSS_WINDOW`` steps (or of all of them, if fewer)."""
+    tail = losses[-LOSS_WINDOW:]
+    return sum(tail) / len(tail)
