@@ -277,7 +277,10 @@ def test_a_worker_that_keeps_failing_stops_the_run_and_shows_its_own_error(tmp_p
     base = tmp_path / "base"
     shutil.copytree(tiny_base_model, base)
     (base / "model.safetensors").write_bytes(b"\xff" * 64)  # passes preflight: the file is there
-    p, reader = _start(_args(tmp_path, base, "--run-id", "crash", "--trainer.steps", "3"), tmp_path)
+    # Three quick exits make a crash loop here (five by default), restarted after 0.2 s: the same
+    # policy, without a minute of backoff.
+    p, reader = _start(_args(tmp_path, base, "--run-id", "crash", "--trainer.steps", "3",
+                             "--cluster.crash_loop_exits", "3", "--cluster.restart_backoff_s", "0.2"), tmp_path)
     out, info = _watch(p, reader, tmp_path / "runs", timeout=400)
     assert p.returncode not in (0, 2), out[-4000:]
     m = re.search(r"pipeline: run crash failed: (\S+) keeps exiting \(code (-?\d+)\); its last lines are above, "

@@ -92,7 +92,7 @@ def _heartbeat(r: redis.Redis, run_id: str, worker: str) -> dict:
 def test_a_generator_sigkilled_seven_times_is_restarted_each_time_and_nothing_is_lost(tmp_path, tiny_base_model):
     run_id = f"kills-{uuid.uuid4().hex[:6]}"
     p = up(tmp_path, tiny_base_model, "--run-id", run_id, "--trainer.steps", "100000",
-           "--cluster.restart_backoff_max_s", "4", "--redis.claim_idle_ms", "1500")
+           "--cluster.restart_backoff_s", "0.5", "--cluster.restart_backoff_max_s", "2", "--redis.claim_idle_ms", "1500")
     out = Output(p)
     try:
         _wait_for_step(tmp_path, run_id, p)
@@ -122,7 +122,7 @@ def test_a_generator_sigkilled_seven_times_is_restarted_each_time_and_nothing_is
             p.kill()
     assert text.count("gen-0 killed by signal 9") == 7, text[-4000:]
     # The per-worker backoff doubled up to its cap (killed again before it was up 60 s).
-    for wait in ("1.0 s", "2.0 s", "4.0 s"):
+    for wait in ("0.5 s", "1.0 s", "2.0 s"):
         assert f"restarting it in {wait}" in text, text[-4000:]
     assert "crash loop" not in text.lower(), "deaths by a signal are restarts, never a crash loop"
     summary = json.loads((tmp_path / "runs" / run_id / "summary.json").read_text())

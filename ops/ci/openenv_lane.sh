@@ -8,6 +8,7 @@
 # those tests because it installs neither.
 #
 #   bash ops/ci/openenv_lane.sh            # venv in $TMPDIR/rlpipe-venv-openenv, reused when present
+#   bash ops/ci/openenv_lane.sh install    # only the venv and its packages; `test`: only the tests (ops/ci/lane_common.sh)
 #   OPENENV_VENV=/some/dir bash ops/ci/openenv_lane.sh
 #
 # Measured on the 2-core dev machine: see docs/environments.md ("The CI lane").
@@ -16,20 +17,24 @@ cd "$(dirname "$0")/../.."
 # Outside the work tree, so the venv can never be committed.
 VENV="${OPENENV_VENV:-${TMPDIR:-/tmp}/rlpipe-venv-openenv}"
 PY="${PY:-python3}"
+source ops/ci/lane_common.sh
 PIP=("$VENV/bin/pip" install --quiet --progress-bar off)
 t0=$SECONDS
 step() { echo "openenv lane [$((SECONDS - t0))s]: $*"; }
 
-if [ ! -x "$VENV/bin/python" ]; then
-  step "creating $VENV"
-  "$PY" -m venv "$VENV"
-  "${PIP[@]}" --upgrade pip
+if [ "$PHASE" != test ]; then
+  if [ ! -x "$VENV/bin/python" ]; then
+    step "creating $VENV"
+    "$PY" -m venv "$VENV"
+    "${PIP[@]}" --upgrade pip
+  fi
+  # The CPU pins first (pyproject.toml holds ranges; an unpinned torch is a CUDA build), then the extra.
+  step "installing requirements/cpu.txt (the CPU torch 2.13.0 and the project)"
+  deps_pip openenv textarena
+  project_pip -r requirements/cpu.txt
+  step "installing the project with the test, openenv and textarena extras"
+  project_pip -e '.[test,openenv,textarena]'
 fi
-# The CPU pins first (pyproject.toml holds ranges; an unpinned torch is a CUDA build), then the extra.
-step "installing requirements/cpu.txt (the CPU torch 2.13.0 and the project)"
-"${PIP[@]}" -r requirements/cpu.txt
-step "installing the project with the test, openenv and textarena extras"
-"${PIP[@]}" -e '.[test,openenv,textarena]'
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
 import torch
@@ -38,6 +43,7 @@ assert torch.__version__.startswith("2.13.0") and "+cpu" in torch.__version__, \
 print(f"openenv lane: openenv-core {md.version('openenv-core')}, textarena {md.version('textarena')}, "
       f"uvicorn {md.version('uvicorn')}, websockets {md.version('websockets')}, torch {torch.__version__}")
 PY
+if [ "$PHASE" = install ]; then exit 0; fi
 step "running tests/test_openenv.py tests/test_openenv_games.py tests/test_chaos_env.py"
 "$VENV/bin/python" -m pytest -q tests/test_openenv.py tests/test_openenv_games.py tests/test_chaos_env.py
 step "done"
