@@ -1,5 +1,6 @@
-# Sourced by the lanes (ops/ci/*_lane.sh) after they set VENV and PY: the phase argument, and
-# installs that can run side by side (.ci/run installs the four lanes' venvs at once).
+# Sourced by the lanes (ops/ci/*_lane.sh) after they set LANE, VENV and PY: the phase argument, the
+# progress lines, and installs that can run side by side (.ci/run installs the four lanes' venvs
+# at once).
 #
 #   bash ops/ci/<lane>_lane.sh            # install, then run the lane's tests (the default)
 #   bash ops/ci/<lane>_lane.sh install    # the venv and its packages only
@@ -11,6 +12,29 @@ if [ "$PHASE" = test ] && [ ! -x "$VENV/bin/python" ]; then
   echo "$0 test: no venv at $VENV; run \`$0 install\` first" >&2
   exit 2
 fi
+
+PIP=("$VENV/bin/pip" install --quiet --progress-bar off)
+t0=$SECONDS
+step() { echo "$LANE lane [$((SECONDS - t0))s]: $*"; }
+
+# make_venv: the lane's venv, with a current pip, unless it is there.
+make_venv() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    step "creating $VENV"
+    "$PY" -m venv "$VENV"
+    "${PIP[@]}" --upgrade pip
+  fi
+}
+
+# torch_pip: torch 2.13.0, the CPU build (TORCH_INDEX: a CPU wheel index, where none is configured).
+torch_pip() {
+  step "installing torch 2.13.0 (CPU)"
+  if [ -n "${TORCH_INDEX:-}" ]; then
+    "${PIP[@]}" torch==2.13.0 --index-url "$TORCH_INDEX"
+  else
+    "${PIP[@]}" torch==2.13.0
+  fi
+}
 
 # deps_pip EXTRA...: the project's dependencies and those of its extras (requirements/cpu.txt's and
 # the named ones, from pyproject.toml), with requirements/cpu.txt's pins, installed without the project itself. They are the downloads; the

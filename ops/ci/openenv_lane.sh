@@ -17,17 +17,11 @@ cd "$(dirname "$0")/../.."
 # Outside the work tree, so the venv can never be committed.
 VENV="${OPENENV_VENV:-${TMPDIR:-/tmp}/rlpipe-venv-openenv}"
 PY="${PY:-python3}"
+LANE=openenv
 source ops/ci/lane_common.sh
-PIP=("$VENV/bin/pip" install --quiet --progress-bar off)
-t0=$SECONDS
-step() { echo "openenv lane [$((SECONDS - t0))s]: $*"; }
 
 if [ "$PHASE" != test ]; then
-  if [ ! -x "$VENV/bin/python" ]; then
-    step "creating $VENV"
-    "$PY" -m venv "$VENV"
-    "${PIP[@]}" --upgrade pip
-  fi
+  make_venv
   # The CPU pins first (pyproject.toml holds ranges; an unpinned torch is a CUDA build), then the extra.
   step "installing requirements/cpu.txt (the CPU torch 2.13.0 and the project)"
   deps_pip openenv textarena

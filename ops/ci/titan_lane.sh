@@ -14,23 +14,12 @@ cd "$(dirname "$0")/../.."
 # Outside the work tree, so the venv can never be committed.
 VENV="${TITAN_VENV:-${TMPDIR:-/tmp}/rlpipe-venv-titan}"
 PY="${PY:-python3}"
+LANE=titan
 source ops/ci/lane_common.sh
-PIP=("$VENV/bin/pip" install --quiet --progress-bar off)
-t0=$SECONDS
-step() { echo "titan lane [$((SECONDS - t0))s]: $*"; }
 
 if [ "$PHASE" != test ]; then
-  if [ ! -x "$VENV/bin/python" ]; then
-    step "creating $VENV"
-    "$PY" -m venv "$VENV"
-    "${PIP[@]}" --upgrade pip
-  fi
-  step "installing torch 2.13.0 (CPU)"
-  if [ -n "${TORCH_INDEX:-}" ]; then
-    "${PIP[@]}" torch==2.13.0 --index-url "$TORCH_INDEX"
-  else
-    "${PIP[@]}" torch==2.13.0
-  fi
+  make_venv
+  torch_pip
   step "installing requirements/titan-cpu.txt (torchtitan 0.3.0, triton 3.7.1; ~250 MB with their dependencies)"
   "${PIP[@]}" -r requirements/titan-cpu.txt
   step "installing the project with the test, math and reasoning extras"

