@@ -37,8 +37,9 @@ torch_pip() {
 }
 
 # deps_pip EXTRA...: the project's dependencies and those of its extras (requirements/cpu.txt's and
-# the named ones, from pyproject.toml), with requirements/cpu.txt's pins, installed without the project itself. They are the downloads; the
-# project's own install (project_pip) then finds them in place.
+# the named ones, from pyproject.toml), with requirements/cpu.txt's pins, installed without the
+# project itself. They are the downloads; the project's own install (project_pip) then finds
+# them in place.
 deps_pip() {
   local reqs
   reqs="$(mktemp "${TMPDIR:-/tmp}/rlpipe-lane-deps.XXXXXX")"
@@ -58,7 +59,7 @@ for extra in dict.fromkeys(extras):
     lines += project["optional-dependencies"][extra]
 print("\n".join(lines))
 PY
-  "$VENV/bin/pip" install --quiet --progress-bar off -r "$reqs"
+  "${PIP[@]}" -r "$reqs"
   rm -f "$reqs"
 }
 
@@ -66,8 +67,8 @@ PY
 # rlpipe.egg-info into the checkout), one lane at a time where flock(1) is there.
 project_pip() {
   if command -v flock >/dev/null 2>&1; then
-    flock "${TMPDIR:-/tmp}/rlpipe-lane-project.lock" "$VENV/bin/pip" install --quiet --progress-bar off "$@"
+    flock "${TMPDIR:-/tmp}/rlpipe-lane-project.lock" "${PIP[@]}" "$@"
   else
-    "$VENV/bin/pip" install --quiet --progress-bar off "$@"
+    "${PIP[@]}" "$@"
   fi
 }
