@@ -196,8 +196,9 @@ def summarise_run(run_dir: Path, known_pi: float | None = None) -> dict:
 
 def pi_diagnosis(run_dir: Path, known_pi: float) -> dict | None:
     """The label model refitted offline on a weaver run's votes (its ``posteriors/*.jsonl``, the
-    whole run as one window) with π estimated as the run did, held at ``known_pi`` (the probe's
-    measured base accuracy) and held at the run's own hidden share (an oracle): π, AUC of the
+    whole run as one window) with π estimated without labels both ways (``verifier.pi_estimate``),
+    held at ``known_pi`` (the probe's measured base accuracy) and held at the run's own hidden
+    share (an oracle): π, AUC of the
     posterior, and the mean posterior (the reward) on right and on wrong answers. It tells
     whether the estimate of π is what separates Weaver from the truth."""
     from pipeline.algo.labelmodel import fit_label_model
@@ -219,9 +220,12 @@ def pi_diagnosis(run_dir: Path, known_pi: float) -> dict | None:
     cfg = load_config(run_dir / "config.toml")
     sound = [n for n in names if is_sound(n)] if cfg.verifier.sound_checks else []
     out = {"completions": int(len(y)), "true_share": round(float(y.mean()), 4), "fits": {}}
-    for label, cb in (("estimated without labels", None), (f"held at the probe's {known_pi:.3f}", known_pi),
-                      ("held at the run's true share (oracle)", float(np.clip(y.mean(), 0.01, 0.99)))):
-        lm = fit_label_model(v, names, sound=sound, dependence=cfg.verifier.dependence, class_balance=cb)
+    for label, cb, how in (("estimated without labels, alternate", None, "alternate"),
+                           ("estimated without labels, levels", None, "levels"),
+                           (f"held at the probe's {known_pi:.3f}", known_pi, "alternate"),
+                           ("held at the run's true share (oracle)", float(np.clip(y.mean(), 0.01, 0.99)), "alternate")):
+        lm = fit_label_model(v, names, sound=sound, dependence=cfg.verifier.dependence, class_balance=cb,
+                             pi_estimate=how)
         post = np.asarray(lm.posterior(v, names), dtype=np.float64)
         a = auc(post, y)
         out["fits"][label] = {"pi": round(float(lm.pi), 4), "auc": None if a is None else round(a, 3),
@@ -363,7 +367,8 @@ def report(result: dict, out: Path) -> None:
             rows = [[f"`{n}`", "yes" if v["kept"] else f"no: {v['dropped'] or 'filtered'}", g(v["threshold"]),
                      g(v["tpr_fitted"]), g(v["tpr_measured"]), g(v["tnr_fitted"]), g(v["tnr_measured"])]
                     for n, v in f["verifiers"].items()]
-            lines += [f"{seed.capitalize()}, label model version {f['version']} ({f['rows']} completions, π = {f['pi']}; "
+            how = f" by `{f['pi_method']}`" if f.get("pi_method") else ""
+            lines += [f"{seed.capitalize()}, label model version {f['version']} ({f['rows']} completions, π = {f['pi']}{how}; "
                       f"measured on {f['groups_measured']} groups):", "",
                       md_table(["verifier", "in the posterior", "threshold", "TPR fitted", "TPR measured",
                                 "TNR fitted", "TNR measured"], rows)]
@@ -371,8 +376,10 @@ def report(result: dict, out: Path) -> None:
               for seed, r in by_seed.items() if r.get("refit")]
     if refits:
         lines += ["", "## The label model refitted offline, π estimated or known", "",
-                  "Each weaver run's votes (`posteriors/`, the whole run as one window) refitted three ways: π "
-                  "estimated without labels (as the weaver arm does), held at the probe's measured base accuracy "
+                  "Each weaver run's votes (`posteriors/`, the whole run as one window) refitted: π "
+                  "estimated without labels (`verifier.pi_estimate`: `alternate`, the default and what the weaver "
+                  "arm ran, or `levels`; runs recorded before `levels` existed show one row, `estimated without "
+                  "labels`, which is `alternate`), held at the probe's measured base accuracy "
                   "(`verifier.class_balance`), and held at the run's own hidden share of right answers (an "
                   "oracle). Reward = the posterior, averaged over right and over wrong completions.", ""]
         rows = [[seed, f"{r['completions']} ({r['true_share']:.3f})", label, f"{f['pi']:.3f}",

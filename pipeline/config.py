@@ -49,6 +49,8 @@ SwapMode = Literal["batch", "step", "drain"]
 KvOnSwap = Literal["keep", "recompute"]
 Dependence = Literal["drop", "merge"]
 """Implemented by ``pipeline.algo.labelmodel.DEPENDENCE_POLICIES``."""
+PiEstimate = Literal["alternate", "levels"]
+"""Implemented by ``pipeline.algo.labelmodel.PI_ESTIMATES``."""
 TrainBackendName = Literal["torch", "torchtitan"]
 """Implemented by ``pipeline.engines.make_train_engine``."""
 TrainDevice = Literal["auto", "cpu", "cuda"]
@@ -502,6 +504,13 @@ class VerifierConfig(_Section):
     policy's accuracy measured on a small labelled sample of the training split), held
     fixed instead of estimated; 0 estimates it without labels (Weaver). The estimate is the
     fit's fragile part when verifiers err together (docs/real-models.md)."""
+    pi_estimate: PiEstimate = "alternate"
+    """Label model, how the class balance is estimated when ``class_balance`` is 0:
+    ``alternate`` (thresholds at the (1 − π) quantile and EM, alternated until π settles;
+    it drifts up when judges err together) or ``levels`` (a latent class model over each
+    verifier's scores cut into a few levels at their own ranks, which needs no threshold;
+    closer on the real judges, misled by a correlated pair of weak verifiers). Verifiers
+    that all vote 0/1 give both the same fit (docs/design.md §5, docs/real-models.md)."""
 
     def _validate(self, p: str) -> None:
         _check(0.0 <= self.class_balance < 1.0, f"{p}.class_balance", "in [0, 1) (0: estimated)", self.class_balance)
@@ -1250,7 +1259,7 @@ PRETRAIN_FIELDS: dict[str, tuple[str, ...]] = {
 checkpoint's ``pretrain.json`` records the value it was built with."""
 
 LABEL_MODEL_FIELDS = ("verifier.window", "verifier.refit_every", "verifier.min_fit_rows", "verifier.dependence",
-                      "verifier.sound_checks", "verifier.class_balance")
+                      "verifier.sound_checks", "verifier.class_balance", "verifier.pi_estimate")
 VLLM_FIELDS = tuple(f"generator.{f.name}" for f in dataclasses.fields(GeneratorConfig) if f.name.startswith("vllm_"))
 
 

@@ -127,6 +127,7 @@ def test_each_choice_field_allows_exactly_what_its_registry_implements():
         "task.kind": (C.TaskKind, tuple(TASKS)),  # the built-ins; plugins beside them
         "weights.transport": (hints[C.WeightsConfig]["transport"], tuple(TRANSPORTS)),
         "verifier.dependence": (hints[C.VerifierConfig]["dependence"], tuple(labelmodel.DEPENDENCE_POLICIES)),
+        "verifier.pi_estimate": (hints[C.VerifierConfig]["pi_estimate"], tuple(labelmodel.PI_ESTIMATES)),
         "generator.backend": (hints[C.GeneratorConfig]["backend"], tuple(GENERATION_BACKENDS)),
         "trainer.backend": (hints[C.TrainerConfig]["backend"], tuple(TRAIN_ENGINES)),
     }
@@ -155,7 +156,8 @@ def test_every_fixed_choice_field_is_a_literal_and_its_validation_allows_its_val
                 load_config(overrides={f"{f.name}.{name}": "no-such-choice"})
     assert found == {"redis.appendfsync", "task.ops", "task.chat_template", "generator.backend",
                      "generator.vllm_dtype", "generator.swap", "generator.kv_on_swap",
-                     "verifier.dependence", "trainer.backend", "trainer.device", "trainer.is_mode",
+                     "verifier.dependence", "verifier.pi_estimate", "trainer.backend", "trainer.device",
+                     "trainer.is_mode",
                      "trainer.loss_agg", "weights.transport", "weights.payload", "chaos.targets", "chaos.kinds", "tracking.backends",
                      "tracking.wandb_mode", "env.on_error"}
     # A section built directly, not loaded, is refused the same way.

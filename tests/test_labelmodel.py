@@ -462,3 +462,47 @@ def test_a_known_class_balance_is_held_and_sets_the_quantile_thresholds():
     for bad in (0.0, 1.0, -0.1):
         with pytest.raises(ValueError, match="class_balance"):
             fit_label_model(votes, names, class_balance=bad)
+
+
+def _independent_judges(n: int, pi: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(truth, votes): four continuous judges with independent errors and unequal strength,
+    beside one binary check."""
+    rng = np.random.default_rng(seed)
+    y = (rng.random(n) < pi).astype(np.float64)
+    judges = [1.0 / (1.0 + np.exp(-(a * (2.0 * y - 1.0) + rng.normal(0.0, 1.0, n)))) for a in (2.0, 1.5, 1.2, 0.8)]
+    check = np.where(y == 1.0, rng.random(n) < 0.85, rng.random(n) < 0.3).astype(np.float64)
+    return y, np.column_stack([*judges, check])
+
+
+@pytest.mark.parametrize("pi", [0.2, 0.4])
+def test_the_levels_estimate_recovers_pi_without_thresholds_and_is_recorded(pi):
+    y, votes = _independent_judges(4000, pi, seed=21)
+    names = ["j0", "j1", "j2", "j3", "c"]
+    lm = fit_label_model(votes, names, pi_estimate="levels")
+    assert lm.pi_method == "levels" and lm.report()["pi_method"] == "levels"
+    assert lm.rounds == 1                                  # π is set once, like a known balance
+    assert lm.pi == pytest.approx(y.mean(), abs=0.05)
+    assert accuracy(lm.posterior(votes), y) > 0.85
+    back = LabelModel.from_dict(msgpack.unpackb(msgpack.packb(lm.to_dict())))
+    assert back.pi_method == "levels" and np.array_equal(back.posterior(votes), lm.posterior(votes))
+    assert fit_label_model(votes, names).pi_method == "alternate"                       # the default
+    assert fit_label_model(votes, names, class_balance=pi, pi_estimate="levels").pi_method == "given"
+
+
+def test_on_binary_votes_both_estimates_of_pi_are_the_same_fit():
+    _, votes = synthetic(4000, 0.3, seed=22)
+    a = fit_label_model(votes, NAMES, pi_estimate="alternate")
+    b = fit_label_model(votes, NAMES, pi_estimate="levels")
+    assert (a.pi, a.tpr, a.tnr, a.kept) == (b.pi, b.tpr, b.tnr, b.kept)
+    assert b.pi_method == "alternate"  # every threshold is fixed: EM on the votes is the levels model
+
+
+def test_an_unknown_pi_estimate_is_refused_and_an_old_model_reads_as_alternate():
+    _, votes = synthetic(1000, 0.3, seed=23)
+    with pytest.raises(ValueError, match="pi_estimate must be one of"):
+        fit_label_model(votes, NAMES, pi_estimate="guess")
+    d = fit_label_model(votes, NAMES).to_dict()
+    old = {k: v for k, v in d.items() if k != "pi_method"}  # written before the field existed
+    assert LabelModel.from_dict(old).pi_method == "alternate"
+    with pytest.raises(ValueError, match="pi_method"):
+        LabelModel.from_dict({**d, "pi_method": "guess"})

@@ -131,11 +131,20 @@ def test_the_eval_workers_results_get_a_figure_and_a_table(tmp_path):
 
 @pytest.mark.slow
 def test_a_weaver_runs_report_shows_each_verifiers_fitted_and_measured_rates(tmp_path, tiny_base_model):
-    """A real `pipeline up` with the weaver reward: the report carries the label model's newest fit,
-    per verifier, beside the rates measured against the hidden truth under that fit."""
+    """A real `pipeline up` with the weaver reward (π estimated by `levels`): the report carries the
+    label model's newest fit, how π was set, and per verifier the fitted rates beside the rates
+    measured against the hidden truth under that fit."""
     from harness import up
 
-    p = up(tmp_path, tiny_base_model, "--run-id", "lm-report", "--trainer.steps", "4")
+    # The built-in checks vote 0/1 on the tiny model's answers (both estimates are then one
+    # model); a verifier of your own with scores between 0 and 1 gives `levels` a column to level.
+    (tmp_path / "graded.py").write_text(
+        "import numpy as np\n\n"
+        "def length(prompt, completions):\n"
+        "    return np.array([min(len(c), 40) / 40 for c in completions], dtype=np.float32)\n")
+    verifiers = "format,units_digit,mod9,magnitude,majority," + str(tmp_path / "graded.py") + ":length"
+    p = up(tmp_path, tiny_base_model, "--run-id", "lm-report", "--trainer.steps", "4",
+           "--verifier.pi_estimate", "levels", "--verifier.verifiers", verifiers)
     text = p.communicate(timeout=300)[0].decode()
     assert p.returncode == 0, text[-3000:]
     run = tmp_path / "runs" / "lm-report"
@@ -147,6 +156,7 @@ def test_a_weaver_runs_report_shows_each_verifiers_fitted_and_measured_rates(tmp
              if '"labelmodel_fitted"' in line]
     newest = max(fits, key=lambda r: r["version"])
     assert lm["version"] == newest["version"] and lm["pi"] == newest["pi"] and lm["groups_measured"] > 0
+    assert lm["pi_method"] == newest["pi_method"] == "levels"
     assert set(lm["verifiers"]) == set(newest["thresholds"])
     for name in newest["kept"]:
         v = lm["verifiers"][name]
@@ -154,7 +164,7 @@ def test_a_weaver_runs_report_shows_each_verifiers_fitted_and_measured_rates(tmp
         assert v["tpr_measured"] is None or 0 <= v["tpr_measured"] <= 1
     assert any(v["tnr_measured"] is not None for v in lm["verifiers"].values())
     md = (run / "report.md").read_text()
-    assert "## Weak verifiers: what the label model fitted" in md
+    assert "## Weak verifiers: what the label model fitted" in md and "estimated by `levels`" in md
     assert all(f"| `{name}` |" in md for name in newest["thresholds"])
 
 

@@ -43,6 +43,18 @@ Fit (``fit_label_model``), §5 steps 2–6:
    positive rate of about π, so the marginals say nothing about π and only the
    verifiers' agreements do; verifiers that err together (LLM judges of one model)
    pull it up, thresholds fall with it, and wrong answers are rewarded.
+   That is ``pi_estimate="alternate"``, the default. ``pi_estimate="levels"`` estimates
+   π before any threshold instead: each quantile column's scores are cut into
+   ``LEVELS`` levels at their own mid-ranks (a column with a given threshold, or of
+   0/1 scores, keeps its two), dependent level columns go as in step 4, and EM fits a
+   latent class model with one P(level | Y) table per verifier, started from each
+   row's mean rank (the same "better than random on average" start; a sound
+   verifier's failing level is held impossible for a right answer). π is then held
+   like a known class balance: one round of steps 3–6. With no continuous column the
+   two are the same model and the fit reports ``alternate``. Neither dominates: on
+   SmolLM2's judges ``levels`` lands nearer the truth; on synthetic judges sharing
+   one Gaussian error, or a weak pair sharing a nuisance, ``alternate`` does
+   (docs/real-models.md). The fit records which ran in ``LabelModel.pi_method``.
 6. **μ by moment matching** (MeTaL): with one-hot votes L [N, 2k] and
    P = diag(1 − π, π), minimise ‖M∘(O − μPμᵀ)‖²_F + ‖μP𝟙 − diag O‖² over
    μ[2j+a, y] = P(v_j = a | Y = y) with scipy's bounded L-BFGS-B to convergence,
@@ -83,6 +95,13 @@ SCHEMA = 2
 
 DEPENDENCE_POLICIES = ("drop", "merge")
 """What a fit does with the weaker verifier of a dependent pair (module docstring, step 4)."""
+
+PI_ESTIMATES = ("alternate", "levels")
+"""How a fit estimates the class balance π without labels (module docstring, step 5)."""
+
+LEVELS = 3
+"""Levels each continuous verifier's scores are cut into (at its pooled quantiles) for the
+``levels`` estimate of π."""
 
 MU_CLIP = (0.01, 0.99)
 """μ̂ (and π) are clipped to this range in the posterior (§5 step 7), so no single vote is decisive."""
@@ -143,6 +162,9 @@ class LabelModel:
     """Under ``merge``: verifier → (the kept verifier it was averaged into, whether it enters inverted)."""
     rounds: int = 0
     """Threshold ↔ π alternations the fit ran (steps 3–5)."""
+    pi_method: str = "alternate"
+    """How π was set: ``levels`` (latent class model over score levels), ``alternate``
+    (thresholds ↔ EM), or ``given`` (``class_balance``)."""
     em_iterations: int = 0
     """EM iterations of the last round (step 5)."""
     lbfgs_iterations: int = 0
@@ -186,7 +208,7 @@ class LabelModel:
             warnings.append("EM or L-BFGS-B stopped before converging (a flat likelihood: weakly identified rates)")
         return {
             "warnings": warnings,
-            "version": self.version, "rows": self.fitted_rows, "pi": round(self.pi, 4),
+            "version": self.version, "rows": self.fitted_rows, "pi": round(self.pi, 4), "pi_method": self.pi_method,
             "dependence": self.dependence, "kept": list(kept), "dropped": dict(self.dropped),
             "merged": {k: {"into": r, "inverted": inv} for k, (r, inv) in self.merged.items()},
             "tpr": {n: round(self.tpr[self.names.index(n)], 4) for n in kept},
@@ -275,6 +297,7 @@ class LabelModel:
             "dependence": str(self.dependence),
             "merged": {str(k): [str(r), bool(inv)] for k, (r, inv) in self.merged.items()},
             "iterations": [int(self.rounds), int(self.em_iterations), int(self.lbfgs_iterations)],
+            "pi_method": str(self.pi_method),
         }
 
     @classmethod
@@ -317,13 +340,16 @@ class LabelModel:
             pi = d["pi"]
             if not isinstance(pi, (int, float)) or not 0.0 <= float(pi) <= 1.0:
                 raise ValueError(f"'pi' must be a number in [0, 1], got {pi!r}")
+            pi_method = d.get("pi_method", "alternate")  # absent: a model written before levels existed
+            if pi_method not in (*PI_ESTIMATES, "given"):
+                raise ValueError(f"'pi_method' must be one of {(*PI_ESTIMATES, 'given')}, got {pi_method!r}")
             model = cls(
                 names=names, lo=floats("lo"), hi=floats("hi"), thresholds=floats("thresholds"),
                 kept=tuple(kept), pi=float(pi), tpr=floats("tpr"), tnr=floats("tnr"),
                 pos_rate=floats("pos_rate"), dropped=dict(dropped), version=int(d["version"]),
                 fitted_rows=int(d["fitted_rows"]), loss=float(d["loss"]), converged=bool(d["converged"]),
                 dependence=str(d["dependence"]), merged={k: (v[0], v[1]) for k, v in merged.items()},
-                rounds=iters[0], em_iterations=iters[1], lbfgs_iterations=iters[2],
+                rounds=iters[0], em_iterations=iters[1], lbfgs_iterations=iters[2], pi_method=pi_method,
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed label model: {exc!r}") from exc
@@ -345,6 +371,7 @@ def fit_label_model(
     dependence: str = "drop",
     sound: Sequence[str] = (),
     class_balance: float | None = None,
+    pi_estimate: str = "alternate",
 ) -> LabelModel:
     """Fit the Weaver label model on pooled votes [N, m] (NaN = abstain) without labels.
 
@@ -353,11 +380,14 @@ def fit_label_model(
     what happens to the weaker verifier of a dependent pair; ``sound`` names verifiers
     a correct answer always passes (known from how they are built), whose TPR is then
     held at 1 in EM and in moment matching instead of estimated; ``class_balance``, a
-    known π in (0, 1), is used instead of estimating π (step 5). See the module
-    docstring for each step.
+    known π in (0, 1), is used instead of estimating π (step 5); ``pi_estimate``
+    (``alternate`` or ``levels``) is how π is estimated when it is not known. See the
+    module docstring for each step.
     """
     if class_balance is not None and not 0.0 < class_balance < 1.0:
         raise ValueError(f"class_balance must lie in (0, 1), got {class_balance!r}")
+    if pi_estimate not in PI_ESTIMATES:
+        raise ValueError(f"pi_estimate must be one of {PI_ESTIMATES}, got {pi_estimate!r}")
     if dependence not in DEPENDENCE_POLICIES:
         raise ValueError(f"dependence must be one of {DEPENDENCE_POLICIES}, got {dependence!r}")
     unknown = set(sound) - set(names)
@@ -365,7 +395,7 @@ def fit_label_model(
         raise ValueError(f"sound verifiers {sorted(unknown)} are not among {list(names)}")
     with _single_threaded_blas():
         return _fit(votes, names, version=version, thresholds=thresholds, dependence=dependence, sound=tuple(sound),
-                    class_balance=class_balance)
+                    class_balance=class_balance, pi_estimate=pi_estimate)
 
 
 def _fit(
@@ -377,6 +407,7 @@ def _fit(
     dependence: str,
     sound: tuple[str, ...] = (),
     class_balance: float | None = None,
+    pi_estimate: str = "alternate",
 ) -> LabelModel:
     raw = np.array(votes, dtype=np.float64)  # copy: non-finite → NaN below
     names = tuple(names)
@@ -396,7 +427,14 @@ def _fit(
     # Steps 3–5, alternated until π settles: the quantile thresholds need π, the degenerate
     # filter's rule depends on π, and π comes from the binarised, filtered votes. Round 0
     # starts from π = 0.5 with quantile columns at the midpoint of their normalised range.
-    # A known class balance sets π and the quantile thresholds once: one round.
+    # A known class balance sets π and the quantile thresholds once: one round. So does the
+    # levels estimate, which needs no threshold, when some column is thresholded at a quantile.
+    pi_method = "given" if class_balance is not None else pi_estimate
+    if class_balance is None and pi_estimate == "levels":
+        if quantile_cols:
+            class_balance = _levels_pi(norm, given, names, sound)
+        else:
+            pi_method = "alternate"  # every threshold fixed: EM on the votes is the same model
     pi = 0.5 if class_balance is None else float(class_balance)
     thr = np.array([g if g is not None else 0.5 for g in given], dtype=np.float64)
     if class_balance is not None:
@@ -432,8 +470,109 @@ def _fit(
         pos_rate=tuple(float(x) for x in rate), dropped=dropped, version=int(version),
         fitted_rows=int(n), loss=float(loss), converged=bool(em_ok and mm_ok), dependence=dependence,
         merged={names[k]: (names[r], bool(inv)) for k, (r, inv) in groups.items()},
-        rounds=rounds, em_iterations=em_iters, lbfgs_iterations=mm_iters,
+        rounds=rounds, em_iterations=em_iters, lbfgs_iterations=mm_iters, pi_method=pi_method,
     )
+
+
+def _levels(norm: np.ndarray, given: Sequence[float | None]) -> tuple[np.ndarray, list[int], np.ndarray]:
+    """Step 5's π-free coding of the votes: level codes [N, m] (−1 abstain), levels per column,
+    and the columns used (enough votes, more than one level, not a dependent copy).
+
+    A column with a given threshold, or whose scores are all 0 or 1, has two levels (its vote);
+    any other is cut at the ``LEVELS``-quantiles of its own pooled scores (ties merge levels)."""
+    n, m = norm.shape
+    codes = np.full((n, m), -1, dtype=np.int64)
+    counts = [0] * m
+    for j in range(m):
+        voted = ~np.isnan(norm[:, j])
+        col = norm[voted, j]
+        if given[j] is not None:
+            level = (col >= given[j]).astype(np.int64)
+        else:
+            values, inverse = np.unique(col, return_inverse=True)
+            if values.size <= 2:
+                level = inverse
+            else:
+                # Level of a score = its mid-rank share cut into LEVELS equal parts, so tied scores
+                # share a level and a column piled on one value still splits off the rest.
+                hist = np.bincount(inverse).astype(np.float64)
+                mid = (np.cumsum(hist) - hist / 2.0) / col.size
+                level = np.minimum((mid * LEVELS).astype(np.int64), LEVELS - 1)[inverse]
+            level = np.unique(level, return_inverse=True)[1]  # levels numbered 0.. without gaps
+        codes[voted, j] = level
+        counts[j] = int(level.max()) + 1 if col.size else 0
+    use = np.array([counts[j] > 1 and (codes[:, j] >= 0).sum() >= MIN_VOTES for j in range(m)])
+    # Dependent pairs (as step 4 finds them, here on the level codes): one of each stays.
+    voted = (codes >= 0).astype(np.float64)
+    c = np.where(codes >= 0, codes, 0).astype(np.float64)
+    for i in range(m):
+        for j in range(i + 1, m):
+            if not (use[i] and use[j]):
+                continue
+            both = (voted[:, i] * voted[:, j]).astype(bool)
+            if both.sum() < MIN_VOTES:
+                continue
+            x, y = c[both, i], c[both, j]
+            if x.std() == 0 or y.std() == 0:
+                continue
+            if abs(float(np.corrcoef(x, y)[0, 1])) > DEPENDENCE_CORR:
+                use[i if voted[:, i].sum() < voted[:, j].sum() else j] = False
+    return codes, [max(k, 1) for k in counts], use
+
+
+def _levels_pi(norm: np.ndarray, given: Sequence[float | None], names: tuple[str, ...], sound: tuple[str, ...],
+               ) -> float:
+    """Step 5, ``levels``: π from EM on a latent class model over the score levels of
+    :func:`_levels` (one P(level | class) table per verifier, verifiers independent given
+    the class), started from each row's mean rank-normalised score: the "better than random
+    on average" assumption. A sound verifier's level 0 is held impossible for a right answer."""
+    codes, counts, use = _levels(norm, given)
+    cols = np.flatnonzero(use)
+    if cols.size < 2:
+        return 0.5
+    codes = codes[:, cols]
+    counts = [counts[j] for j in cols]
+    held = [names[j] in sound and counts[i] == 2 for i, j in enumerate(cols)]
+    n, k = codes.shape
+    # Rows collapse to their distinct level patterns, weighted by their counts.
+    pat, w = np.unique(codes, axis=0, return_counts=True)
+    w = w.astype(np.float64)
+    onehot = [(pat[:, i, None] == np.arange(counts[i])[None, :]).astype(np.float64) for i in range(k)]
+    # Start: mean over voting columns of the rank-normalised score (mid-ranks over the pooled rows).
+    rank = np.zeros(pat.shape)
+    for i in range(k):
+        col = codes[:, i]
+        voted = col >= 0
+        hist = np.bincount(col[voted], minlength=counts[i]).astype(np.float64)
+        mid = (np.cumsum(hist) - hist / 2.0) / max(voted.sum(), 1)
+        rank[:, i] = np.where(pat[:, i] >= 0, mid[np.maximum(pat[:, i], 0)], np.nan)
+    n_voted = (pat >= 0).sum(axis=1)
+    q = np.where(n_voted > 0, np.nansum(rank, axis=1) / np.maximum(n_voted, 1), 0.5)
+    pi = 0.5
+    for _ in range(_EM_MAX_ITERS):
+        wq, wq0 = w * q, w * (1.0 - q)
+        new_pi = float(np.clip(wq.sum() / w.sum(), *_EM_CLIP))
+        llr = np.full(pat.shape[0], _logit(new_pi))
+        for i in range(k):
+            p1 = wq @ onehot[i] + 0.5
+            p0 = wq0 @ onehot[i] + 0.5
+            p1, p0 = p1 / p1.sum(), p0 / p0.sum()
+            if held[i]:
+                p1 = np.array([_EM_CLIP[0], 1.0 - _EM_CLIP[0]])
+            llr += onehot[i] @ (np.log(p1) - np.log(p0))
+        new_q = 1.0 / (1.0 + np.exp(-llr))
+        done = abs(new_pi - pi) < _EM_TOL and float(np.abs(new_q - q).max()) < 1e-6
+        q, pi = new_q, new_pi
+        if done:
+            break
+    # The class the verifiers score higher is "right" (no held column: the solution may have swapped).
+    mean_rank = np.nanmean(rank, axis=1)
+    ok = np.isfinite(mean_rank)
+    hi_mean = np.average(mean_rank[ok], weights=(w * q)[ok]) if (w * q)[ok].sum() > 0 else 1.0
+    lo_mean = np.average(mean_rank[ok], weights=(w * (1 - q))[ok]) if (w * (1 - q))[ok].sum() > 0 else 0.0
+    if hi_mean < lo_mean and not any(held):
+        pi = 1.0 - pi
+    return float(np.clip(pi, *_EM_CLIP))
 
 
 def _quantile_thresholds(thr: np.ndarray, norm: np.ndarray, cols: Sequence[int], pi: float) -> None:

@@ -70,7 +70,8 @@ class SharedLabelModel:
             t0 = time.perf_counter()
             sound = [n for n in self.cfg.verifiers if is_sound(n)] if self.cfg.sound_checks else []
             lm = fit_label_model(votes, list(self.cfg.verifiers), version=version + 1, dependence=self.cfg.dependence,
-                                 sound=sound, class_balance=self.cfg.class_balance or None)
+                                 sound=sound, class_balance=self.cfg.class_balance or None,
+                                 pi_estimate=self.cfg.pi_estimate)
             self.r.hset(self.keys.labelmodel, mapping={
                 "version": version + 1, "params": msgpack.packb(lm.to_dict()), "rows": len(votes), "new_groups": 0})
             self.log.info("labelmodel_fitted", seconds=round(time.perf_counter() - t0, 4), **lm.report())

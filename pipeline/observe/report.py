@@ -105,7 +105,7 @@ def label_model_fit(run_dir: Path) -> dict | None:
                         "tpr_measured": measured.get(name, {}).get("tpr"),
                         "tnr_measured": measured.get(name, {}).get("tnr")} for name in names}
     return {"version": fit.get("version"), "rows": fit.get("rows"), "pi": fit.get("pi"),
-            "groups_measured": len(rows), "verifiers": verifiers}
+            "pi_method": fit.get("pi_method"), "groups_measured": len(rows), "verifiers": verifiers}
 
 
 def _wmean(rows: list[dict], field: str, weight: str) -> float | None:
@@ -353,9 +353,11 @@ def _markdown(run_dir: Path, a: dict, figs: dict[str, str]) -> str:
         md += [""]
     lm = a.get("label_model")
     if lm:
+        how = {"given": ", held at `verifier.class_balance`", None: ""}.get(
+            lm.get("pi_method"), f", estimated by `{lm.get('pi_method')}` (`verifier.pi_estimate`)")
         md += ["## Weak verifiers: what the label model fitted", "",
                f"The newest fit (label model version {lm['version']}, {lm['rows']} completions, estimated share "
-               f"of right answers π = {lm['pi']}): each verifier's TPR and TNR as Weaver estimated them without "
+               f"of right answers π = {lm['pi']}{how}): each verifier's TPR and TNR as Weaver estimated them without "
                f"labels, beside the same rates measured against the hidden truth on the {lm['groups_measured']} "
                "groups scored under that fit (votes 1[score ≥ threshold]).", "",
                "| verifier | in the posterior | threshold | TPR fitted | TPR measured | TNR fitted | TNR measured |",
