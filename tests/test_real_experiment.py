@@ -76,10 +76,12 @@ def test_the_offline_refit_tells_an_estimated_pi_from_a_known_one(tmp_path):
             votes = np.column_stack(judges + checks)
             f.write(json.dumps({"names": names, "votes": votes.round(4).tolist(), "truth": y.tolist()}) + "\n")
     d = RX.pi_diagnosis(run, 0.2)
-    est, known, oracle = d["fits"].values()
+    assert list(d["fits"])[:2] == ["estimated without labels, alternate", "estimated without labels, levels"]
+    alternate, levels, known, oracle = d["fits"].values()
     assert d["completions"] == 4000 and abs(d["true_share"] - 0.2) < 0.03
     assert known["pi"] == 0.2 and abs(oracle["pi"] - d["true_share"]) < 1e-3
-    assert est["pi"] > 0.3 and known["reward_wrong"] < 0.2 < est["reward_wrong"]
+    for est in (alternate, levels):  # judges fooled together mislead both label-free estimates here
+        assert est["pi"] > 0.3 and known["reward_wrong"] < 0.2 < est["reward_wrong"]
     r = {**_run(0.55, 0.57), "refit": d}
     RX.report({"command": "x", "finished": "now", "probe": None, "runs": {"weaver": {"0": r}}}, tmp_path)
     md = (tmp_path / "real.md").read_text()
