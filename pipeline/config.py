@@ -509,8 +509,9 @@ class VerifierConfig(_Section):
     ``alternate`` (thresholds at the (1 − π) quantile and EM, alternated until π settles;
     it drifts up when judges err together) or ``levels`` (a latent class model over each
     verifier's scores cut into a few levels at their own ranks, which needs no threshold;
-    closer on the real judges, misled by a correlated pair of weak verifiers). Verifiers
-    that all vote 0/1 give both the same fit (docs/design.md §5, docs/real-models.md)."""
+    as near the truth or nearer on SmolLM2's judges, farther when judges share an error).
+    Verifiers that all vote 0/1 give both the same fit (docs/design.md §5,
+    docs/real-models.md)."""
 
     def _validate(self, p: str) -> None:
         _check(0.0 <= self.class_balance < 1.0, f"{p}.class_balance", "in [0, 1) (0: estimated)", self.class_balance)

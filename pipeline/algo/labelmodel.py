@@ -52,7 +52,7 @@ Fit (``fit_label_model``), §5 steps 2–6:
    verifier's failing level is held impossible for a right answer). π is then held
    like a known class balance: one round of steps 3–6. With no continuous column the
    two are the same model and the fit reports ``alternate``. Neither dominates: on
-   SmolLM2's judges ``levels`` lands nearer the truth; on synthetic judges sharing
+   SmolLM2's judges ``levels`` lands as near the truth or nearer; on synthetic judges sharing
    one Gaussian error, or a weak pair sharing a nuisance, ``alternate`` does
    (docs/real-models.md). The fit records which ran in ``LabelModel.pi_method``.
 6. **μ by moment matching** (MeTaL): with one-hot votes L [N, 2k] and
