@@ -198,9 +198,9 @@ def pi_diagnosis(run_dir: Path, known_pi: float) -> dict | None:
     """The label model refitted offline on a weaver run's votes (its ``posteriors/*.jsonl``, the
     whole run as one window) with π estimated without labels both ways (``verifier.pi_estimate``),
     held at ``known_pi`` (the probe's measured base accuracy) and held at the run's own hidden
-    share (an oracle): π, AUC of the
-    posterior, and the mean posterior (the reward) on right and on wrong answers. It tells
-    whether the estimate of π is what separates Weaver from the truth."""
+    share (an oracle): π, AUC of the posterior, and the mean posterior (the reward) on right
+    and on wrong answers. It tells whether the estimate of π is what separates Weaver from
+    the truth."""
     from pipeline.algo.labelmodel import fit_label_model
     from pipeline.config import load_config
     from pipeline.verifiers.base import is_sound

@@ -474,6 +474,12 @@ def _fit(
     )
 
 
+def _mid_ranks(hist: np.ndarray) -> np.ndarray:
+    """Mid-rank share in [0, 1] of each value of a column, from its counts ``hist`` (ties share one)."""
+    hist = hist.astype(np.float64)
+    return (np.cumsum(hist) - hist / 2.0) / max(hist.sum(), 1.0)
+
+
 def _levels(norm: np.ndarray, given: Sequence[float | None]) -> tuple[np.ndarray, list[int], np.ndarray]:
     """Step 5's π-free coding of the votes: level codes [N, m] (−1 abstain), levels per column,
     and the columns used (enough votes, more than one level, not a dependent copy).
@@ -495,28 +501,14 @@ def _levels(norm: np.ndarray, given: Sequence[float | None]) -> tuple[np.ndarray
             else:
                 # Level of a score = its mid-rank share cut into LEVELS equal parts, so tied scores
                 # share a level and a column piled on one value still splits off the rest.
-                hist = np.bincount(inverse).astype(np.float64)
-                mid = (np.cumsum(hist) - hist / 2.0) / col.size
+                mid = _mid_ranks(np.bincount(inverse))
                 level = np.minimum((mid * LEVELS).astype(np.int64), LEVELS - 1)[inverse]
             level = np.unique(level, return_inverse=True)[1]  # levels numbered 0.. without gaps
         codes[voted, j] = level
         counts[j] = int(level.max()) + 1 if col.size else 0
     use = np.array([counts[j] > 1 and (codes[:, j] >= 0).sum() >= MIN_VOTES for j in range(m)])
     # Dependent pairs (as step 4 finds them, here on the level codes): one of each stays.
-    voted = (codes >= 0).astype(np.float64)
-    c = np.where(codes >= 0, codes, 0).astype(np.float64)
-    for i in range(m):
-        for j in range(i + 1, m):
-            if not (use[i] and use[j]):
-                continue
-            both = (voted[:, i] * voted[:, j]).astype(bool)
-            if both.sum() < MIN_VOTES:
-                continue
-            x, y = c[both, i], c[both, j]
-            if x.std() == 0 or y.std() == 0:
-                continue
-            if abs(float(np.corrcoef(x, y)[0, 1])) > DEPENDENCE_CORR:
-                use[i if voted[:, i].sum() < voted[:, j].sum() else j] = False
+    _dependent_pairs(np.maximum(codes, 0).astype(np.float64), codes >= 0, use)
     return codes, [max(k, 1) for k in counts], use
 
 
@@ -533,7 +525,7 @@ def _levels_pi(norm: np.ndarray, given: Sequence[float | None], names: tuple[str
     codes = codes[:, cols]
     counts = [counts[j] for j in cols]
     held = [names[j] in sound and counts[i] == 2 for i, j in enumerate(cols)]
-    n, k = codes.shape
+    k = codes.shape[1]
     # Rows collapse to their distinct level patterns, weighted by their counts.
     pat, w = np.unique(codes, axis=0, return_counts=True)
     w = w.astype(np.float64)
@@ -543,8 +535,7 @@ def _levels_pi(norm: np.ndarray, given: Sequence[float | None], names: tuple[str
     for i in range(k):
         col = codes[:, i]
         voted = col >= 0
-        hist = np.bincount(col[voted], minlength=counts[i]).astype(np.float64)
-        mid = (np.cumsum(hist) - hist / 2.0) / max(voted.sum(), 1)
+        mid = _mid_ranks(np.bincount(col[voted], minlength=counts[i]))
         rank[:, i] = np.where(pat[:, i] >= 0, mid[np.maximum(pat[:, i], 0)], np.nan)
     n_voted = (pat >= 0).sum(axis=1)
     q = np.where(n_voted > 0, np.nansum(rank, axis=1) / np.maximum(n_voted, 1), 0.5)
@@ -702,32 +693,43 @@ def _select(
         for j in spare[: 2 - int(kept.sum())]:
             kept[j] = True
             del dropped[names[j]]
-    # Dependent pairs: of each pair the verifier with more votes (on a tie, the earlier) stays.
-    # Pairwise statistics over the rows where both voted, all pairs at once (votes are 0/1,
-    # so sum x² = sum x).
+    pairs = _dependent_pairs(np.where(obs, b, 0.0), obs, kept)
+    for loser, winner, corr, shared in pairs:
+        dropped[names[loser]] = (
+            f"dependent on {names[winner]!r}: |corr| = {abs(corr):.3f} > {DEPENDENCE_CORR} over {shared} rows"
+        )
+    pairs = [(loser, winner, corr) for loser, winner, corr, _ in pairs]
+    return kept, dropped, pairs
+
+
+def _dependent_pairs(v: np.ndarray, obs: np.ndarray, keep: np.ndarray) -> list[tuple[int, int, float, int]]:
+    """Step 4's dependent pairs among the ``keep`` columns of values ``v`` [N, m] (0 where
+    ``obs`` is False): two columns whose |Pearson correlation| over the rows where both
+    voted exceeds ``DEPENDENCE_CORR`` (with at least ``MIN_VOTES`` such rows). Of each pair
+    the column with more votes (on a tie, the earlier) stays; the other is taken out of
+    ``keep`` in place. Returns (column taken out, column that stays, correlation, shared rows)."""
+    m = v.shape[1]
     a = obs.astype(np.float64)
-    v = np.where(obs, b, 0.0)
+    n_votes = obs.sum(axis=0)
+    # Pairwise statistics over the rows where both voted, all pairs at once.
     both = a.T @ a                  # rows where i and j both voted
-    sx = v.T @ a                    # sx[i, j] = sum of i's votes on those rows
+    sx = v.T @ a                    # sx[i, j] = sum of i's values on those rows
+    sxx = (v * v).T @ a
     sxy = v.T @ v
     with np.errstate(invalid="ignore", divide="ignore"):
         cov = both * sxy - sx * sx.T
-        var_x = both * sx - sx * sx     # i's variance term on the shared rows
+        var_x = both * sxx - sx * sx    # i's variance term on the shared rows
         corr = cov / np.sqrt(var_x * var_x.T)
-    pairs: list[tuple[int, int, float]] = []
+    pairs: list[tuple[int, int, float, int]] = []
     for i in range(m):
         for j in range(i + 1, m):
-            if not (kept[i] and kept[j]) or both[i, j] < MIN_VOTES or not np.isfinite(corr[i, j]):
+            if not (keep[i] and keep[j]) or both[i, j] < MIN_VOTES or not np.isfinite(corr[i, j]):
                 continue
-            c = abs(float(corr[i, j]))
-            if c > DEPENDENCE_CORR:
+            if abs(float(corr[i, j])) > DEPENDENCE_CORR:
                 loser, winner = (i, j) if n_votes[i] < n_votes[j] else (j, i)
-                kept[loser] = False
-                pairs.append((loser, winner, float(corr[i, j])))
-                dropped[names[loser]] = (
-                    f"dependent on {names[winner]!r}: |corr| = {c:.3f} > {DEPENDENCE_CORR} over {int(both[i, j])} rows"
-                )
-    return kept, dropped, pairs
+                keep[loser] = False
+                pairs.append((loser, winner, float(corr[i, j]), int(both[i, j])))
+    return pairs
 
 
 def _em(b: np.ndarray, fixed: np.ndarray | None = None, pi: float | None = None,
