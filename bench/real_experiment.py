@@ -262,10 +262,10 @@ def plot(result: dict, path: Path) -> None:
         for k, r in enumerate(runs.values()):
             x = [int(v) for v in r["evals"]]
             ax.plot(x, list(r["evals"].values()), color=colors[arm], alpha=0.8, marker="o", ms=3,
-                    label=f"{arm} ({len(runs)} seeds)" if k == 0 else None)
+                    label=f"{arm} ({len(runs)} seed{'s' * (len(runs) != 1)})" if k == 0 else None)
     ax.set_xlabel("trainer step (policy version)")
     ax.set_ylabel("held-out greedy accuracy")
-    ax.set_title("SmolLM2-135M-Instruct on chain_sum: ground truth vs one LLM judge vs Weaver")
+    ax.set_title("SmolLM2-135M-Instruct on chain_sum:\nground truth vs one LLM judge vs Weaver")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
