@@ -182,7 +182,12 @@ class Stage:
         if self._prefetched:
             entries, self._prefetched = self._prefetched[:count], self._prefetched[count:]
             return entries
-        return self.reader.read(count, self.cfg.redis.block_ms)
+        recovered = self.reader.recovered_total
+        entries = self.reader.read(count, self.cfg.redis.block_ms)
+        if self.reader.recovered_total != recovered:
+            self.log.warning("lost_deliveries_recovered", stream=self.source,
+                             entries=self.reader.recovered_total - recovered)
+        return entries
 
     def take(self, entries: list[Entry]) -> Batch:
         """Decode and check one read (entries of one shard)."""

@@ -234,3 +234,95 @@ def test_a_worker_started_during_an_outage_waits_for_the_server(tmp_path, tiny_b
                 p.wait()
         if server is not None:
             server.stop()
+
+
+# ---------------------------------------------------------------------------- lost replies
+# A read of new entries delivers them to its consumer on the server; if the reply never
+# reaches the client (the server SIGKILLed after its AOF recorded the delivery, a dropped
+# connection, a timeout), redis-py sends the read again and gets the next entries. The
+# entries of the lost reply are then pending for a consumer that never saw them. Here the
+# reader's blocking read times out on the client (a socket timeout shorter than the block)
+# and is sent again while another client delivers two entries to the reader's consumer in
+# one transaction: the server's state after a lost reply, in the middle of a failed call.
+
+def _during_a_failing_read(url: str, stream: str, group: str, consumer: str, payloads: list[bytes], then: bytes):
+    """In a thread: deliver ``payloads`` to ``consumer`` (a lost reply), then add ``then`` for the reader."""
+    other = redis.Redis.from_url(url)
+    lost: list = []
+
+    def run() -> None:
+        time.sleep(0.3)
+        pipe = other.pipeline(transaction=True)
+        for p in payloads:
+            pipe.xadd(stream, {"d": p})
+        pipe.xreadgroup(group, consumer, {stream: ">"}, count=len(payloads))
+        lost.extend(i for i, _ in pipe.execute()[-1][0][1])
+        time.sleep(1.2)
+        other.xadd(stream, {"d": then})
+        other.close()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, lost
+
+
+def test_a_read_whose_reply_was_lost_returns_those_entries_next(redis_url):
+    from pipeline.bus.streams import GroupReader, ensure_group
+
+    r = connect(redis_url, name="lost:reader", retries=None, socket_timeout=0.5)
+    ensure_group(r, "s", "g")
+    ids = [r.xadd("s", {"d": b"held"}) for _ in range(2)]
+    reader = GroupReader(r, "s", "g", "c", claim_idle_ms=0)
+    assert [e.id for e in reader.read(2, 50)] == ids  # the caller holds these unacked
+    t, lost = _during_a_failing_read(redis_url, "s", "g", "c", [b"lost-1", b"lost-2"], then=b"new")
+    first = reader.read_new(10, 3000)  # times out every 0.5 s and is sent again until "new" comes
+    t.join(10)
+    assert [e.payload for e in first] == [b"new"] and len(lost) == 2
+    assert reader.owned_due, "the lost deliveries wait for the next read"
+    again = reader.read(10, 50)
+    assert [e.id for e in again] == lost and [e.payload for e in again] == [b"lost-1", b"lost-2"]
+    assert all(e.deliveries == 2 for e in again), "taking a lost delivery again counts as a delivery"
+    assert reader.recovered_total == 2
+    assert reader.read(10, 50) == [], "entries the caller holds unacked are never returned again"
+    assert len(r.xpending_range("s", "g", "-", "+", 100, consumername="c")) == 5
+    r.close()
+
+
+def test_the_trainer_collects_a_lost_delivery_and_never_what_it_holds(tmp_path, tiny_base_model, redis_url):
+    from builders import make_scored
+
+    cfg, _ = tiny_config(tmp_path, tiny_base_model, redis_url, "lost")
+    keys = Keys(cfg.run_id)
+    r = connect(redis_url, name="lost:trainer", socket_timeout=0.5)  # under the 1 s block: reads time out
+    ensure_all_groups(r, keys)
+    scored = keys.shard(0).scored
+    group = [make_scored(prompt_id=f"p{i:08d}").encode() for i in range(6)]
+    for g in group[:3]:
+        r.xadd(scored, {"d": g})
+    log = _Log()
+    stage = Stage(r, keys, cfg, name="trainer", worker_id="trainer", log=log, source="scored",
+                  group=TRAINER_GROUP, decode=ScoredGroup.decode, claim=False)
+    first = collect_batch(stage, size=3)  # one step's groups, held unacked until it commits
+    assert [g.rollout.prompt_id for _, g in first] == ["p00000000", "p00000001", "p00000002"]
+    t, lost = _during_a_failing_read(redis_url, scored, TRAINER_GROUP, "trainer", group[3:5], then=group[5])
+    def give_up() -> None:
+        # Without the lost deliveries the read would wait for ever: the reads stop timing
+        # out (connections made from now on wait 30 s) and a stop ends it.
+        pool = r.connection_pool
+        pool.connection_kwargs["socket_timeout"] = 30
+        for c in [*pool._available_connections, *pool._in_use_connections]:
+            c.socket_timeout = 30
+        redis.Redis.from_url(redis_url).set(keys.stop, 1)
+
+    stopper = threading.Timer(20, give_up)
+    stopper.start()
+    second = collect_batch(stage, size=3, held={g.rollout.prompt_id for _, g in first})
+    stopper.cancel()
+    t.join(10)
+    assert second is not None, "the trainer never got the lost deliveries"
+    assert len(lost) == 2
+    assert sorted(g.rollout.prompt_id for _, g in second) == ["p00000003", "p00000004", "p00000005"]
+    assert [e for _, e, _ in log.events].count("lost_deliveries_recovered") == 1
+    assert int(read_stats(r, keys).get("duplicates_skipped_total", 0)) == 0
+    assert unacked(r, scored, TRAINER_GROUP) == 6, "nothing acked before its step commits"
+    r.close()

@@ -64,6 +64,8 @@ class _Outage:
         self.log, self.retries = log, retries
         self.since: float | None = None
         self.failures = 0
+        self.failed_calls = 0
+        """Calls that failed with a transient error and were sent again, however long ago (``failed_calls``)."""
         self._lock = threading.Lock()
 
     def _logger(self):
@@ -77,6 +79,7 @@ class _Outage:
     def failed(self, error: Exception) -> None:
         with self._lock:
             self.failures += 1
+            self.failed_calls += 1
             if self.since is not None:
                 return
             self.since = time.monotonic()
@@ -146,7 +149,16 @@ class _RidingCluster(RedisCluster):
 
     def __init__(self, *args, outer_retries: int | None = CONNECT_RETRIES * 2, log=None, **kwargs):
         self._backoff_retry = _TransientRetry(outer_retries, supported_errors=CLUSTER_ERRORS, log=log)
+        self._node_failures = 0
+        """Commands that failed on a node (redis-py's own retry sends them again at once: ``failed_calls``)."""
         super().__init__(*args, **kwargs)
+
+    def _execute_command(self, target_node, *args, **kwargs):
+        try:
+            return super()._execute_command(target_node, *args, **kwargs)
+        except CLUSTER_ERRORS:
+            self._node_failures += 1
+            raise
 
     def _internal_execute_command(self, *args, **kwargs):
         return self._backoff_retry.call_with_retry(
@@ -257,6 +269,22 @@ def ride_outages(client, log=None) -> None:
         return
     if isinstance(client, redis.Redis) and isinstance(client.get_retry(), _TransientRetry):
         client.set_retry(_TransientRetry(None, log=log))
+
+
+def failed_calls(client) -> int:
+    """How many calls of ``client`` have failed with a transient error and been sent again.
+
+    A call sent again may have been applied the first time with its reply lost; a caller
+    whose call is not idempotent (a read that delivers stream entries to its consumer)
+    compares this count before and after the call to know it must look for such effects
+    (``bus.streams.GroupReader``). It counts every connection's failures, so another
+    thread's failed call can make a caller look for nothing. 0 for clients not made by
+    ``connect``, which do not retry.
+    """
+    if isinstance(client, _RidingCluster):
+        return client._backoff_retry.outage.failed_calls + client._node_failures
+    retry = client.get_retry() if isinstance(client, redis.Redis) else None
+    return retry.outage.failed_calls if isinstance(retry, _TransientRetry) else 0
 
 
 def _redact(url: str) -> str:

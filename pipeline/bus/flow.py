@@ -142,7 +142,7 @@ class Admission:
             flat = resp[i + 1] or []
             entries.append(Entry(resp[i], dict(zip(flat[::2], flat[1::2])).get(FIELD), shard=shard))
         reader._next = (shard + 1) % len(reader.readers)
-        return True, entries
+        return True, reader.readers[shard].note(entries)
 
 
 class VersionWatch:

@@ -7,7 +7,8 @@ A run's streams are sharded (``pipeline.keys``; one shard is the ordinary case):
 
 Every transaction that writes a stage's outputs is a Lua script that carries an idempotency
 token and checks it before writing (``TxnWriter``), so a call redis-py sends again after a
-lost reply changes nothing.
+lost reply changes nothing. A read is not idempotent (it delivers entries to its consumer):
+``GroupReader`` finds entries a lost reply delivered to it and returns them after all.
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ from dataclasses import dataclass
 
 import redis
 
+from pipeline.bus.connection import failed_calls
 from pipeline.keys import Keys
 from pipeline.records import RecordError
 
 
 FIELD = b"d"
+LOST_SCAN = 1000
+"""Most lost deliveries one look finds (``GroupReader._find_lost``); a next look finds the rest."""
 def ensure_group(r: redis.Redis, stream: str, group: str) -> None:
     """Create the consumer group (and the stream) if missing; idempotent."""
     try:
@@ -77,6 +81,17 @@ class GroupReader:
     Redelivered entries carry their delivery count. One redelivered more than
     ``max_deliveries`` times crashed every consumer that took it (or the consumers keep
     dying): ``decode_entries`` turns it into a defect, and the caller dead-letters it.
+
+    A read of new entries whose reply is lost (the server died after recording the
+    delivery, or the connection dropped) leaves entries pending for this consumer that it
+    never saw, and redis-py sends the read again, which gets the next ones. Left alone they
+    would wait for a restart of this consumer or a reclaim (never, for a group's only
+    consumer, which does not reclaim). The group delivers in id order, so they are newer
+    than any entry this reader returned before that read: after a read during which the
+    client's calls failed (``failed_calls``), the reader lists its own pending entries newer
+    than that, takes those the read did not return again (``XCLAIM``, which counts the
+    delivery) and returns them first from the next read. Entries the caller still holds
+    unacked are older: never among them.
     """
 
     def __init__(self, r: redis.Redis, stream: str, group: str, consumer: str, *,
@@ -88,6 +103,12 @@ class GroupReader:
         self._claim_cursor: bytes | str = "0-0"
         self._next_claim = 0.0
         self.claimed_total = 0
+        self._newest: tuple[int, int] | None = None
+        """The newest entry id this reader returned (``note``), as (ms, seq)."""
+        self._lost: list[Entry] = []
+        """Lost deliveries found and not yet returned (``_find_lost``)."""
+        self.recovered_total = 0
+        """Lost deliveries found and returned again."""
 
     @property
     def draining_pending(self) -> bool:
@@ -104,7 +125,8 @@ class GroupReader:
             return []
         self._pending_cursor = entries[-1][0]
         shard = self.shard
-        return self._with_deliveries([Entry(i, f.get(FIELD) if f else None, 1, shard) for i, f in entries])
+        return self.note(self._with_deliveries([Entry(i, f.get(FIELD) if f else None, 1, shard)
+                                                     for i, f in entries]))
 
     def claim(self, count: int) -> list[Entry]:
         """Take over up to ``count`` entries idle in other consumers for ``claim_idle_ms`` or more.
@@ -123,16 +145,53 @@ class GroupReader:
         if self._claim_cursor in (b"0-0", "0-0") and not entries:
             self._next_claim = now + self.claim_every_s
         self.claimed_total += len(entries)
-        return self._with_deliveries(entries)
+        return self.note(self._with_deliveries(entries))
 
     def read_owned(self, count: int) -> list[Entry]:
-        """Work already admitted to the group: own pending entries, else entries reclaimed from the dead."""
+        """Work already admitted to the group: lost deliveries found, own pending entries, else
+        entries reclaimed from the dead."""
+        if self._lost:
+            entries, self._lost = self._lost[:count], self._lost[count:]
+            return entries
         return self.read_pending(count) or self.claim(count)
 
     def read_new(self, count: int, block_ms: int | None) -> list[Entry]:
-        """Entries never delivered to the group, waiting up to ``block_ms`` for one (None: not at all)."""
-        return self.new_entries(self.r.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=count,
-                                                  block=block_ms))
+        """Entries never delivered to the group, waiting up to ``block_ms`` for one (None: not at all).
+
+        A call that failed and was sent again may have lost the reply of its first attempt:
+        deliveries found lost come first from the next ``read_owned``.
+        """
+        failed, newest = failed_calls(self.r), self._newest
+        entries = self.new_entries(self.r.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=count,
+                                                     block=block_ms))
+        if failed_calls(self.r) != failed:
+            self._find_lost(newest, {e.id for e in entries})
+        return entries
+
+    def _find_lost(self, newest: tuple[int, int] | None, returned: set[bytes]) -> None:
+        """Queue this consumer's pending entries newer than ``newest`` (the newest returned before
+        the read) that the read did not return: deliveries whose reply was lost."""
+        lo = "-" if newest is None else f"({newest[0]}-{newest[1]}"
+        pending = self.r.xpending_range(self.stream, self.group, min=lo, max="+", count=LOST_SCAN,
+                                        consumername=self.consumer)
+        ids = [p["message_id"] for p in pending if p["message_id"] not in returned]
+        if not ids:
+            return
+        got = self.r.xclaim(self.stream, self.group, self.consumer, 0, ids)
+        found = self.note(self._with_deliveries(
+            [Entry(i, f.get(FIELD) if f else None, 1, self.shard) for i, f in got if i is not None]))
+        self.recovered_total += len(found)
+        self._lost += found
+
+    def note(self, entries: list[Entry]) -> list[Entry]:
+        """Note the newest id among entries handed to the caller (``_find_lost`` looks past it);
+        a caller that reads this reader's stream another way (a script) notes what it read."""
+        for e in entries:
+            ms, _, seq = e.id.partition(b"-")
+            key = (int(ms), int(seq))
+            if self._newest is None or key > self._newest:
+                self._newest = key
+        return entries
 
     def queue_read_new(self, pipe, count: int) -> None:
         """Queue on ``pipe`` the non-blocking read of up to ``count`` new entries (``new_entries`` turns
@@ -144,7 +203,7 @@ class GroupReader:
         if not resp:
             return []
         shard = self.shard
-        return [Entry(i, f.get(FIELD) if f else None, 1, shard) for i, f in resp[0][1]]
+        return self.note([Entry(i, f.get(FIELD) if f else None, 1, shard) for i, f in resp[0][1]])
 
     def rewind_pending(self) -> None:
         """Read this consumer's own pending entries again from the oldest (entries delivered to
@@ -155,7 +214,8 @@ class GroupReader:
     def owned_due(self) -> bool:
         """Whether the next ``read`` may find owned work: own pending entries not yet drained, or a
         reclaim sweep due. While it is not, the next read is a read of new entries."""
-        return self._pending_cursor is not None or (self.claim_idle_ms > 0 and time.monotonic() >= self._next_claim)
+        return bool(self._lost) or self._pending_cursor is not None or (
+            self.claim_idle_ms > 0 and time.monotonic() >= self._next_claim)
 
     def read(self, count: int, block_ms: int) -> list[Entry]:
         """Own pending entries first, then reclaimed ones, then new ones."""
@@ -205,6 +265,15 @@ class ShardedReader:
     @property
     def claimed_total(self) -> int:
         return sum(x.claimed_total for x in self.readers)
+
+    @property
+    def recovered_total(self) -> int:
+        return sum(x.recovered_total for x in self.readers)
+
+    @property
+    def lost_waiting(self) -> int:
+        """Lost deliveries found and not yet returned (``GroupReader``: the next ``read_owned`` returns them)."""
+        return sum(len(x._lost) for x in self.readers)
 
     @property
     def delivery_floor(self) -> int:

@@ -160,8 +160,10 @@ class Generator:
             granted = self.admission.admit(count, self.version)
             room = granted > 0
             if room:  # not blocking: the window in which a kill leaks the grant is one round trip
+                lost = self.stage.reader.lost_waiting
                 entries = self.stage.reader.read_new(granted, None)
-                self.admission.release(granted - len(entries))
+                # Entries of a lost reply the read found are read next as owned work: they keep their slots.
+                self.admission.release(max(0, granted - len(entries) - (self.stage.reader.lost_waiting - lost)))
         else:  # one script: a kill at any point leaks no slot
             room, entries = self.admission.admit_read(self.stage.reader, count, self.version)
         if not room:
