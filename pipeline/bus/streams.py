@@ -124,9 +124,7 @@ class GroupReader:
             self._pending_cursor = None
             return []
         self._pending_cursor = entries[-1][0]
-        shard = self.shard
-        return self.note(self._with_deliveries([Entry(i, f.get(FIELD) if f else None, 1, shard)
-                                                     for i, f in entries]))
+        return self.note(self._with_deliveries(self._entries(entries)))
 
     def claim(self, count: int) -> list[Entry]:
         """Take over up to ``count`` entries idle in other consumers for ``claim_idle_ms`` or more.
@@ -140,8 +138,7 @@ class GroupReader:
         resp = self.r.xautoclaim(self.stream, self.group, self.consumer, self.claim_idle_ms,
                                  start_id=self._claim_cursor, count=count)
         self._claim_cursor = resp[0]
-        shard = self.shard
-        entries = [Entry(i, f.get(FIELD) if f else None, 1, shard) for i, f in resp[1] if i is not None]
+        entries = self._entries(resp[1])
         if self._claim_cursor in (b"0-0", "0-0") and not entries:
             self._next_claim = now + self.claim_every_s
         self.claimed_total += len(entries)
@@ -177,21 +174,26 @@ class GroupReader:
         ids = [p["message_id"] for p in pending if p["message_id"] not in returned]
         if not ids:
             return
-        got = self.r.xclaim(self.stream, self.group, self.consumer, 0, ids)
-        found = self.note(self._with_deliveries(
-            [Entry(i, f.get(FIELD) if f else None, 1, self.shard) for i, f in got if i is not None]))
+        found = self.note(self._with_deliveries(self._entries(
+            self.r.xclaim(self.stream, self.group, self.consumer, 0, ids))))
         self.recovered_total += len(found)
         self._lost += found
 
     def note(self, entries: list[Entry]) -> list[Entry]:
         """Note the newest id among entries handed to the caller (``_find_lost`` looks past it);
-        a caller that reads this reader's stream another way (a script) notes what it read."""
-        for e in entries:
-            ms, _, seq = e.id.partition(b"-")
+        a caller that reads this reader's stream another way (a script) notes what it read.
+        Every read returns entries in id order: the last is the newest."""
+        if entries:
+            ms, _, seq = entries[-1].id.partition(b"-")
             key = (int(ms), int(seq))
             if self._newest is None or key > self._newest:
                 self._newest = key
         return entries
+
+    def _entries(self, pairs) -> list[Entry]:
+        """Entries of this reader's shard from a reply's (id, fields) pairs; a deleted entry has no fields."""
+        shard = self.shard
+        return [Entry(i, f.get(FIELD) if f else None, 1, shard) for i, f in pairs if i is not None]
 
     def queue_read_new(self, pipe, count: int) -> None:
         """Queue on ``pipe`` the non-blocking read of up to ``count`` new entries (``new_entries`` turns
@@ -202,8 +204,7 @@ class GroupReader:
         """The entries of an XREADGROUP ``>`` reply."""
         if not resp:
             return []
-        shard = self.shard
-        return self.note([Entry(i, f.get(FIELD) if f else None, 1, shard) for i, f in resp[0][1]])
+        return self.note(self._entries(resp[0][1]))
 
     def rewind_pending(self) -> None:
         """Read this consumer's own pending entries again from the oldest (entries delivered to
