@@ -11,7 +11,8 @@ list and decoded beforehand, untimed. Baseline: the same bytes as plain pipeline
 writes as a plain MULTI/EXEC with one variadic ``XACK``: no script, no idempotency token.
 
 Consumer (the verifier's read, the stage's own ``read``, ``take`` and ``emit``): own
-pending, reclaim, then ``>``; decoding with ``RolloutGroup.decode`` and the delivery limit;
+pending, reclaim, then ``>``, the next read sent ahead (answered while the batch decodes,
+its reply collected in the emit's wait); decoding with ``RolloutGroup.decode`` and the delivery limit;
 the acks in one transaction (the emit script: one variadic ``XACK``, the idempotency
 token; every ``TRIM_EVERY`` batches the trim of what was acked). Baseline: ``XREADGROUP
 COUNT b`` + one ``XACK`` of the same entries. The same path with a decoder that returns

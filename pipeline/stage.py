@@ -24,12 +24,15 @@ when it ends. Stage files (``producers/``, ``consumers/``) are a step function p
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from redis.cluster import RedisCluster
-from redis.exceptions import NoScriptError, WatchError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, ResponseError, WatchError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pipeline.bus.connection import ride_outages
 from pipeline.bus.flow import release_admissions, stop_requested, wait_for_room
@@ -40,6 +43,13 @@ from pipeline.keys import Keys, ShardKeys
 
 TRIM_EVERY = 10
 """Batches between trims of the acked input entries."""
+
+READ_AHEAD_STEP_S = 0.05
+"""A stage that reads ahead (``prefetch``) does so while its last step took less than this:
+the batch read ahead waits in its pending list through one step, so a slow stage (an LLM
+judge) never holds a batch its peers could be working on."""
+
+_LINK_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 
 MULTI_BYTES = 64 << 10
 """Records written in one emit from this many bytes on go in a MULTI (``Stage._emit_multi``)
@@ -157,7 +167,12 @@ class Stage:
         self._cluster = isinstance(r, RedisCluster)
         self.prefetch = prefetch and not self._cluster
         self._prefetched: list[Entry] = []
-        self._read_count = 0
+        self._conn = None
+        """The connection reads ahead go on (``prefetch``), taken from the client's pool on first use."""
+        self._ahead: tuple[Any, tuple[int, int] | None] | None = None
+        """The read ahead in flight on ``_conn``: (its shard's reader, its mark)."""
+        self.step_seconds = 0.0
+        """How long the last step took (``run``): reads go ahead only after short ones."""
 
     # ------------------------------------------------------------------ the steps of the loop
 
@@ -175,19 +190,81 @@ class Stage:
     def read(self, count: int) -> list[Entry]:
         """Own pending entries, then reclaimed ones, then new ones (blocking ``redis.block_ms``).
 
-        With ``prefetch``, the last emit's round trip already read the new entries this read
-        would have (``emit``): those come back first, without a call.
+        With ``prefetch``, a read that returns entries sends the next read of new entries right
+        away, on a connection of its own, and the stage works on what it returned while the
+        server answers (``_read_ahead``); the emit's script goes behind it on that connection
+        and one wait returns both. The entries it read come back first, without a call.
         """
-        self._read_count = count
+        if self._ahead is not None:  # no emit collected it
+            self._prefetched += self._receive_ahead()
         if self._prefetched:
             entries, self._prefetched = self._prefetched[:count], self._prefetched[count:]
-            return entries
-        recovered = self.reader.recovered_total
-        entries = self.reader.read(count, self.cfg.redis.block_ms)
-        if self.reader.recovered_total != recovered:
-            self.log.warning("lost_deliveries_recovered", stream=self.source,
-                             entries=self.reader.recovered_total - recovered)
+        else:
+            recovered = self.reader.recovered_total
+            entries = self.reader.read(count, self.cfg.redis.block_ms)
+            self._log_recovered(self.reader.recovered_total - recovered)
+        if entries:
+            self._read_ahead(count)
         return entries
+
+    def _log_recovered(self, n: int) -> None:
+        if n:
+            self.log.warning("lost_deliveries_recovered", stream=self.source, entries=n)
+
+    def _read_ahead(self, count: int) -> None:
+        """Send the read the next ``read`` would make (new entries of the shard whose turn it is),
+        when that is what it would make: no own pending entries to drain, no reclaim sweep due,
+        nothing read ahead left, and the last step short (``READ_AHEAD_STEP_S``).
+
+        A read delivers but never acks, and it goes after the entries the caller holds were
+        returned: what it delivers is this consumer's, and if the stage stops before taking it,
+        it stays in its pending list, which it drains first when it starts again (or a peer
+        reclaims after ``redis.claim_idle_ms``), as after a crash.
+        """
+        if not (self.prefetch and not self._prefetched and self.step_seconds < READ_AHEAD_STEP_S
+                and not self.reader.owned_due):
+            return
+        if self._conn is None:
+            try:
+                self._conn = self.r.connection_pool.get_connection()
+            except _LINK_ERRORS:  # the server went away: the next read waits for it the plain way
+                return
+        reader = self.reader.next_new()
+        mark = reader.newest
+        try:
+            reader.send_read_new(self._conn, count)
+        except _LINK_ERRORS:  # not sent, or sent and its reply is lost with the connection
+            self._ahead_lost(reader, mark)
+            return
+        self._ahead = (reader, mark)
+
+    def _receive_ahead(self) -> list[Entry]:
+        """The entries of the read ahead in flight (its reply read now); [] if its connection failed,
+        and what it delivered comes back from the next read (``GroupReader.recover_lost``)."""
+        (reader, mark), self._ahead = self._ahead, None
+        try:
+            return reader.receive_new(self._conn.read_response())
+        except ResponseError:  # refused (the group gone): the next plain read raises it
+            self._conn.disconnect()
+            return []
+        except _LINK_ERRORS:
+            self._ahead_lost(reader, mark)
+            return []
+
+    def _ahead_lost(self, reader, mark) -> None:
+        self._conn.disconnect()
+        self.log.info("read_ahead_lost", stream=reader.stream)
+        self._log_recovered(reader.recover_lost(mark))
+
+    def close(self) -> None:
+        """Give the read-ahead connection back to the client's pool (a read ahead in flight is
+        dropped with it: its entries stay in this consumer's pending list)."""
+        if self._conn is not None:
+            if self._ahead is not None:
+                self._ahead = None
+                self._conn.disconnect()
+            self.r.connection_pool.release(self._conn)
+            self._conn = None
 
     def take(self, entries: list[Entry]) -> Batch:
         """Decode and check one read (entries of one shard)."""
@@ -236,36 +313,33 @@ class Stage:
             self.trim()
 
     def _emit_script(self, *, keys: list, args: list) -> tuple[int, int]:
-        """The emit script; with ``prefetch``, sent in one round trip with the read the next
-        ``read`` would make (new entries of the shard whose turn it is), when that is what it
-        would make: no own pending entries left to drain and no reclaim sweep due.
+        """The emit script; behind a read ahead in flight (``read``), on its connection: one wait
+        returns the read's entries and the script's result.
 
-        The read cannot change the emit: it is sent after it, outside it, and a read
-        delivers but never acks. Entries it delivered are this consumer's: if the stage
-        stops before taking them they stay in its pending list, which it drains first when
-        it starts again (or a peer reclaims after ``redis.claim_idle_ms``), as after a crash.
+        Any failure on that connection sends the script again the plain way (the client's
+        retries, the script loaded if the server lost it); its token makes that a replay if
+        the first attempt was applied. A read ahead whose reply was lost is recovered
+        (``GroupReader.recover_lost``).
         """
-        if not (self.prefetch and self._read_count and not self._prefetched and not self.reader.owned_due):
+        if self._ahead is None:
             return self._emit(keys=keys, args=args)
-        reader = self.reader.next_new()
-        pipe = self.r.pipeline(transaction=False)
-        pipe.evalsha(self._emit.sha, len(keys), *keys, *args)
-        reader.queue_read_new(pipe, self._read_count)
-        result, resp = pipe.execute(raise_on_error=False)
-        if isinstance(resp, Exception):
-            raise resp
-        self._prefetched = reader.new_entries(resp)
-        if isinstance(result, NoScriptError):  # a restarted server: load it and send it again
-            result = self._emit(keys=keys, args=args)
-        elif isinstance(result, Exception):
-            raise result
-        if not result[0]:
-            # A replay: redis-py sent the round trip again after a lost reply, so the first
-            # attempt's read delivered entries this consumer never saw. They and the ones
-            # just read are all in its pending list: read that again from the start.
-            self._prefetched = []
-            self.reader.rewind_pending()
-        return result
+        reader, mark = self._ahead
+        try:
+            self._conn.send_command("EVALSHA", self._emit.sha, len(keys), *keys, *args, check_health=False)
+        except _LINK_ERRORS:
+            self._ahead = None
+            self._ahead_lost(reader, mark)
+            return self._emit(keys=keys, args=args)
+        self._prefetched = self._receive_ahead()
+        if not self._conn.is_connected:  # the read's reply failed: the script's is gone with it
+            return self._emit(keys=keys, args=args)
+        try:
+            return self._conn.read_response()
+        except NoScriptError:  # a restarted server: the plain call loads it and sends it again
+            return self._emit(keys=keys, args=args)
+        except _LINK_ERRORS:  # applied or not: the token decides
+            self._conn.disconnect()
+            return self._emit(keys=keys, args=args)
 
     def _emit_multi(self, shard: ShardKeys, src: str, dst: str, seq: int, dead: list, acks: list, outputs: list,
                     back: list, counters: list, *, releases: int) -> tuple[int, int]:
@@ -352,7 +426,11 @@ class Stage:
                     idle()
                 continue
             batch = self.take(entries)
-            self.emit(batch, step(batch) if batch.good else Output())
+            t0 = time.perf_counter()
+            out = step(batch) if batch.good else Output()
+            self.step_seconds = time.perf_counter() - t0
+            self.emit(batch, out)
             done += 1
+        self.close()
         return done
 

@@ -351,9 +351,9 @@ def scenario_large_emit(proxy, r0, shards):
             "calls": 1 + (_stats(r0, keys).get("groups_out_total") == 6.0)}
 
 
-def scenario_verifier_prefetch(proxy, r0, shards):
-    """The verifier's emit with the next read in its round trip, the reply of both lost: the
-    replay is seen, and what the lost read delivered is read again from the pending list."""
+def scenario_verifier_read_ahead(proxy, r0, shards):
+    """The verifier's emit sent behind its read ahead on one connection, the emit's reply lost:
+    the emit sent again the plain way is a replay, and every entry is processed once."""
     keys = Keys("prefetch", shards=shards)
     r = connect(proxy.url, name="t")
     ensure_all_groups(r0, keys)
@@ -364,17 +364,18 @@ def scenario_verifier_prefetch(proxy, r0, shards):
     stage = Stage(r, keys, _cfg(keys.ns, shards, **{"redis.block_ms": 50}), name="verifier", worker_id="ver-0",
                   log=_Log(), source="rollouts", group=VERIFIERS_GROUP, decode=RolloutGroup.decode, sink="scored",
                   sink_group=TRAINER_GROUP, prefetch=True)
-    rewinds = []
-    rewind = stage.reader.rewind_pending
-    stage.reader.rewind_pending = lambda: (rewinds.append(1), rewind())
-    seen, drop = [], True
+    seen, drop, ahead = [], True, 0
     for _ in range(2 * shards + 6):
         entries = stage.read(3)
         if not entries:
             continue
         batch = stage.take(entries)
         seen += [rec.prompt_id for _, rec in batch.good]
+        ahead += stage._ahead is not None
         if drop:
+            # The read's reply has come (the proxy swallows what follows the script), so the
+            # drop hits the script's reply; a read whose reply is lost: tests/test_outage.py.
+            assert stage._conn.can_read(timeout=5)
             proxy.drop_next()
             drop = False
         stage.emit(batch, Output(written=[(e, rec.encode()) for e, rec in batch.good],
@@ -382,8 +383,9 @@ def scenario_verifier_prefetch(proxy, r0, shards):
     out = _all(r0, keys, "scored")
     return {"outputs": len(out), "distinct": len({bytes(f[b"d"]) for f in out}), "seen": len(seen),
             "unacked": unacked(r0, src, VERIFIERS_GROUP), "count": _stats(r0, keys).get("groups_out_total"),
-            # the retried round trip, and the emit of what the lost read delivered (once found)
-            "rewound": len(rewinds), "calls": 1 + len(rewinds)}
+            "read_ahead": ahead == 2,
+            # the plain resend of the dropped emit (a replay), and the second batch's emit
+            "calls": 2}
 
 
 class _Tok:
@@ -451,7 +453,8 @@ EXACT = {
     scenario_admit_read: {"room": True, "first": 0, "owned": 2, "admitted": 2, "pending": 2},
     scenario_large_emit: {"outputs": 3, "distinct": 3, "dead": 1, "unacked": 0, "count": 3.0, "seconds": 0.25,
                           "admitted": 9},
-    scenario_verifier_prefetch: {"outputs": 6, "distinct": 6, "seen": 6, "unacked": 0, "count": 6.0, "rewound": 1},
+    scenario_verifier_read_ahead: {"outputs": 6, "distinct": 6, "seen": 6, "unacked": 0, "count": 6.0,
+                                   "read_ahead": True},
 }
 DROPS = {scenario_admission: 3}
 SCENARIOS = list(EXACT)
@@ -603,6 +606,36 @@ def _drain(stage: Stage, rounds: int, pause_s: float = 0.0) -> list[str]:
             seen += [rec.prompt_id for _, rec in batch.good]
             stage.emit(batch, Output(written=[(e, rec.encode()) for e, rec in batch.good]))
     return seen
+
+
+def test_a_stage_reads_ahead_only_after_short_steps(redis_client):
+    """A batch read ahead waits through one step: after a step of ``READ_AHEAD_STEP_S`` or more
+    (an LLM judge) the stage reads only when it is ready, so a peer could take that batch."""
+    keys = Keys("aheadslow")
+    ensure_all_groups(redis_client, keys)
+    pids = [f"p{i:08d}" for i in range(16)]
+    for pid in pids:
+        redis_client.xadd(keys.shard(0).rollouts, {"d": make_rollout(prompt_id=pid).encode()})
+    stage = _verifier(redis_client, keys, "ver-0")
+    sent, seen = [], []
+    next_new = stage.reader.next_new
+    stage.reader.next_new = lambda: (sent.append(1), next_new())[1]
+
+    def step(pause_s: float):
+        def run(batch):
+            time.sleep(pause_s)
+            seen.extend(rec.prompt_id for _, rec in batch.good)
+            return Output(written=[(e, rec.encode()) for e, rec in batch.good])
+        return run
+
+    stage.run(step(2 * stage_mod.READ_AHEAD_STEP_S), count=4, max_batches=2)
+    assert len(sent) == 1, "only the first read, before any step was timed, read ahead"
+    stage.run(step(0), count=4, max_batches=1)
+    assert len(sent) == 1, "the read after a slow step did not"
+    stage.run(step(0), count=4, max_batches=1)
+    assert len(sent) == 2, "the read after a short step did"
+    assert seen == pids, "every entry processed once, in order"
+    assert unacked(redis_client, keys.shard(0).rollouts, VERIFIERS_GROUP) == 0
 
 
 @pytest.mark.parametrize("n_shards", [1, 2])

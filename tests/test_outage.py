@@ -288,6 +288,46 @@ def test_a_read_whose_reply_was_lost_returns_those_entries_next(redis_url):
     r.close()
 
 
+def test_a_read_ahead_whose_reply_is_lost_returns_its_entries_next(redis_url):
+    """The verifier's read ahead delivered entries, then its connection failed before the reply
+    was read: the emit goes the plain way, and the next read returns those entries."""
+    from pipeline.config import RunConfig
+    from pipeline.records import RolloutGroup
+    from pipeline.stage import Output
+
+    keys = Keys("aheadlost")
+    r = connect(redis_url, name="lost:ahead")
+    ensure_all_groups(r, keys)
+    src = keys.shard(0).rollouts
+    pids = [f"p{i:08d}" for i in range(8)]
+    for pid in pids:
+        r.xadd(src, {"d": make_rollout(prompt_id=pid).encode()})
+    log = _Log()
+    stage = Stage(r, keys, RunConfig().with_overrides({"run_id": keys.ns, "redis.block_ms": 50}), name="verifier",
+                  worker_id="ver-0", log=log, source="rollouts", group=VERIFIERS_GROUP, decode=RolloutGroup.decode,
+                  sink="scored", sink_group=TRAINER_GROUP, prefetch=True)
+    first = stage.read(4)
+    assert len(first) == 4 and stage._ahead is not None, "the read sent the next one ahead"
+    _wait(lambda: r.xpending(src, VERIFIERS_GROUP)["pending"] == 8, 5, "the read ahead to deliver")
+    stage._conn._sock.close()  # the connection fails with the read's reply unread
+    batch = stage.take(first)
+    stage.emit(batch, Output(written=[(e, rec.encode()) for e, rec in batch.good]))
+    assert stage.reader.recovered_total == 4
+    second = stage.read(4)
+    assert [RolloutGroup.decode(e.payload).prompt_id for e in second] == pids[4:]
+    assert all(e.deliveries == 2 for e in second), "taking a lost delivery again counts as a delivery"
+    batch = stage.take(second)
+    stage.emit(batch, Output(written=[(e, rec.encode()) for e, rec in batch.good]))
+    assert stage.read(4) == []
+    out = [RolloutGroup.decode(f[b"d"]).prompt_id for _, f in r.xrange(keys.shard(0).scored)]
+    assert out == pids and unacked(r, src, VERIFIERS_GROUP) == 0, "every entry emitted once"
+    events = [e for _, e, _ in log.events]
+    assert "read_ahead_lost" in events and ("warning", "lost_deliveries_recovered",
+                                            {"stream": "rollouts", "entries": 4}) in log.events
+    stage.close()
+    r.close()
+
+
 def test_the_trainer_collects_a_lost_delivery_and_never_what_it_holds(tmp_path, tiny_base_model, redis_url):
     from builders import make_scored
 

@@ -159,8 +159,8 @@ class GroupReader:
         deliveries found lost come first from the next ``read_owned``.
         """
         failed, newest = failed_calls(self.r), self._newest
-        entries = self.new_entries(self.r.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=count,
-                                                     block=block_ms))
+        resp = self.r.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms)
+        entries = self.note(self._entries(resp[0][1])) if resp else []
         if failed_calls(self.r) != failed:
             self._find_lost(newest, {e.id for e in entries})
         return entries
@@ -195,21 +195,36 @@ class GroupReader:
         shard = self.shard
         return [Entry(i, f.get(FIELD) if f else None, 1, shard) for i, f in pairs if i is not None]
 
-    def queue_read_new(self, pipe, count: int) -> None:
-        """Queue on ``pipe`` the non-blocking read of up to ``count`` new entries (``new_entries`` turns
-        its reply into entries): a caller sends it in the round trip of a write it sends anyway."""
-        pipe.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=count)
+    @property
+    def newest(self) -> tuple[int, int] | None:
+        """The newest entry id this reader returned, as (ms, seq): the mark ``recover_lost`` takes."""
+        return self._newest
 
-    def new_entries(self, resp) -> list[Entry]:
-        """The entries of an XREADGROUP ``>`` reply."""
+    def send_read_new(self, conn, count: int) -> None:
+        """Send on ``conn`` (a connection of this reader's client's pool, held by the caller) the
+        non-blocking read of up to ``count`` new entries, without waiting for its reply: the
+        caller reads it later (``receive_new``) while it works on what it holds (read ahead).
+        Take ``newest`` first: if the reply never comes, ``recover_lost`` needs it."""
+        conn.send_command("XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", count, "STREAMS", self.stream,
+                          ">")
+
+    def receive_new(self, resp) -> list[Entry]:
+        """The entries of the raw reply (a RESP3 map or a RESP2 array; none: nothing new) of a read
+        ``send_read_new`` sent."""
         if not resp:
             return []
-        return self.note(self._entries(resp[0][1]))
+        pairs = next(iter(resp.values())) if isinstance(resp, dict) else resp[0][1]
+        shard = self.shard
+        return self.note([Entry(i, (f[1] if len(f) == 2 and f[0] == FIELD else dict(zip(f[::2], f[1::2])).get(FIELD))
+                                if f else None, 1, shard) for i, f in pairs if i is not None])
 
-    def rewind_pending(self) -> None:
-        """Read this consumer's own pending entries again from the oldest (entries delivered to
-        it that it never saw: a read whose reply was lost)."""
-        self._pending_cursor = "0"
+    def recover_lost(self, mark: tuple[int, int] | None) -> int:
+        """After a read sent with ``send_read_new`` whose reply never came (its connection failed):
+        take back what it may have delivered (``_find_lost``, past ``mark``: ``newest`` before
+        it was sent), for the next ``read_owned``; returns how many entries were found."""
+        before = self.recovered_total
+        self._find_lost(mark, set())
+        return self.recovered_total - before
 
     @property
     def owned_due(self) -> bool:
@@ -314,10 +329,6 @@ class ShardedReader:
     @property
     def owned_due(self) -> bool:
         return any(x.owned_due for x in self.readers)
-
-    def rewind_pending(self) -> None:
-        for x in self.readers:
-            x.rewind_pending()
 
     def next_new(self) -> GroupReader:
         """The shard reader whose turn it is to be read for new entries; taking it moves the turn on."""
