@@ -133,8 +133,8 @@ def streams_rows(res: dict) -> list[Row]:
                 raw_p, p["produce_raw"], "rec/s", cmd, aim=aim, note=cpu("produce")),
             Row("streams", f"generator emit as a plain MULTI (XADDs + one XACK; no idempotency token, no counters), "
                 f"{what}", p["produce_one_ack"], raw_p, p["produce_raw"], "rec/s", cmd, note=cpu("produce_one_ack")),
-            Row("streams", f"verifier read (Stage.read + take, validated decode, + the acks in Stage.emit, which "
-                f"sends the next read in its round trip), {what}",
+            Row("streams", f"verifier read (Stage.read + take, validated decode, + the acks in Stage.emit; the next "
+                f"read sent ahead, answered while the batch decodes), {what}",
                 p["consume_pipeline"], raw_c, p["consume_raw"], "rec/s", cmd, aim=aim, note=cpu("consume")),
             Row("streams", f"verifier read with a bare XACK in place of Stage.emit, {what}", p["consume_one_ack"],
                 raw_c, p["consume_raw"], "rec/s", cmd, note=cpu("consume_one_ack")),
@@ -247,15 +247,44 @@ def verifier_rows(res: dict, command: str) -> list[Row]:
     return out
 
 
+WEIGHTS_AIMS = {"shm": 0.60, "tcp": 0.80, "ucx": 0.80}
+"""Each transport's aim against its own ceiling (docs/weights.md, Measurements)."""
+
+
 def weights_rows(res: dict, command: str) -> list[Row]:
     out = []
     for b in res.get("bandwidth", []):
         out.append(Row("weights", f"{b['transport']} {b['measured']}, {b['size_mib']} MiB",
-                       b[f"{b['measured']}_gbps"], b["ceiling"], b["ceiling_gbps"], "GB/s", command))
+                       b[f"{b['measured']}_gbps"], b["ceiling"], b["ceiling_gbps"], "GB/s", command,
+                       aim=WEIGHTS_AIMS.get(b["transport"])))
     for s in res.get("swap", []):
         out.append(Row("weights", f"{s['transport']}: generator blocked by a swap ({s['payload_mib']} MiB policy)",
                        s["swap_s"], "one generation batch", s["batch_s"], "s", command, better="lower"))
     return out
+
+
+def weights_findings(res: dict) -> list[str]:
+    """Why a transport misses its aim: the measured cost of the check it makes and the raw transfer does not."""
+    lines = []
+    for b in res.get("bandwidth", []):
+        aim = WEIGHTS_AIMS.get(b["transport"])
+        ratio = b[f"{b['measured']}_gbps"] / b["ceiling_gbps"] if b.get("ceiling_gbps") else None
+        if aim is None or ratio is None or ratio >= aim:
+            continue
+        why = (" A fetch checks every bucket's CRC-32C, which the raw transfer does not, and the check overlaps "
+               "the transfer only where a core is free (docs/weights.md, Measurements)."
+               if b["measured"] == "fetch" else "")
+        load = " ".join(f"{res[k]:.1f} {k.removeprefix('load_')}," for k in ("load_before", "load_after")
+                        if isinstance(res.get(k), (int, float))).rstrip(",")
+        lines.append(f"- Weights, {b['transport']} {b['measured']} of {b['size_mib']} MiB: {ratio:.0%} of "
+                     f"{b['ceiling']}, below the {aim:.0%} aim (1-minute load average {load or 'not recorded'})."
+                     f"{why}")
+    return lines
+
+
+def _finding_part(line: str) -> str:
+    """The part a findings line was written by (a merged run replaces the lines of the parts it ran)."""
+    return "async" if line.startswith("- Async") else "weights" if line.startswith("- Weights") else "streams"
 
 
 # --- findings: what the streams figures say --------------------------------------------
@@ -291,7 +320,7 @@ def streams_findings(res: dict, records: dict | None) -> list[str]:
                 f"record{dec}, which the raw baseline does not do and which keeps poison records out "
                 f"(docs/design.md §2); the raw read costs a few µs per record on this 2-core host (client and "
                 f"server share the cores), so a validated decode in Python does not fit in 20% of it, although the "
-                f"emit's round trip already carries the next read.")
+                f"next read is sent ahead and answered while the batch decodes.")
     return lines
 
 
@@ -465,6 +494,8 @@ def main(argv: list[str] | None = None) -> int:
             raw[name] = res
             try:
                 rows += to_rows(res, command)
+                if name == "weights":
+                    findings += weights_findings(res)
             except (KeyError, TypeError, ValueError) as e:  # its results format moved on
                 status[name] += f"; its results could not be read into the table ({type(e).__name__}: {e})"
 
@@ -481,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         raw = {**{k: v for k, v in old.get("raw", {}).items() if k not in parts}, **raw}
         # Findings come from the streams part, or from the async part ("- Async ...").
         findings = [f for f in old.get("findings", [])
-                    if ("async" if f.startswith("- Async") else "streams") not in parts] + findings
+                    if _finding_part(f) not in parts] + findings
     result = {"machine": info, "seconds": seconds, "parts": status, "rows": [r.as_dict() for r in rows],
               "findings": findings, "raw": raw}
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
