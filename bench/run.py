@@ -510,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         status = {**{k: f"{v} (an earlier run)" if "earlier run" not in v else v
                      for k, v in old.get("parts", {}).items() if k not in parts}, **status}
         raw = {**{k: v for k, v in old.get("raw", {}).items() if k not in parts}, **raw}
-        # Findings come from the streams part, or from the async part ("- Async ...").
+        # Findings come from the streams, async ("- Async ...") and weights ("- Weights ...") parts.
         findings = [f for f in old.get("findings", [])
                     if _finding_part(f) not in parts] + findings
     result = {"machine": info, "seconds": seconds, "parts": status, "rows": [r.as_dict() for r in rows],

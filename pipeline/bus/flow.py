@@ -10,7 +10,7 @@ import time
 import redis
 
 from pipeline.bus.stats import heartbeat
-from pipeline.bus.streams import FIELD, Entry, ShardedReader, TxnWriter, txn_script, unacked_all
+from pipeline.bus.streams import Entry, ShardedReader, TxnWriter, payload_of, txn_script, unacked_all
 from pipeline.keys import Keys
 
 
@@ -139,8 +139,7 @@ class Admission:
         shard = order[int(resp[1])]
         entries = []
         for i in range(2, len(resp), 2):
-            flat = resp[i + 1] or []
-            entries.append(Entry(resp[i], dict(zip(flat[::2], flat[1::2])).get(FIELD), shard=shard))
+            entries.append(Entry(resp[i], payload_of(resp[i + 1]), shard=shard))
         reader._next = (shard + 1) % len(reader.readers)
         return True, reader.readers[shard].note(entries)
 

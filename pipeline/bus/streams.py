@@ -29,6 +29,19 @@ from pipeline.records import RecordError
 FIELD = b"d"
 LOST_SCAN = 1000
 """Most lost deliveries one look finds (``GroupReader._find_lost``); a next look finds the rest."""
+
+
+def payload_of(flat) -> bytes | None:
+    """An entry's ``FIELD`` from its fields as a raw reply gives them, a flat [name, value, ...]
+    list (a script's reply, a read sent on a connection of its own); None: a deleted entry, or
+    no such field (a poison entry)."""
+    if not flat:
+        return None
+    if len(flat) == 2:
+        return flat[1] if flat[0] == FIELD else None
+    return dict(zip(flat[::2], flat[1::2])).get(FIELD)
+
+
 def ensure_group(r: redis.Redis, stream: str, group: str) -> None:
     """Create the consumer group (and the stream) if missing; idempotent."""
     try:
@@ -215,8 +228,7 @@ class GroupReader:
             return []
         pairs = next(iter(resp.values())) if isinstance(resp, dict) else resp[0][1]
         shard = self.shard
-        return self.note([Entry(i, (f[1] if len(f) == 2 and f[0] == FIELD else dict(zip(f[::2], f[1::2])).get(FIELD))
-                                if f else None, 1, shard) for i, f in pairs if i is not None])
+        return self.note([Entry(i, payload_of(f), 1, shard) for i, f in pairs if i is not None])
 
     def recover_lost(self, mark: tuple[int, int] | None) -> int:
         """After a read sent with ``send_read_new`` whose reply never came (its connection failed):
