@@ -266,6 +266,44 @@ def test_a_flipped_byte_is_rejected_and_the_generator_keeps_its_weights(transpor
         publisher.close()
 
 
+def test_a_fetch_that_finds_the_trainer_ended_is_skipped_not_failed(transport, redis_client, ns, tmp_path):
+    """The trainer writes its final state, then closes its publisher (every payload released):
+    a generator's fetch that finds the payload gone after that is the run's end, logged as
+    ``weights_fetch_skipped``; while the trainer is still training it is a ``weights_fetch_failed``."""
+    log = setup_logging(tmp_path, stage="generator", worker="g0")
+    model = torch.nn.Linear(16, 8)
+    state = {name: t.detach().clone() for name, t in model.state_dict().items()}
+
+    class ModuleEngine:
+        def load_weights(self, tensors):
+            load_state_tensors(model, tensors)
+
+    trainer_key = f"{ns}:trainer"
+
+    def ended() -> bool:
+        return redis_client.hget(trainer_key, "state") in (b"finished", "finished")
+
+    publisher = make_publisher(transport, redis_client, KEY, ns=ns)
+    fetcher = make_fetcher(transport, redis_client, KEY, **({} if transport == "shm" else {"timeout_s": 1.0}))
+    try:
+        redis_client.hset(trainer_key, "state", "training")
+        publisher.publish(1, state)
+        assert swap_weights(fetcher, ModuleEngine(), 0, log, publisher_closed=ended) == 1
+        publisher.publish(2, {name: t + 1 for name, t in state.items()})
+        publisher.close()
+        assert swap_weights(fetcher, ModuleEngine(), 1, log, publisher_closed=ended) == 1
+        redis_client.hset(trainer_key, "state", "finished")
+        assert swap_weights(fetcher, ModuleEngine(), 1, log, publisher_closed=ended) == 1
+        events = [json.loads(line) for line in (tmp_path / "g0.jsonl").read_text().splitlines()]
+        ends = [(e["event"], e["version"]) for e in events if e["event"].startswith("weights_fetch_")]
+        assert ends == [("weights_fetch_failed", 2), ("weights_fetch_skipped", 2)], ends
+        assert torch.equal(model.state_dict()["bias"], state["bias"])  # still version 1
+    finally:
+        redis_client.delete(trainer_key)
+        fetcher.close()
+        publisher.close()
+
+
 def _flip_a_data_byte(publisher, manifest) -> None:
     position = manifest.tensors[0].start + 5
     if manifest.transport == "shm":

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
+import redis
 
 from pipeline.bus.flow import Admission, VersionWatch
 from pipeline.bus.streams import Entry, unacked_all
@@ -38,8 +39,13 @@ if TYPE_CHECKING:
     from pipeline.engines.slots import Finished
 
 
-def swap_weights(fetcher, backend: GenerationBackend, version: int, log) -> int:
-    """Load the newest published version if it is newer; on any defect keep the old weights."""
+def swap_weights(fetcher, backend: GenerationBackend, version: int, log, *,
+                 publisher_closed: Callable[[], bool] | None = None) -> int:
+    """Load the newest published version if it is newer; on any defect keep the old weights.
+
+    ``publisher_closed``: whether the trainer has ended (its publisher releases every payload as
+    it exits, so a fetch begun just before can find the payload gone). Such a failure is the
+    run's end, not a defect, and is logged as ``weights_fetch_skipped`` (info)."""
     latest = fetcher.latest_version()
     if latest <= version:
         return version
@@ -49,7 +55,11 @@ def swap_weights(fetcher, backend: GenerationBackend, version: int, log) -> int:
         new_version, tensors = fetcher.fetch(latest, copy=False)
         backend.load_weights(tensors)
     except (WeightsError, ValueError) as e:
-        log.warning("weights_fetch_failed", version=latest, error=str(e), keeping=version)
+        if isinstance(e, WeightsError) and publisher_closed is not None and publisher_closed():
+            log.info("weights_fetch_skipped", version=latest, reason="the trainer has ended", error=str(e),
+                     keeping=version)
+        else:
+            log.warning("weights_fetch_failed", version=latest, error=str(e), keeping=version)
         return version
     log.info("weights_swapped", from_version=version, to_version=new_version, seconds=time.perf_counter() - t0)
     return new_version
@@ -148,7 +158,16 @@ class Generator:
         self.version, self.produced = 0, 0
 
     def swap_weights(self) -> None:
-        self.version = swap_weights(self.fetcher, self.backend, self.version, self.log)
+        self.version = swap_weights(self.fetcher, self.backend, self.version, self.log,
+                                    publisher_closed=self.trainer_ended)
+
+    def trainer_ended(self) -> bool:
+        """The trainer wrote its final state (it does so before it closes its weights publisher)."""
+        try:
+            state = self.r.hget(self.keys.trainer, "state")
+        except redis.RedisError:
+            return False
+        return state in (b"finished", b"stopped", "finished", "stopped")
 
     def read_admitted(self, count: int, *, wait: bool = True) -> list[Entry]:
         """Prompts already admitted (own or a dead generator's), else as many new ones as admission
