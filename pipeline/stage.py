@@ -416,21 +416,23 @@ class Stage:
         found nothing. ``step`` sees only batches with at least one good record.
         """
         done = 0
-        while not self.stopped() and (max_batches is None or done < max_batches):
-            if before is not None:
-                before()
-            self.wait_for_room()
-            entries = (read or self.read)(count)
-            if not entries:
-                if idle is not None:
-                    idle()
-                continue
-            batch = self.take(entries)
-            t0 = time.perf_counter()
-            out = step(batch) if batch.good else Output()
-            self.step_seconds = time.perf_counter() - t0
-            self.emit(batch, out)
-            done += 1
-        self.close()
+        try:
+            while not self.stopped() and (max_batches is None or done < max_batches):
+                if before is not None:
+                    before()
+                self.wait_for_room()
+                entries = (read or self.read)(count)
+                if not entries:
+                    if idle is not None:
+                        idle()
+                    continue
+                batch = self.take(entries)
+                t0 = time.perf_counter()
+                out = step(batch) if batch.good else Output()
+                self.step_seconds = time.perf_counter() - t0
+                self.emit(batch, out)
+                done += 1
+        finally:
+            self.close()
         return done
 

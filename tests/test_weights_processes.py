@@ -281,7 +281,7 @@ def test_a_fetch_that_finds_the_trainer_ended_is_skipped_not_failed(transport, r
     trainer_key = f"{ns}:trainer"
 
     def ended() -> bool:
-        return redis_client.hget(trainer_key, "state") in (b"finished", "finished")
+        return redis_client.hget(trainer_key, "state") == b"finished"
 
     publisher = make_publisher(transport, redis_client, KEY, ns=ns)
     fetcher = make_fetcher(transport, redis_client, KEY, **({} if transport == "shm" else {"timeout_s": 1.0}))

@@ -167,7 +167,7 @@ class Generator:
             state = self.r.hget(self.keys.trainer, "state")
         except redis.RedisError:
             return False
-        return state in (b"finished", b"stopped", "finished", "stopped")
+        return state in (b"finished", b"stopped")
 
     def read_admitted(self, count: int, *, wait: bool = True) -> list[Entry]:
         """Prompts already admitted (own or a dead generator's), else as many new ones as admission
