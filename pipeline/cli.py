@@ -353,7 +353,7 @@ def _eval_args(sp: argparse.ArgumentParser) -> None:
 
 def _init_model_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--out", required=True, help="checkpoint directory to write")
-    sp.add_argument("--preset", default="tiny", help="tiny (~0.2M parameters) or qwen3-0.6b")
+    sp.add_argument("--preset", default="tiny", help="tiny (~0.2M parameters), qwen3-0.6b or smollm2-135m")
     sp.add_argument("--data", default="", help=".jsonl/.parquet rows whose text trains the tokenizer (default: "
                     "task.dataset); the fields are task.prompt_field and task.answer_field, and the rows "
                     "task.heldout_size/heldout_seed hold out are left out of the tokenizer and the warm-up")

@@ -53,7 +53,8 @@ PiEstimate = Literal["alternate", "levels"]
 """Implemented by ``pipeline.algo.labelmodel.PI_ESTIMATES``."""
 TrainBackendName = Literal["torch", "torchtitan"]
 """Implemented by ``pipeline.engines.make_train_engine``."""
-TrainDevice = Literal["auto", "cpu", "cuda"]
+Device = Literal["auto", "cpu", "cuda"]
+"""Resolved by ``pipeline.engines.torch.torch_device`` (torchtitan: ``pipeline.engines.titan.resolve_device``)."""
 Advantage = Literal["grpo", "drgrpo", "reinforce_pp"]
 """Implemented by ``pipeline.algo.losses.ADVANTAGES`` and ``BATCH_ADVANTAGES``."""
 Loss = Literal["decoupled_ppo", "tis", "gspo"]
@@ -427,6 +428,9 @@ class GeneratorConfig(_Section):
     """Sampling temperature; the behaviour log-probs are those of this distribution."""
     threads: int = 1
     """torch intra-op threads per generator process."""
+    device: Device = "auto"
+    """torch: where the generator's model runs: ``cpu``, ``cuda`` (the first GPU) or ``auto``
+    (cuda when torch sees a GPU)."""
     seed: int = 0
     """Sampling seed, mixed with the worker id so replicas draw different samples."""
     vllm_dtype: VllmDtype = "auto"
@@ -546,8 +550,9 @@ class TrainerConfig(_Section):
     ``titan-cpu`` or ``gpu`` requirement set, see pipeline/engines)."""
     nproc: int = 1
     """torchtitan: ranks (processes) ``torchrun`` starts on this node; FSDP2 shards over them."""
-    device: TrainDevice = "auto"
-    """torchtitan: ``cpu`` (gloo), ``cuda`` (NCCL, one GPU per rank) or ``auto`` (cuda when available)."""
+    device: Device = "auto"
+    """``cpu``, ``cuda`` or ``auto`` (cuda when torch sees a GPU). torch: the first GPU;
+    torchtitan: gloo on cpu, NCCL with one GPU per rank on cuda."""
     steps: int = 200
     """Optimizer steps to run (the policy version reaches this number)."""
     groups_per_step: int = 32
@@ -1302,6 +1307,8 @@ def inert_fields(cfg: RunConfig, s: Situation) -> dict[str, str]:
     if not s.redis_url.startswith("rediss://"):
         inert(["redis.tls_ca_file", "redis.tls_cert_file", "redis.tls_key_file"],
               f"only a rediss:// URL uses TLS, and this run's server is {s.redis_url or 'a local one it starts'}")
+    if cfg.generator.backend != "torch":
+        inert(["generator.device"], f"only generator.backend 'torch' reads it; the backend is {cfg.generator.backend!r}")
     if cfg.generator.backend != "vllm":
         inert(VLLM_FIELDS, f"only generator.backend 'vllm' reads it; the backend is {cfg.generator.backend!r}")
     if not cfg.trainer.dynamic_sampling:
@@ -1312,8 +1319,6 @@ def inert_fields(cfg: RunConfig, s: Situation) -> dict[str, str]:
     if cfg.trainer.lora_rank == 0:
         inert(["trainer.lora_alpha", "trainer.lora_dropout", "trainer.lora_targets"],
               "only LoRA training reads it, and trainer.lora_rank is 0 (full fine-tuning)")
-    if cfg.trainer.backend != "torchtitan":
-        inert(["trainer.device"], f"only trainer.backend 'torchtitan' reads it; the backend is {cfg.trainer.backend!r}")
     if cfg.trainer.loss == "tis":
         inert(["trainer.clip_eps", "trainer.clip_eps_high"],
               f"only trainer.loss 'decoupled_ppo' and 'gspo' clip the ratio; the loss is {cfg.trainer.loss!r}")

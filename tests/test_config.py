@@ -155,7 +155,7 @@ def test_every_fixed_choice_field_is_a_literal_and_its_validation_allows_its_val
             with pytest.raises(ConfigError, match=rf"{f.name}\.{name}: must be .*{allowed[0]}"):
                 load_config(overrides={f"{f.name}.{name}": "no-such-choice"})
     assert found == {"redis.appendfsync", "task.ops", "task.chat_template", "generator.backend",
-                     "generator.vllm_dtype", "generator.swap", "generator.kv_on_swap",
+                     "generator.vllm_dtype", "generator.swap", "generator.kv_on_swap", "generator.device",
                      "verifier.dependence", "verifier.pi_estimate", "trainer.backend", "trainer.device",
                      "trainer.is_mode",
                      "trainer.loss_agg", "weights.transport", "weights.payload", "chaos.targets", "chaos.kinds", "tracking.backends",
@@ -214,7 +214,7 @@ def test_a_toml_value_differing_from_the_default_counts_as_set(tmp_path):
     ({"redis.appendfsync": "no"}, {"command": "chaos"}, "redis.appendfsync"),
     ({"redis.tls_ca_file": str(ROOT / "pyproject.toml")}, {"redis_url": "redis://x:6379/0"}, "redis.tls_ca_file"),
     ({"generator.vllm_dtype": "float16"}, {}, "generator.vllm_dtype"),
-    ({"trainer.device": "cuda"}, {}, "trainer.device"),
+    ({"generator.backend": "vllm", "generator.device": "cuda"}, {}, "generator.device"),
     ({"trainer.loss": "tis", "trainer.clip_eps": "0.1"}, {}, "trainer.clip_eps"),
     ({"task.template": "Q: {problem}"}, {}, "task.template"),
     ({"weights.tcp_port": "5555"}, {}, "weights.tcp_port"),
@@ -241,6 +241,7 @@ def test_a_field_another_setting_makes_inert_is_refused_by_name(overrides, situa
     ({"redis.tls_ca_file": str(ROOT / "pyproject.toml")}, {"redis_url": "rediss://x:6380/0"}),
     ({"generator.backend": "vllm", "generator.vllm_dtype": "float16"}, {}),
     ({"trainer.backend": "torchtitan", "trainer.device": "cuda"}, {}),
+    ({"trainer.device": "cuda", "generator.device": "cuda"}, {}),  # the torch engines read both
     ({"weights.transport": "tcp", "weights.tcp_port": "5555"}, {}),
     ({"weights.transport": "ucx", "weights.ucx_tls": "tcp"}, {}),
     ({"metrics.base_port": "9400", "metrics.host": "0.0.0.0"}, {}),

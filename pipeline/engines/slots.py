@@ -94,10 +94,13 @@ class SlotSampler:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.context = cfg.max_position_embeddings
         self._rope = sys.modules[type(model).__module__].apply_rotary_pos_emb
+        weight = model.model.embed_tokens.weight
+        self.device, self._dtype = weight.device, weight.dtype
+        """Where the cache and every tensor of a step live: the model's device, and its dtype for the cache."""
         self._capacity = 0
         self._k: list[torch.Tensor] = []
         self._v: list[torch.Tensor] = []
-        self._logits = torch.zeros((slots, cfg.vocab_size))
+        self._logits = torch.zeros((slots, cfg.vocab_size), device=self.device)
         self._order: list[_Row] = []
         """Rows in flight, by slot: ``_order[s].slot == s``."""
         self._groups: dict[object, list[_Row]] = {}
@@ -146,7 +149,8 @@ class SlotSampler:
         shape = (self.slots, self.n_kv, cap, self.head_dim)
         k, v = [], []
         for layer in range(self.n_layers):
-            nk, nv = torch.zeros(shape), torch.zeros(shape)
+            nk = torch.zeros(shape, dtype=self._dtype, device=self.device)
+            nv = torch.zeros(shape, dtype=self._dtype, device=self.device)
             if self._capacity:
                 nk[:, :, : self._capacity] = self._k[layer]
                 nv[:, :, : self._capacity] = self._v[layer]
@@ -183,9 +187,9 @@ class SlotSampler:
         returns the next-token logits."""
         n = int(ids.size)
         self._grow(n + 1)
-        x = torch.from_numpy(ids.astype(np.int64)).unsqueeze(0)
+        x = torch.from_numpy(ids.astype(np.int64)).unsqueeze(0).to(self.device)
         h = self.model.model.embed_tokens(x)
-        index = torch.tensor(slots)
+        index = torch.tensor(slots, device=self.device)
 
         def write(i, k, v):
             self._k[i][index, :, :n] = k[0]
@@ -194,7 +198,7 @@ class SlotSampler:
         def attend(i, q, k, v, scale):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
 
-        return self._layers(h, torch.arange(n).unsqueeze(0), write, attend)[0]
+        return self._layers(h, torch.arange(n, device=self.device).unsqueeze(0), write, attend)[0]
 
     @torch.no_grad()
     def _decode(self, tokens: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
@@ -203,11 +207,12 @@ class SlotSampler:
         a = len(self._order)
         if pos is None:
             pos = torch.tensor([r.length for r in self._order])
-        self._grow(int(pos.max()) + 1)
         width = int(pos.max()) + 1
+        self._grow(width)
+        tokens, pos = tokens.to(self.device), pos.to(self.device)
         h = self.model.model.embed_tokens(tokens.unsqueeze(1))
-        rows = torch.arange(a)
-        mask = (torch.arange(width).unsqueeze(0) <= pos.unsqueeze(1))[:, None, None, :]
+        rows = torch.arange(a, device=self.device)
+        mask = (torch.arange(width, device=self.device).unsqueeze(0) <= pos.unsqueeze(1))[:, None, None, :]
 
         def write(i, k, v):
             self._k[i][rows, :, pos] = k[:, :, 0]

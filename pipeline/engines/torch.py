@@ -1,5 +1,8 @@
 """The ``torch`` backends: the embedded CPU default of both the generator and the trainer.
 
+Both run where ``generator.device`` and ``trainer.device`` say (:func:`torch_device`): the
+CPU, or the first GPU; the model's weights stay float32 on either.
+
 :class:`TorchGenerator` samples with :func:`pipeline.model.qwen.sample` (KV cache, prompt
 forward once per distinct prompt); prompts of different lengths are sampled in one
 batch per length, since the sampler uses no attention mask. :class:`TorchEngine` is
@@ -26,6 +29,18 @@ from pipeline.model.qwen import (load_checkpoint, load_state_tensors, ragged_com
 from pipeline.records import ScoredGroup
 
 
+def torch_device(kind: str, field: str) -> torch.device:
+    """``cpu``, ``cuda`` (the first GPU) or ``auto`` (cuda when torch sees a GPU) as a device;
+    ``field`` names the setting in the error when cuda is asked for and there is none."""
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{field}: 'cuda', but torch {torch.__version__} sees no GPU")
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"{field}: one of auto, cpu, cuda; got {kind!r}")
+    return torch.device(kind)
+
+
 def by_length(prompts: list[np.ndarray]) -> dict[int, list[int]]:
     """Indices of ``prompts`` grouped by length, in first-seen order."""
     out: dict[int, list[int]] = {}
@@ -36,13 +51,15 @@ def by_length(prompts: list[np.ndarray]) -> dict[int, list[int]]:
 
 def sample_prompts(model, prompts: list[np.ndarray], *, n: int, max_new_tokens: int, temperature: float,
                    eos_id: int, pad_id: int, generator: torch.Generator | None = None) -> list[Sampled]:
-    """``n`` samples of each prompt with the torch sampler, one batch per prompt length."""
+    """``n`` samples of each prompt with the torch sampler, one batch per prompt length (on the
+    model's device; ``generator`` must be a generator of that device)."""
     out: list[Sampled | None] = [None] * len(prompts)
+    device = model.get_input_embeddings().weight.device
     for idx in by_length(prompts).values():
         ids = torch.from_numpy(np.stack([prompts[i] for i in idx]).astype(np.int64)).repeat_interleave(n, dim=0)
-        tokens, logprobs, lengths = sample(model, ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                                           eos_id=eos_id, pad_id=pad_id, generator=generator)
-        tokens, logprobs, lengths = tokens.numpy(), logprobs.numpy(), lengths.numpy()
+        tokens, logprobs, lengths = sample(model, ids.to(device), max_new_tokens=max_new_tokens,
+                                           temperature=temperature, eos_id=eos_id, pad_id=pad_id, generator=generator)
+        tokens, logprobs, lengths = tokens.cpu().numpy(), logprobs.cpu().numpy(), lengths.cpu().numpy()
         for k, i in enumerate(idx):
             rows = slice(k * n, (k + 1) * n)
             out[i] = Sampled(tokens=tokens[rows].astype(np.int32), logprobs=logprobs[rows].astype(np.float32),
@@ -67,15 +84,16 @@ class TorchGenerator:
     def __init__(self, cfg: RunConfig, *, worker_id: str) -> None:
         g = cfg.generator
         torch.set_num_threads(g.threads)
+        self.device = torch_device(g.device, "generator.device")
         self.model, self.tokenizer = load_checkpoint(cfg.model.base_dir)
-        self.model.eval()
+        self.model.to(self.device).eval()
         self.adapters = None
         if cfg.weights.payload == "adapter":  # versions carry LoRA adapters: merged here, onto the base
             from pipeline.engines.lora import AdapterMerger
 
             self.adapters = AdapterMerger.of_model(self.model, cfg.trainer.lora_alpha / cfg.trainer.lora_rank)
         self.vocab_size = int(self.model.config.vocab_size)
-        self.rng = torch.Generator().manual_seed(g.seed * 1_000_003 + zlib.crc32(worker_id.encode()))
+        self.rng = torch.Generator(self.device).manual_seed(g.seed * 1_000_003 + zlib.crc32(worker_id.encode()))
         self.temperature = g.temperature
 
     def generate(self, prompts: list[np.ndarray], *, n: int, max_new_tokens: int, temperature: float) -> list[Sampled]:
@@ -200,8 +218,12 @@ def train_step(model, opt, groups: list[ScoredGroup], cfg: RunConfig, *, pad_id:
     # truncated completions out under the filter. Micro-batches are cut by ``mask`` (what a
     # piece costs to run), normalisers count ``loss_mask``.
     loss_mask = mask * sampled_mask(groups, tuple(mask.shape))
+    device = model.get_input_embeddings().weight.device
+    if device.type != "cpu":  # the batch goes where the model is; the statistics come back as floats
+        prompts = [p.to(device) for p in prompts]
+        comp_ids, behav, mask, loss_mask, adv = (x.to(device) for x in (comp_ids, behav, mask, loss_mask, adv))
     if t.overlong_filter:
-        loss_mask = loss_mask * (~cut).to(mask.dtype)[:, None]
+        loss_mask = loss_mask * (~cut).to(loss_mask.device, mask.dtype)[:, None]
     # The policy being optimised is the one the generators sample: softmax(logits / temperature).
     temp = cfg.generator.temperature
 
@@ -277,8 +299,9 @@ class TorchEngine:
         self.cfg = cfg
         torch.manual_seed(t.seed)
         torch.set_num_threads(t.threads)
+        self.device = torch_device(t.device, "trainer.device")
         self.model, self.tokenizer = load_checkpoint(cfg.model.base_dir)
-        self.model.eval()
+        self.model.to(self.device).eval()
         self.vocab_size = int(self.model.config.vocab_size)
         self.lora = None
         if t.lora_rank > 0:
@@ -288,7 +311,7 @@ class TorchEngine:
             self.ref_model = self.lora.base_view() if t.kl_coef > 0 else None
             params = [p for p in self.model.parameters() if p.requires_grad]
         else:
-            self.ref_model = load_checkpoint(cfg.model.base_dir)[0].eval() if t.kl_coef > 0 else None
+            self.ref_model = load_checkpoint(cfg.model.base_dir)[0].to(self.device).eval() if t.kl_coef > 0 else None
             params = list(self.model.parameters())
         self.trainable_params = sum(p.numel() for p in params)
         self.opt = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)

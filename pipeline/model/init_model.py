@@ -7,9 +7,11 @@ from a directory this module writes: an HF layout (``config.json``, ``model.safe
 
 * The tokenizer is a byte-level BPE (Qwen's kind) trained on the given text files, with
   Qwen's special tokens: ``<|endoftext|>`` pads, ``<|im_end|>`` ends a completion.
-* Presets: ``tiny`` (~0.2M parameters; tests and CPU lanes) and ``qwen3-0.6b`` (Qwen3-0.6B's
+* Presets: ``tiny`` (~0.2M parameters; tests and CPU lanes), ``qwen3-0.6b`` (Qwen3-0.6B's
   shape: 28 layers, hidden 1024, 16 heads, 8 key/value heads, ~0.6B parameters with the
-  151 936-row vocabulary; embeddings untied as every checkpoint of this project).
+  151 936-row vocabulary; embeddings untied as every Qwen3 checkpoint of this project) and
+  ``smollm2-135m`` (SmolLM2-135M's Llama: 30 layers, hidden 576, 9 heads, 3 key/value heads,
+  the 49 152-row vocabulary, tied embeddings, as the imported checkpoint has them).
 * :func:`synthetic_math_rows` writes verifiable problems (integer expressions and
   fraction sums, answers in LaTeX) as JSONL or Parquet rows ``{"problem", "answer"}``.
 """
@@ -38,7 +40,26 @@ PRESETS: dict[str, dict] = {
                  num_key_value_heads=1, head_dim=32, max_position_embeddings=512),
     "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, max_position_embeddings=4096, vocab_size=151936),
+    "smollm2-135m": dict(arch="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                         vocab_size=49152, rope_theta=100_000.0, rms_norm_eps=1e-5, tie_word_embeddings=True),
 }
+
+
+def preset_config(preset: str, *, vocab_size: int, pad_id: int, eos_id: int):
+    """The ``transformers`` config of ``preset`` with at least ``vocab_size`` rows, and its model
+    class (``Qwen3ForCausalLM``, or ``LlamaForCausalLM`` for an ``arch="llama"`` preset)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    if preset not in PRESETS:
+        raise ValueError(f"preset: one of {sorted(PRESETS)}; got {preset!r}")
+    shape = dict(PRESETS[preset])
+    config_cls, model_cls = {"qwen3": (Qwen3Config, Qwen3ForCausalLM),
+                             "llama": (LlamaConfig, LlamaForCausalLM)}[shape.pop("arch", "qwen3")]
+    settings = {"tie_word_embeddings": False, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6, **shape,
+                "vocab_size": max(shape.get("vocab_size", 0), vocab_size)}
+    config = config_cls(pad_token_id=pad_id, eos_token_id=eos_id, bos_token_id=None, **settings)
+    return config, model_cls
 
 
 def train_bpe(texts: list[str], *, vocab_size: int, extra_special: tuple[str, ...] = ()):
@@ -65,7 +86,6 @@ def init_model(out: str | Path, *, preset: str = "tiny", texts: list[str], token
     ``tokenizer_config.json``, as chat checkpoints ship it (with ``<|im_start|>`` a special token
     of the tokenizer); None writes none."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from pipeline.model.qwen import _no_hf_progress_bars
 
@@ -76,14 +96,12 @@ def init_model(out: str | Path, *, preset: str = "tiny", texts: list[str], token
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = train_bpe(texts, vocab_size=tokenizer_vocab, extra_special=(IM_START,) if chat_template is not None else ())
-    shape = dict(PRESETS[preset])
-    vocab = max(shape.pop("vocab_size", 0), tok.get_vocab_size())
     pad_id, eos_id = tok.token_to_id(PAD_TOKEN), tok.token_to_id(EOS_TOKEN)
-    config = Qwen3Config(vocab_size=vocab, tie_word_embeddings=False, pad_token_id=pad_id, eos_token_id=eos_id,
-                         bos_token_id=None, rope_theta=1_000_000.0, rms_norm_eps=1e-6, **shape)
+    config, model_cls = preset_config(preset, vocab_size=tok.get_vocab_size(), pad_id=pad_id, eos_id=eos_id)
+    vocab = config.vocab_size
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config).float()
+        model = model_cls(config).float()
     if dtype != "float32":
         model = model.to(getattr(torch, dtype))
     with _no_hf_progress_bars():
@@ -92,7 +110,7 @@ def init_model(out: str | Path, *, preset: str = "tiny", texts: list[str], token
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN,
         "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
-        "model_max_length": shape["max_position_embeddings"],
+        "model_max_length": config.max_position_embeddings,
         **({"chat_template": chat_template} if chat_template is not None else {})}, indent=2) + "\n")
     (out / "special_tokens_map.json").write_text(json.dumps({"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN}) + "\n")
     n_params = sum(p.numel() for p in model.parameters())

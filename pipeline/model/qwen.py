@@ -395,7 +395,8 @@ def ragged_completion_logprobs(
     if t == 0:
         raise ValueError("completion_ids has no tokens")
     width = max(lens) + t - 1
-    inputs = torch.full((n, width), pad_id, dtype=torch.long)
+    device = completion_ids.device
+    inputs = torch.full((n, width), pad_id, dtype=torch.long, device=device)
     for i, (p, length) in enumerate(zip(prompts, lens)):
         inputs[i, :length] = p
         inputs[i, length: length + t - 1] = completion_ids[i, : t - 1]
@@ -403,8 +404,8 @@ def ragged_completion_logprobs(
     keep = width - (min(lens) - 1)
     logits = model(input_ids=inputs, use_cache=False, logits_to_keep=keep).logits.float()
     offset = width - keep
-    index = torch.tensor(lens).unsqueeze(1) - 1 - offset + torch.arange(t).unsqueeze(0)
-    logits = logits[torch.arange(n).unsqueeze(1), index]
+    index = torch.tensor(lens, device=device).unsqueeze(1) - 1 - offset + torch.arange(t, device=device).unsqueeze(0)
+    logits = logits[torch.arange(n, device=device).unsqueeze(1), index]
     return token_logprobs(logits, completion_ids, temperature=temperature, with_entropy=with_entropy)
 
 
