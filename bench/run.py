@@ -558,6 +558,98 @@ def gen_real_section(res: dict) -> list[str]:
     return out
 
 
+GPU_CHECK_COMMAND = "bash ops/gpu_check.sh gpu_check.json"
+
+GPU_ROWS = [
+    ("matmul", "dense n×n×n matrix product, float32 and bfloat16", "FLOP/s the device reaches in this run: the peak "
+     "each MFU below is a share of (float32, the engines' dtype)"),
+    ("engines", "generation, SmolLM2-135M and ~0.6B Qwen3 shapes, random weights, float32", "tokens/s of the slot "
+     "sampler (`generator.swap = \"step\"`) against HF `generate` on the same prompts, and the MFU of each "
+     "(2N FLOPs per token, N the matrix-product parameters)"),
+    ("engines", "trainer step, same models", "the torch backend's `train_step` (AdamW) on those completions: "
+     "seconds, tokens/s, MFU (6N FLOPs per token)"),
+    ("weights", "publish, fetch + verify, load (shm, tcp), ~0.6B Qwen3 from GPU tensors", "GB/s of each part of a "
+     "new version's path, median of 3 versions"),
+    ("e2e", "`pipeline up`, both torch engines on the GPU, 5 steps", "median step time, trainer idle fraction, "
+     "weight swaps and their median time"),
+    ("torchtitan", "`pipeline up` with the torchtitan trainer (1 rank, NCCL), 3 steps", "median step time, or why "
+     "torchtitan 0.3.0 does not import on the machine's torch"),
+    ("vllm", "vLLM generation", "not runnable on that machine: why"),
+]
+"""The GPU section's rows: part, figure, what it means."""
+
+
+def gpu_section(res: dict | None) -> list[str]:
+    """The section of bench/results/gpu-check.json (``ops/gpu_check.sh`` on one GPU); without that
+    file, the rows it will fill, marked not yet run."""
+    out = ["## One GPU (bench/results/gpu-check.json)\n"]
+    if res is None:
+        out += ["**Not yet run**: no GPU has run `ops/gpu_check.sh` yet. On one CUDA machine it writes "
+                "`gpu_check.json` (docs/backends.md, \"On one GPU\"); copied to bench/results/gpu-check.json it "
+                "is rendered here, with the date and the machine. Its rows:\n",
+                "| part | figure | measured |", "|---|---|---|"]
+        out += [f"| {part} | {figure}: {meaning} | not yet run |" for part, figure, meaning in GPU_ROWS]
+        return out + [""]
+    env, ph = res["phases"].get("environment", {}), res["phases"]
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(res["started_at"]))
+    memory = f", {env['gpu_memory_gib']} GiB" if "gpu_memory_gib" in env else ""
+    out.append(f"`{GPU_CHECK_COMMAND}` ({when}): {env.get('gpu', env.get('device'))}{memory}, "
+               f"{env.get('cpu_count')} cores; Python {env.get('python')}, torch {env.get('torch')} (CUDA "
+               f"{env.get('cuda')}), transformers {env.get('packages', {}).get('transformers')}.\n")
+    out += ["| part | figure | measured | baseline (same run) | ratio |", "|---|---|---|---|---|"]
+
+    def row(part, figure, measured, baseline="—", ratio="—"):
+        out.append(f"| {part} | {figure} | {measured} | {baseline} | {ratio} |")
+
+    def failed(part, figure, x):
+        row(part, figure, "**" + (x.get("error") or x.get("skipped") or "no result").split("\n")[0][:200] + "**")
+
+    mm = ph.get("matmul", {})
+    if "float32_flops" in mm:
+        row("matmul", f"{mm['n']}³ product, float32 / bfloat16", f"{mm['float32_flops'] / 1e12:.1f} / "
+            f"{mm['bfloat16_flops'] / 1e12:.1f} TFLOP/s")
+    else:
+        failed("matmul", "matrix product", mm)
+    for label in ("engines_smollm2_135m", "engines_qwen3_0.6b"):
+        x = ph.get(label, {})
+        if "generation" not in x:
+            failed("engines", label.removeprefix("engines_"), x)
+            continue
+        g, t = x["generation"], x["train"]
+        name = f"{x['preset']} ({x['parameters'] / 1e6:.0f}M)"
+        work = f"{x['prompts']} prompts × {x['n']}, {x['prompt_tokens']} + up to {x['max_new_tokens']} tokens"
+        mfu = lambda v: "—" if v is None else f"{v:.1%}"  # noqa: E731
+        row("engines", f"generation tokens/s, {name}, {work} (MFU slot / HF: {mfu(g['slot_sampler']['mfu'])} / "
+            f"{mfu(g['hf_generate']['mfu'])})", f"{g['slot_sampler']['tokens_per_s']:,.0f} tok/s",
+            f"HF generate: {g['hf_generate']['tokens_per_s']:,.0f} tok/s", f"{g['slot_over_hf']:.2f}×")
+        row("engines", f"trainer step, {name}, {t['tokens']:,} tokens (MFU {mfu(t['mfu'])})",
+            f"{t['step_seconds_median']:.3f} s ({t['tokens_per_s']:,.0f} tok/s)")
+    w = ph.get("weights", {})
+    for transport in ("shm", "tcp"):
+        x = w.get(transport, {})
+        if "median" in x:
+            row("weights", f"{transport}: publish / fetch + verify / load, {w['bytes'] / 2**30:.2f} GiB from "
+                f"{w['tensor_device']}", f"{x['publish_gb_per_s']:.2f} / {x['fetch_gb_per_s']:.2f} / "
+                f"{x['load_gb_per_s']:.2f} GB/s (end to end {x['end_to_end_gb_per_s']:.2f} GB/s)")
+        else:
+            failed("weights", transport, x or w)
+    for label, part in (("e2e", "e2e"), ("torchtitan", "torchtitan")):
+        x = ph.get(label, {})
+        if label == "torchtitan" and x.get("ran") is False:
+            row(part, "torchtitan trainer", f"not run: {x['reason'][:200]}")
+        elif "step_seconds_median" in x:
+            swap = x.get("generator_swap_seconds_median")
+            row(part, f"`pipeline up`, {x.get('steps')} steps: median step, trainer idle, swaps",
+                f"{x['step_seconds_median']:.3f} s, {x.get('trainer_idle_fraction', 0):.0%} idle, "
+                f"{x.get('generator_swaps')} swaps" + (f" ({swap:.3f} s median)" if swap is not None else ""))
+        else:
+            failed(part, "`pipeline up`", x)
+    v = ph.get("vllm", {})
+    row("vllm", "vLLM generation", "runs" if v.get("runnable") else f"not runnable: {str(v.get('reason'))[:160]}")
+    return out + ["", f"Rows as docs/backends.md (\"On one GPU\") describes them; the whole JSON in "
+                  "bench/results/gpu-check.json.\n"]
+
+
 def appendices() -> list[str]:
     """Sections from results files other commands write (their own dates and commands): the
     fault-tolerance runs of bench/chaos.py, the real-model generation throughput of
@@ -595,6 +687,8 @@ def appendices() -> list[str]:
     judge = RESULTS / "judge.md"
     if judge.exists():
         out += ["## LLM judges (bench/results/judge.md)\n", judge.read_text().split("\n", 1)[1].strip() + "\n"]
+    gpu = RESULTS / "gpu-check.json"
+    out += gpu_section(json.loads(gpu.read_text()) if gpu.exists() else None)
     return out
 
 

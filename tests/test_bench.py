@@ -154,3 +154,38 @@ def test_the_real_model_generation_section_renders_from_its_results_file_alone()
     assert [r.split(" | ")[0] for r in rows] == ["| HF generate", "| torch sampler", "| vLLM-CPU"]
     assert "| 1.00× | 1.00× |" in rows[0] and "| 1.50× | 1.60× |" in rows[1] and "| 2.50× | 2.40× |" in rows[2]
     assert "500 tok/s" in rows[2] and "30.2 tokens" in rows[2]
+
+
+def test_the_gpu_section_lists_its_rows_as_not_yet_run_until_a_gpu_check_result_exists():
+    """Without bench/results/gpu-check.json the section says what each row will hold; with it (the
+    JSON ops/gpu_check.sh writes) each phase's figures, a failed phase's error, torchtitan's reason."""
+    text = "\n".join(bench_run.gpu_section(None))
+    assert "**Not yet run**" in text
+    assert text.count("| not yet run |") == len(bench_run.GPU_ROWS)
+    engines = {"preset": "smollm2-135m", "parameters": 134_515_008, "prompts": 32, "n": 8, "prompt_tokens": 64,
+               "max_new_tokens": 256,
+               "generation": {"slot_sampler": {"tokens_per_s": 30_000.0, "mfu": 0.05},
+                              "hf_generate": {"tokens_per_s": 12_000.0, "mfu": 0.02}, "slot_over_hf": 2.5},
+               "train": {"tokens": 81_920, "step_seconds_median": 1.5, "tokens_per_s": 54_613.0, "mfu": 0.3}}
+    res = {"started_at": 0.0, "phases": {
+        "environment": {"gpu": "NVIDIA H200", "gpu_memory_gib": 139.8, "cpu_count": 16, "python": "3.12.3",
+                        "torch": "2.11.0+cu130", "cuda": "13.0", "packages": {"transformers": "5.17.0"}},
+        "matmul": {"n": 8192, "float32_flops": 5.1e13, "bfloat16_flops": 7.9e14},
+        "engines_smollm2_135m": engines, "engines_qwen3_0.6b": {"error": "OutOfMemoryError: CUDA out of memory"},
+        "weights": {"bytes": 3 << 30, "tensor_device": "cuda:0",
+                    "shm": {"error": "OSError: [Errno 28] No space left on device"},
+                    "tcp": {"median": {}, "publish_gb_per_s": 2.0, "fetch_gb_per_s": 3.0, "load_gb_per_s": 10.0,
+                            "end_to_end_gb_per_s": 1.0}},
+        "e2e": {"steps": 5, "step_seconds_median": 2.0, "trainer_idle_fraction": 0.4, "generator_swaps": 10,
+                "generator_swap_seconds_median": 0.3},
+        "torchtitan": {"ran": False, "reason": "torchtitan does not import on torch 2.11.0+cu130: ImportError: x"},
+        "vllm": {"runnable": False, "reason": "no vllm"}}}
+    text = "\n".join(bench_run.gpu_section(res))
+    assert "NVIDIA H200, 139.8 GiB, 16 cores; Python 3.12.3, torch 2.11.0+cu130" in text
+    assert "| 51.0 / 790.0 TFLOP/s |" in text
+    assert "| 30,000 tok/s | HF generate: 12,000 tok/s | 2.50× |" in text and "MFU slot / HF: 5.0% / 2.0%" in text
+    assert "1.500 s (54,613 tok/s)" in text and "(MFU 30.0%)" in text
+    assert "**OutOfMemoryError: CUDA out of memory**" in text and "**OSError: [Errno 28]" in text
+    assert "2.00 / 3.00 / 10.00 GB/s" in text
+    assert "2.000 s, 40% idle, 10 swaps (0.300 s median)" in text
+    assert "not run: torchtitan does not import on torch 2.11.0+cu130" in text and "not runnable: no vllm" in text

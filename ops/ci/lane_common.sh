@@ -1,5 +1,5 @@
 # Sourced by the lanes (ops/ci/*_lane.sh) after they set LANE, VENV and PY: the phase argument, the
-# progress lines, and installs that can run side by side (.ci/run installs the four lanes' venvs
+# progress lines, and installs that can run side by side (.ci/run installs every lane's venv
 # at once).
 #
 #   bash ops/ci/<lane>_lane.sh            # install, then run the lane's tests (the default)
