@@ -287,7 +287,7 @@ class AdapterMerger:
             for m in modules:
                 base = self.base[f"{m}.weight"]
                 delta = (tensors[f"{m}.lora_B.weight"] @ tensors[f"{m}.lora_A.weight"]) * self.scale
-                out[f"{m}.weight"] = base + delta.to(base.dtype)
+                out[f"{m}.weight"] = base + delta.to(base.device, base.dtype)
         return out
 
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
