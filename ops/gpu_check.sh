@@ -10,7 +10,8 @@
 #   GPU_WHEELS_DIR=/tmp/w PY=/some/venv/bin/python bash ops/gpu_check.sh out.json --device cpu --small
 #
 # Budget: under 8 minutes in all; the install takes seconds, bench/gpu_check.py gets
-# GPU_CHECK_BUDGET seconds (420) and stops starting phases when they run out.
+# GPU_CHECK_BUDGET seconds (420) and stops starting phases when they run out; it is stopped
+# GPU_CHECK_TIMEOUT seconds after it starts (the budget and 40 s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-gpu_check.json}"
@@ -35,7 +36,8 @@ export PYTHONUNBUFFERED=1
 print(f'gpu_check: {torch.__version__}, cuda {torch.cuda.is_available()}; the project and the carried packages import')"
 echo "gpu_check: installed in $(( $(date +%s) - start )) s"
 status=0
-timeout "${GPU_CHECK_TIMEOUT:-450}" "$PY" bench/gpu_check.py --out "$OUT" --budget "${GPU_CHECK_BUDGET:-420}" "${@:2}" \
+BUDGET="${GPU_CHECK_BUDGET:-420}"
+timeout "${GPU_CHECK_TIMEOUT:-$((BUDGET + 40))}" "$PY" bench/gpu_check.py --out "$OUT" --budget "$BUDGET" "${@:2}" \
   || status=$?
 echo "gpu_check: done in $(( $(date +%s) - start )) s (exit $status); results in $OUT"
 exit "$status"

