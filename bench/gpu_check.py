@@ -160,8 +160,6 @@ def slot_generate(model, prompts: list[np.ndarray], *, n: int, max_new: int, eos
 
 def scored_groups(prompts: list[np.ndarray], finished) -> list:
     """Trainer input: the sampled completions as ScoredGroups with alternating rewards."""
-    import time as _time
-
     from pipeline.records import RolloutGroup, ScoredGroup
 
     groups = []
@@ -174,11 +172,11 @@ def scored_groups(prompts: list[np.ndarray], finished) -> list:
                           completion_ids=np.concatenate([np.asarray(t, dtype=np.int32) for t in f.tokens]),
                           completion_lens=lens,
                           behaviour_logprobs=np.concatenate([np.asarray(x, dtype=np.float32) for x in f.logprobs]),
-                          min_version=0, max_version=0, created_at=_time.time())
+                          min_version=0, max_version=0, created_at=time.time())
         rewards = (np.arange(g) % 2).astype(np.float32)
         groups.append(ScoredGroup(rollout=ro, verifier_names=("check",), votes=rewards[:, None].copy(),
                                   rewards=rewards, truth=rewards.copy(), reward_mode="weaver", labelmodel_version=0,
-                                  verifier_id="check", scored_at=_time.time()))
+                                  verifier_id="check", scored_at=time.time()))
     return groups
 
 
@@ -587,7 +585,7 @@ def brief(result: dict) -> str:
     """One line of a phase's scalar figures (nested ones flattened one level)."""
     parts = []
     for k, v in result.items():
-        if k in ("traceback", "output_tail", "packages"):
+        if k in ("traceback", "output_tail", "packages", "settings"):
             continue
         if isinstance(v, dict):
             v = {kk: vv for kk, vv in v.items() if isinstance(vv, (int, float, str)) or vv is None}
