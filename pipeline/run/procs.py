@@ -11,6 +11,12 @@ from __future__ import annotations
 import os
 import time
 
+EXIT_ENTRIES_FAILED = 4
+"""The exit code of a worker whose step failed on the entries in hand (the trainer: its step is the
+whole batch's, so no entry can be set apart in the process). The driver restarts it at the short
+end of its backoff and never counts it toward a crash loop: the entries' delivery count
+(``redis.max_deliveries``) dead-letters them after a few restarts, and the run goes on."""
+
 
 def proc_start_time(pid: int) -> int | None:
     """The start time of process ``pid`` (field 22 of ``/proc/<pid>/stat``, clock ticks since
