@@ -43,7 +43,7 @@ from pipeline.observe.logs import MetricsFile
 from pipeline.records import ScoredGroup, check_group_size, check_scores, check_token_ids, check_versions
 from pipeline.run import checkpoint
 from pipeline.run.checkpoint import StepRecord
-from pipeline.run.procs import EXIT_ENTRIES_FAILED
+from pipeline.run.procs import EXIT_ENTRIES_FAILED, process_age_s
 from pipeline.stage import STAGE_ERRORS, Output, Stage
 from pipeline.tasks.prompting import build_prompt, prompt_format
 from pipeline.tasks.registry import make_task
@@ -280,6 +280,10 @@ class Trainer:
     def __init__(self, cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = None,
                  engine: TrainEngine | None = None) -> None:
         self.cfg, self.r, self.keys, self.log = cfg, r, keys, log
+        age = process_age_s()
+        self.started_age_s = None if age is None else round(age, 3)
+        """Seconds from the process's start to this trainer's (interpreter, imports, connection)."""
+        t0 = time.perf_counter()
         self._payload_bytes = -1
         self.engine = engine if engine is not None else make_train_engine(cfg)
         self.task = make_task(cfg.task)
@@ -309,6 +313,8 @@ class Trainer:
         self.labelmodel_versions: set[int] = set()
         self._env = None
         """The environment factory of the held-out episodes (``env.kind``), built at the first evaluation."""
+        self.init_s = round(time.perf_counter() - t0, 3)
+        """Seconds building the engine (the base model), the held-out set, the reader and the publisher."""
 
     def resume(self) -> Path | None:
         """Restore the latest checkpoint and re-apply its commit; the checkpoint, or None for a fresh start."""
@@ -447,15 +453,23 @@ class Trainer:
     def run(self) -> dict:
         """Train until the policy reaches version ``trainer.steps`` (or a stop); returns a summary."""
         t, r, keys = self.cfg.trainer, self.r, self.keys
+        t0 = time.perf_counter()
         resumed_from = self.resume()
+        t1 = time.perf_counter()
         self.publish()
-        if self.version not in self.evals:
+        t2 = time.perf_counter()
+        if resumed_from is None and self.version not in self.evals:
+            # The base model's accuracy; a resumed trainer evaluates on its schedule, not before training.
             self.evaluate()
         if resumed_from is None:
             r.hset(keys.trainer, "base_accuracy", self.evals[0])
         r.hset(keys.trainer, mapping={"steps": t.steps, "state": "training"})
+        # Where a (re)start's time goes, up to training: what the driver's resume time is made of.
+        startup = {"before_init_s": self.started_age_s, "init_s": self.init_s, "resume_s": round(t1 - t0, 3),
+                   "publish_s": round(t2 - t1, 3), "eval_s": round(time.perf_counter() - t2, 3)}
         self.log.info("trainer_started", steps=t.steps, groups_per_step=t.groups_per_step,
-                      max_staleness=t.max_staleness, version=self.version, checkpoint_every=t.checkpoint_every)
+                      max_staleness=t.max_staleness, version=self.version, checkpoint_every=t.checkpoint_every,
+                      resumed=resumed_from is not None, startup=startup)
         while self.version < t.steps:
             t_wait = time.perf_counter()
             batch = collect_batch(self.stage, size=t.groups_per_step, held=self.held)

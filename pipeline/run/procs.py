@@ -34,6 +34,18 @@ def proc_start_time(pid: int) -> int | None:
         return None
 
 
+def process_age_s(pid: int | None = None) -> float | None:
+    """Seconds since process ``pid`` (this one by default) started, from ``/proc`` (to 10 ms);
+    None when it cannot be read."""
+    start = proc_start_time(os.getpid() if pid is None else pid)
+    try:
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None if start is None else max(0.0, uptime - start / os.sysconf("SC_CLK_TCK"))
+
+
 def recorded_identity(info: dict, pid: int) -> str:
     """Whether ``pid`` is still the process ``cluster.json`` (``info``) recorded: ``same``,
     ``gone`` (no such process, or it exited), ``other`` (its start time differs: the pid was
