@@ -561,3 +561,25 @@ def test_a_wrong_lag_at_the_streams_end_counts_zero_and_is_set_right(redis_clien
     r.xadd(prompts, {"d": b"y"})
     (info,) = r.xinfo_groups(prompts)
     assert group_lag(r, prompts, info) == 1
+
+
+def test_the_summary_counts_committed_steps_not_the_metrics_rows_of_steps_that_never_committed(tmp_path,
+                                                                                                redis_client):
+    """A trainer killed between a step's metrics row and its commit leaves a row of a step that
+    never happened (the resumed trainer redoes it, or the run stops first)."""
+    from pipeline.config import RunConfig
+    from pipeline.run.accounting import account
+    from pipeline.run.launch import write_summary
+
+    cfg = RunConfig().with_overrides({"run_id": "summary", "runs_dir": str(tmp_path)})
+    cfg.run_dir.mkdir(parents=True)
+    rows = [{"kind": "step", "version": v, "reward_mean": 0.25 * v} for v in (1, 2, 3)]
+    (cfg.run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+    keys = Keys(cfg.run_id)
+    ensure_all_groups(redis_client, keys)
+    redis_client.hset(keys.trainer, "committed_version", 2)
+    s = write_summary(cfg, redis_client, keys, account(redis_client, keys), {}, status="stopped", wall_seconds=1.0,
+                      restarts=1, server_restarts=0, trainer_resume_seconds=[4.5])
+    assert s["steps"] == 2 and s["reward_last10"] == 0.375, s
+    md = (cfg.run_dir / "summary.md").read_text()
+    assert "2 steps in" in md and "death -> next committed step median 4.5 s" in md, md
