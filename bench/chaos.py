@@ -78,7 +78,8 @@ def chaos_run(label: str, *, steps: int, seed: int, gap: tuple[float, float], ru
     resumes = sorted(s.get("trainer_resume_seconds") or [])
     return {**row, "summary": True, "trainer_resumes": len(resumes),
             "resume_s_median": resumes[len(resumes) // 2] if resumes else None,
-            "resume_s_max": resumes[-1] if resumes else None, "resume_s": resumes, "status": s.get("status"), "steps": s.get("steps"),
+            "resume_s_max": resumes[-1] if resumes else None, "resume_s": resumes,
+            "status": s.get("status"), "steps": s.get("steps"),
             "faults": faults, "faults_per_min": round(faults / minutes, 1),
             "by_kind": s.get("chaos", {}).get("by_kind", {}), "restarts": s.get("restarts"),
             "server_restarts": s.get("server_restarts"), "issued": v.get("issued"), "trained": v.get("trained"),

@@ -254,7 +254,7 @@ def run_verifier(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batc
     set_torch_threads(cfg.verifier.threads)
     ver = Verifier(cfg, r, keys, worker_id, log, scorer=scorer)
     log.info("verifier_started", reward=cfg.verifier.reward, verifiers=cfg.verifier.verifiers)
-    ver.stage.run(ver.step, count=cfg.verifier.batch, idle=lambda: ver.stage.heartbeat("idle"),
+    ver.stage.run(ver.step, count=cfg.verifier.batch, idle=lambda: ver.stage.heartbeat("idle", groups=ver.scored),
                   max_batches=max_batches)
     log.info("verifier_stopped", groups=ver.scored)
     return ver.scored
