@@ -374,6 +374,50 @@ def test_a_trainer_killed_mid_run_resumes_from_its_checkpoint_losing_and_repeati
     assert (cfg.run_dir / "checkpoints" / "latest").read_text().strip() == f"step-{steps:06d}"
 
 
+FAILING_LOSS = """
+import os
+
+from pipeline.algo.losses import LOSSES
+
+
+def loss(*args):
+    if os.environ.get("FAIL_LOSS"):
+        raise ValueError("a loss that fails on these groups")
+    return LOSSES["decoupled_ppo"](*args)
+"""
+
+
+def test_a_trainer_step_that_fails_on_its_groups_exits_4_and_their_delivery_count_dead_letters_them(
+        tmp_path, tiny_base_model, redis_url):
+    """No check foresaw the failure: the trainer exits with EXIT_ENTRIES_FAILED (the driver restarts
+    it at once, never as a crash loop), and its next start dead-letters the groups delivered more
+    than redis.max_deliveries times, then trains on."""
+    from pipeline.run.procs import EXIT_ENTRIES_FAILED
+
+    (tmp_path / "failing_loss.py").write_text(FAILING_LOSS)
+    cfg, path = _config(tmp_path, tiny_base_model, redis_url, "stepfails",
+                        **{"trainer.steps": 1, "trainer.groups_per_step": 2, "trainer.eval_every": 100,
+                           "trainer.loss": f"{tmp_path / 'failing_loss.py'}:loss", "redis.max_deliveries": 1})
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cfg.run_id)
+    ensure_all_groups(r, keys)
+    for i in range(4):
+        r.xadd(keys.shard(0).scored, {"d": make_scored(prompt_id=f"p{i}", rewards=[1, 0, 1, 0]).encode()})
+    cmd = [sys.executable, "-m", "pipeline.cli", "train", "--config", str(path)]
+    failed = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
+                            env={**os.environ, "FAIL_LOSS": "1"})
+    assert failed.returncode == EXIT_ENTRIES_FAILED, failed.stdout[-3000:] + failed.stderr[-3000:]
+    events = [json.loads(x) for x in (cfg.run_dir / "logs" / "trainer.jsonl").read_text().splitlines()]
+    (step_failed,) = [e for e in events if e["event"] == "step_failed"]
+    assert "ValueError: a loss that fails on these groups" in step_failed["error"], step_failed
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=os.environ)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    dead = {f[b"prompt_id"].decode() or ScoredGroup.decode(f[b"payload"]).rollout.prompt_id: f[b"reason"].decode()
+            for _, f in r.xrange(keys.shard(0).dead)}
+    assert sorted(dead) == ["p0", "p1"] and all("delivered 2 times" in x for x in dead.values()), dead
+    assert sorted(r.hgetall(keys.shard(0).ledger)) == [b"p2", b"p3"]
+
+
 def test_clients_ride_out_a_server_restart_and_the_aof_keeps_the_streams(tmp_path):
     server = start_local_server(tmp_path / "srv", appendfsync="always")
     try:
