@@ -13,17 +13,22 @@ it stops the workers and the server it started and removes ``cluster.json``.
 
 Restarts (``Supervisor``), as Kubernetes' CrashLoopBackOff and systemd do it: a worker
 that exits is started again, forever, after a per-worker exponential backoff
-(``cluster.restart_backoff_s`` doubling to ``cluster.restart_backoff_max_s``, back to the
-start once it stayed up ``cluster.restart_reset_s``). ``cluster.crash_loop_exits`` quick
+(``cluster.restart_backoff_s`` doubling to ``cluster.restart_backoff_max_s``), back to the
+start once the worker made progress, as Redis shows it (the trainer committed a step, a
+generator or verifier emitted a batch; for the others, once it stayed up
+``cluster.restart_reset_s``). A death by an outside signal (SIGKILL, an OOM kill, SIGTERM,
+``pipeline chaos``) and a step that failed on its entries (``EXIT_ENTRIES_FAILED``) restart
+at the short end and are never part of a crash loop. ``cluster.crash_loop_exits`` quick
 non-zero exits in a row (each within ``cluster.crash_loop_uptime_s`` of its start) are a
 crash loop: reported on stderr with the worker's last lines, in the progress output and in
-its heartbeat, and restarted all the same; only a trainer crash loop ends the run. A death
-by a signal (SIGKILL, an OOM kill, ``pipeline chaos``) is a restart, never part of a crash
-loop. ``cluster.max_restarts_per_hour`` (0: unlimited) bounds all restarts together;
+its heartbeat, and restarted all the same; only a trainer crash loop ends the run. The
+trainer's resumes are timed, from its death to its next committed step. ``cluster.max_restarts_per_hour`` (0: unlimited) bounds all restarts together;
 past it the run ends. A run that ends so prints the worker's last output lines, stops
 everything, and says why in its summary.
 
-``pipeline down`` stops a cluster left running (it reads ``<runs_dir>/cluster.json``).
+``pipeline down`` stops a cluster left running (it reads ``<runs_dir>/cluster.json``): the
+driver, then the workers while the server still answers, then the server, then the run's
+``/dev/shm`` weight files; every stop of the driver's own ends the same way.
 ``cluster.json`` records each pid with its start time (``/proc/<pid>/stat`` field 22), and
 nothing signals a pid whose start time differs: it is another process now. A later ``pipeline
 up`` in the same runs_dir finds a ``cluster.json`` whose driver is dead (SIGKILLed) and
