@@ -1302,12 +1302,16 @@ def reclaim_stale(runs_dir: Path, log=print) -> None:
 
 DOWN_DRIVER_WAIT_S = 60.0
 """How long ``pipeline down`` waits for a live driver to stop its run (its workers' last batch,
-the accounting, the summary) before it SIGKILLs the driver and stops the rest itself."""
+the accounting, the summary) before it SIGKILLs the driver and stops the rest itself; while
+every worker is gone already (the driver is accounting, writing its summary), up to
+``DOWN_SUMMARY_WAIT_S``."""
+DOWN_SUMMARY_WAIT_S = 600.0
 
 
 def down(runs_dir: Path) -> int:
     """Stop the cluster recorded in ``<runs_dir>/cluster.json``, in order: SIGTERM the driver
-    (which stops the rest) and wait for it (SIGKILL after ``DOWN_DRIVER_WAIT_S``); then the stop
+    (which stops the rest) and wait for it (SIGKILL after ``DOWN_DRIVER_WAIT_S``, or
+    ``DOWN_SUMMARY_WAIT_S`` while it writes its summary with every worker gone); then the stop
     key, and any worker left SIGTERMed, then SIGKILLed after ``STOP_GRACE_S``; then the server,
     last, so no worker waits on a server already gone; then the run's shared-memory weight files.
     ``cluster.json`` is removed only once no recorded process is left. Every pid is signalled
@@ -1323,8 +1327,12 @@ def down(runs_dir: Path) -> int:
     stopped_driver = False
     if driver and signal_recorded(info, "the cluster driver", driver, signal.SIGTERM):
         # The driver stops its workers and server itself; give it the time to.
-        if wait_gone(info, [driver], DOWN_DRIVER_WAIT_S):
-            print(f"the cluster driver (pid {driver}) did not stop within {DOWN_DRIVER_WAIT_S:g} s; killing it")
+        left = wait_gone(info, [driver], DOWN_DRIVER_WAIT_S)
+        if left and not wait_gone(info, list((info.get("workers") or {}).values()), 0):
+            print(f"the cluster driver (pid {driver}) has stopped its workers and is writing its summary; waiting")
+            left = wait_gone(info, [driver], DOWN_SUMMARY_WAIT_S)
+        if left:
+            print(f"the cluster driver (pid {driver}) did not stop in time; killing it")
             send_signal(driver, signal.SIGKILL)
             wait_gone(info, [driver], 5.0)
         stopped_driver = True
