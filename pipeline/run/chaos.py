@@ -40,6 +40,9 @@ stale, dead-lettered, still in flight, **lost** (issued, never accounted for),
 log) and **unexpected** (consumed but never issued). The run passes when lost,
 duplicated and unexpected are all zero and the trainer finished.
 
+``chaos.load`` CPU burners (busy loops at the injector's priority) run beside the run from
+the injector's start to its end, so the faults land on a loaded host.
+
 With ``appendfsync everysec`` a SIGKILL of the server may drop its last second of
 acknowledged writes, which no client can detect; a chaos run therefore uses
 ``appendfsync always`` so that server kills test the pipeline, not the fsync policy.
