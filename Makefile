@@ -33,8 +33,8 @@ report: ## PNG plots and report.md of a run: make report RUN=runs/<id>
 eval: setup ## held-out greedy accuracy, pass@k, mean@n of a checkpoint: make eval CKPT=runs/<id>/checkpoints/final ARGS="--n 8 --k 1,4,8"
 	$(BIN)/pipeline eval --checkpoint $(or $(CKPT),artifacts/base-model) $(ARGS)
 
-chaos: setup ## the embedded default while an injector beside it kills and pauses workers and the server; then every prompt is checked (lost/duplicated/unexpected = 0)
-	$(BIN)/pipeline chaos --redis.claim_idle_ms 5000 $(ARGS)
+chaos: setup ## the embedded default while an injector beside it kills and pauses workers and the server; then every prompt is checked (lost/duplicated/unexpected = 0); LOAD=N runs N CPU burners beside it
+	$(BIN)/pipeline chaos --redis.claim_idle_ms 5000 --chaos.load $(or $(LOAD),0) $(ARGS)
 
 chaos-bench: setup ## ten seeded chaos runs, then rising fault rates until one fails; bench/results/chaos.{json,md} (~45 min)
 	nice -n 10 $(BIN)/python bench/chaos.py seeds $(ARGS)

@@ -8,8 +8,13 @@ A run passes when it finishes with lost 0, duplicated 0 and unexpected 0 (the dr
 total-queue check over every prompt issued).
 
     python bench/chaos.py seeds --seeds 0-9 --steps 80        # ten seeded runs, a fault every 4-10 s
+    python bench/chaos.py seeds --seeds 11-20 --load 2         # the same beside two CPU burners
     python bench/chaos.py rates --steps 60                     # rising fault rates until one fails
     python bench/chaos.py soak --minutes 60                    # one long run under steady faults
+
+``--load N`` runs N CPU burners at normal priority beside each run (``chaos.load``): the host
+loaded as production hosts are. Each run reports the trainer's resume time, from its death to
+its next committed step (the driver's ``trainer_resume_seconds``), beside the faults survived.
 
 Each writes its section of bench/results/chaos.json and rewrites bench/results/chaos.md;
 ``bench/run.py`` (``make bench``) carries the figures into BENCHMARKS.md.
@@ -41,12 +46,13 @@ def seed_list(text: str) -> list[int]:
 
 
 def chaos_run(label: str, *, steps: int, seed: int, gap: tuple[float, float], runs_dir: Path,
-              extra: list[str] | None = None, timeout_s: float = 3600, on_start=None) -> dict:
+              extra: list[str] | None = None, timeout_s: float = 3600, on_start=None, load: int = 0) -> dict:
     """One ``pipeline chaos`` run; what its summary says, plus the exit code and wall time."""
     run_id = f"{label}-{time.strftime('%m%d-%H%M%S')}"
     cmd = [*PIPELINE, "chaos", "--run-id", run_id, "--runs_dir", str(runs_dir), "--trainer.steps", str(steps),
            "--chaos.seed", str(seed), "--chaos.min_gap_s", str(gap[0]), "--chaos.max_gap_s", str(gap[1]),
-           "--redis.claim_idle_ms", "5000", "--cluster.timeout_s", str(int(timeout_s)), *(extra or [])]
+           "--redis.claim_idle_ms", "5000", "--cluster.timeout_s", str(int(timeout_s)), "--chaos.load", str(load),
+           *(extra or [])]
     print(f"[{label}] {' '.join(cmd)}", flush=True)
     t0 = time.time()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -61,7 +67,7 @@ def chaos_run(label: str, *, steps: int, seed: int, gap: tuple[float, float], ru
         rc = p.wait()
     run_dir = runs_dir / run_id
     row = {"label": label, "run": str(run_dir.relative_to(ROOT) if run_dir.is_relative_to(ROOT) else run_dir),
-           "seed": seed, "gap_s": list(gap), "exit_code": rc, "wall_seconds": round(time.time() - t0, 1)}
+           "seed": seed, "gap_s": list(gap), "load": load, "exit_code": rc, "wall_seconds": round(time.time() - t0, 1)}
     try:
         s = json.loads((run_dir / "summary.json").read_text())
     except (OSError, ValueError):
@@ -69,7 +75,11 @@ def chaos_run(label: str, *, steps: int, seed: int, gap: tuple[float, float], ru
     v = s.get("chaos", {}).get("verdict", {})
     faults = s.get("chaos", {}).get("faults", 0)
     minutes = max(1e-9, (s.get("wall_seconds") or row["wall_seconds"]) / 60)
-    return {**row, "summary": True, "status": s.get("status"), "steps": s.get("steps"),
+    resumes = sorted(s.get("trainer_resume_seconds") or [])
+    return {**row, "summary": True, "trainer_resumes": len(resumes),
+            "resume_s_median": resumes[len(resumes) // 2] if resumes else None,
+            "resume_s_max": resumes[-1] if resumes else None, "resume_s": resumes,
+            "status": s.get("status"), "steps": s.get("steps"),
             "faults": faults, "faults_per_min": round(faults / minutes, 1),
             "by_kind": s.get("chaos", {}).get("by_kind", {}), "restarts": s.get("restarts"),
             "server_restarts": s.get("server_restarts"), "issued": v.get("issued"), "trained": v.get("trained"),
@@ -79,24 +89,33 @@ def chaos_run(label: str, *, steps: int, seed: int, gap: tuple[float, float], ru
 
 
 def run_seeds(a) -> dict:
-    rows = [chaos_run(f"chaos-seed{k}", steps=a.steps, seed=k, gap=(a.min_gap, a.max_gap), runs_dir=a.runs_dir)
-            for k in seed_list(a.seeds)]
-    return {"command": f"python bench/chaos.py seeds --seeds {a.seeds} --steps {a.steps}", "steps": a.steps,
+    rows = [chaos_run(f"chaos-seed{k}", steps=a.steps, seed=k, gap=(a.min_gap, a.max_gap), runs_dir=a.runs_dir,
+                      load=a.load) for k in seed_list(a.seeds)]
+    return {"command": f"python bench/chaos.py seeds --seeds {a.seeds} --steps {a.steps} --min-gap {a.min_gap:g} "
+                       f"--max-gap {a.max_gap:g} --load {a.load}", "steps": a.steps, "load": a.load,
             "gap_s": [a.min_gap, a.max_gap], "runs": rows, "passed": sum(r["passed"] for r in rows), "n": len(rows),
-            "faults_total": sum(r.get("faults", 0) for r in rows)}
+            "faults_total": sum(r.get("faults", 0) for r in rows), **resume_stats(rows)}
+
+
+def resume_stats(rows: list[dict]) -> dict:
+    """The trainer's resume times over runs (death -> next committed step): how many, median, longest."""
+    times = sorted(t for r in rows for t in r.get("resume_s") or [])
+    return {"trainer_resumes": len(times), "resume_s_median": times[len(times) // 2] if times else None,
+            "resume_s_max": times[-1] if times else None}
 
 
 def run_rates(a) -> dict:
     rows = []
     for gap in RATE_GAPS:
-        row = chaos_run(f"chaos-rate{gap[0]:g}-{gap[1]:g}", steps=a.steps, seed=a.seed, gap=gap, runs_dir=a.runs_dir)
+        row = chaos_run(f"chaos-rate{gap[0]:g}-{gap[1]:g}", steps=a.steps, seed=a.seed, gap=gap, runs_dir=a.runs_dir,
+                        load=a.load)
         rows.append(row)
         if not row["passed"]:
             break
     survived = [r for r in rows if r["passed"]]
     best = max(survived, key=lambda r: r["faults_per_min"]) if survived else None
-    return {"command": f"python bench/chaos.py rates --steps {a.steps} --seed {a.seed}", "steps": a.steps,
-            "runs": rows, "highest_survived_per_min": best["faults_per_min"] if best else None,
+    return {"command": f"python bench/chaos.py rates --steps {a.steps} --seed {a.seed} --load {a.load}",
+            "steps": a.steps, "load": a.load, **resume_stats(rows), "runs": rows, "highest_survived_per_min": best["faults_per_min"] if best else None,
             "highest_survived_gap_s": best["gap_s"] if best else None,
             "first_failure": next((r for r in rows if not r["passed"]), None)}
 
@@ -205,34 +224,51 @@ def judge_soak(samples: list[dict]) -> tuple[dict, bool]:
     return out, ok
 
 
+def _resume_cell(r: dict) -> str:
+    return f"{r['resume_s_median']:.1f} / {r['resume_s_max']:.1f}" if r.get("resume_s_median") is not None else "-"
+
+
+def _resume_sentence(s: dict) -> str:
+    if not s.get("trainer_resumes"):
+        return ""
+    return (f" The trainer resumed {s['trainer_resumes']} times (death -> next committed step): median "
+            f"{s['resume_s_median']:.1f} s, longest {s['resume_s_max']:.1f} s.")
+
+
 def render(res: dict) -> str:
     md = ["# Fault tolerance", "",
           "`bench/chaos.py`: `pipeline chaos` on the embedded default, faults injected by `pipeline inject` "
           "from outside the driver (SIGKILL of any worker, SIGSTOP for 8 s, SIGKILL of the server). A run passes "
           "when it finishes with lost 0, duplicated 0, unexpected 0.", ""]
-    if s := res.get("seeds"):
-        md += [f"## Seeded runs: {s['passed']} of {s['n']} passed",
+    for key in sorted(k for k in res if k.startswith("seeds")):
+        s = res[key]
+        loaded = f", beside {s['load']} CPU burner(s)" if s.get("load") else ""
+        md += [f"## Seeded runs{loaded}: {s['passed']} of {s['n']} passed",
                f"`{s['command']}`: a fault every {s['gap_s'][0]:g}-{s['gap_s'][1]:g} s, {s['steps']} steps, "
-               f"{s['faults_total']} faults in all.", ""]
+               f"{s['faults_total']} faults in all.{_resume_sentence(s)}", ""]
         md += [md_table(["seed", "passed", "faults", "by kind", "restarts", "server restarts", "issued", "lost",
-                         "duplicated", "unexpected", "wall (s)", "run"],
+                         "duplicated", "unexpected", "trainer resume (s) median / max", "wall (s)", "run"],
                         [[r["seed"], "yes" if r["passed"] else "NO", r.get("faults"),
                           ", ".join(f"{k} {v}" for k, v in sorted(r.get("by_kind", {}).items())), r.get("restarts"),
                           r.get("server_restarts"), r.get("issued"), r.get("lost"), r.get("duplicated"),
-                          r.get("unexpected"), r["wall_seconds"], f"`{r['run']}`"] for r in s["runs"]]), ""]
-    if s := res.get("rates"):
+                          r.get("unexpected"), _resume_cell(r), r["wall_seconds"], f"`{r['run']}`"]
+                         for r in s["runs"]]), ""]
+    for key in sorted(k for k in res if k.startswith("rates")):
+        s = res[key]
         best = s["highest_survived_per_min"]
         fail = s["first_failure"]
-        md += ["## Fault rate survived",
+        loaded = f", beside {s['load']} CPU burner(s)" if s.get("load") else ""
+        md += [f"## Fault rate survived{loaded}",
                f"`{s['command']}`: rising rates, one run each, until one fails. Highest rate survived: "
                f"**{best} faults/min** (gaps {s['highest_survived_gap_s']} s)." if best else "None survived.",
                (f"First failure at gaps {fail['gap_s']} s: status {fail.get('status')!r}, lost {fail.get('lost')}, "
                 f"duplicated {fail.get('duplicated')}, exit code {fail.get('exit_code')}." if fail
                 else "No rate tried failed.") + (f" {s['note']}" if s.get("note") else ""), ""]
-        md += [md_table(["gaps (s)", "faults/min", "faults", "passed", "status", "lost", "duplicated", "wall (s)"],
+        md += [md_table(["gaps (s)", "faults/min", "faults", "passed", "status", "lost", "duplicated",
+                         "trainer resume (s) median / max", "wall (s)"],
                         [[f"{r['gap_s'][0]:g}-{r['gap_s'][1]:g}", r.get("faults_per_min"), r.get("faults"),
                           "yes" if r["passed"] else "NO", r.get("status"), r.get("lost"), r.get("duplicated"),
-                          r["wall_seconds"]] for r in s["runs"]]), ""]
+                          _resume_cell(r), r["wall_seconds"]] for r in s["runs"]]), ""]
     if s := res.get("soak"):
         r = s["run"]
         md += [f"## Soak: {s['minutes']} min, {'passed' if s['passed'] else 'FAILED'}",
@@ -264,21 +300,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sample-s", type=float, default=20.0)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "chaos-bench")
+    p.add_argument("--load", type=int, default=0, help="CPU burners beside each run (chaos.load)")
     a = p.parse_args(argv)
     if a.what == "soak" and a.steps == 80:
         a.steps = 1_000_000  # stopped by the clock, not by the step count
     res = json.loads(OUT.read_text()) if OUT.exists() else {}
+    # Each setting its own section: seeds (idle, the default gaps), seeds-load2, seeds-gap1.5-4.5, ...
+    key = a.what + (f"-load{a.load}" if a.load else "") + (
+        f"-gap{a.min_gap:g}-{a.max_gap:g}" if a.what == "seeds" and (a.min_gap, a.max_gap) != (4.0, 10.0) else "")
     if a.what != "render":
         part = {"seeds": run_seeds, "rates": run_rates, "soak": run_soak}[a.what](a)
         part["date"] = time.strftime("%Y-%m-%d")
-        res[a.what] = part
+        res[key] = part
         OUT.parent.mkdir(parents=True, exist_ok=True)
         OUT.write_text(json.dumps(res, indent=2) + "\n")
     OUT.with_suffix(".md").write_text(render(res))
     print(OUT.with_suffix(".md").read_text())
     if a.what == "seeds":
-        return 0 if res["seeds"]["passed"] == res["seeds"]["n"] else 1
-    return 0 if a.what == "render" or res[a.what].get("passed", res[a.what].get("highest_survived_per_min")) else 1
+        return 0 if res[key]["passed"] == res[key]["n"] else 1
+    return 0 if a.what == "render" or res[key].get("passed", res[key].get("highest_survived_per_min")) else 1
 
 
 if __name__ == "__main__":

@@ -650,6 +650,14 @@ def gpu_section(res: dict | None) -> list[str]:
                   "bench/results/gpu-check.json.\n"]
 
 
+def _resume_sentence(s: dict) -> str:
+    """The trainer's resume times of a bench/chaos.py section (death -> next committed step), if any."""
+    if not s.get("trainer_resumes"):
+        return ""
+    return (f" The trainer resumed {s['trainer_resumes']} times: median {s['resume_s_median']:.1f} s, longest "
+            f"{s['resume_s_max']:.1f} s from its death to its next committed step.")
+
+
 def appendices() -> list[str]:
     """Sections from results files other commands write (their own dates and commands): the
     fault-tolerance runs of bench/chaos.py, the real-model generation throughput of
@@ -659,17 +667,22 @@ def appendices() -> list[str]:
     if chaos.exists():
         res = json.loads(chaos.read_text())
         out.append("## Fault tolerance (bench/results/chaos.md)\n")
-        if s := res.get("seeds"):
-            out.append(f"- `{s['command']}` ({s['date']}): **{s['passed']} of {s['n']}** seeded runs finished with "
-                       f"lost 0, duplicated 0, unexpected 0, surviving {s['faults_total']} faults (SIGKILLs of any "
-                       f"worker and of the server, 8 s pauses, one every {s['gap_s'][0]:g}-{s['gap_s'][1]:g} s).")
-        if s := res.get("rates"):
+        for key in sorted(k for k in res if k.startswith("seeds")):
+            s = res[key]
+            loaded = f", beside {s['load']} CPU burner(s)" if s.get("load") else ""
+            out.append(f"- `{s['command']}` ({s['date']}): **{s['passed']} of {s['n']}** seeded runs{loaded} finished "
+                       f"with lost 0, duplicated 0, unexpected 0, surviving {s['faults_total']} faults (SIGKILLs of any "
+                       f"worker and of the server, 8 s pauses, one every {s['gap_s'][0]:g}-{s['gap_s'][1]:g} s)."
+                       + _resume_sentence(s))
+        for key in sorted(k for k in res if k.startswith("rates")):
+            s = res[key]
             fail = s.get("first_failure")
-            out.append(f"- `{s['command']}` ({s['date']}): highest fault rate survived (finished, lost 0, "
+            loaded = f", beside {s['load']} CPU burner(s)" if s.get("load") else ""
+            out.append(f"- `{s['command']}` ({s['date']}): highest fault rate survived{loaded} (finished, lost 0, "
                        f"duplicated 0): **{s['highest_survived_per_min']} faults/min** (gaps "
                        f"{s['highest_survived_gap_s']} s)" + (f"; the next rate tried (gaps {fail['gap_s']} s) "
                                                                f"failed (exit code {fail['exit_code']})." if fail else ".")
-                       + (f" {s['note']}" if s.get("note") else ""))
+                       + _resume_sentence(s) + (f" {s['note']}" if s.get("note") else ""))
         if s := res.get("soak"):
             r, b = s["run"], s["bounded"]
             out.append(f"- `{s['command']}` ({s['date']}): {s['minutes']:g} min under steady faults "

@@ -768,12 +768,15 @@ class ClusterConfig(_Section):
     timeout_s: float = 1800.0
     """Give up (and stop everything) if the trainer has not finished by then."""
     restart_backoff_s: float = 1.0
-    """Wait before restarting a worker that exited; doubles with each restart in a row
-    (per worker), up to restart_backoff_max_s."""
+    """Wait before restarting a worker that exited; doubles with each restart in a row without
+    progress (per worker), up to restart_backoff_max_s. Progress (a step committed, a batch
+    emitted), a death by an outside signal (SIGKILL, SIGTERM) and a step that failed on its
+    entries start the next wait at restart_backoff_s again."""
     restart_backoff_max_s: float = 30.0
     """The longest wait before a restart."""
     restart_reset_s: float = 60.0
-    """A worker that stayed up this long before exiting starts again at restart_backoff_s."""
+    """For a worker whose progress the driver cannot see (the feeder, the exporter, the server
+    down): one that stayed up this long before exiting starts again at restart_backoff_s."""
     crash_loop_exits: int = 5
     """A worker that exits with a non-zero code within crash_loop_uptime_s of starting this
     many times in a row is crash-looping: reported (its last lines, its heartbeat state
@@ -835,9 +838,13 @@ class ChaosConfig(_Section):
     """Seed of the fault sequence."""
     max_faults: int = 0
     """Stop injecting after this many faults (0: until the trainer finishes)."""
+    load: int = 0
+    """CPU burners the injector runs beside the run, at normal priority, from its start to its
+    end: the faults land on a loaded host, as on a production one (0: none)."""
 
     def _validate(self, p: str) -> None:
         _check(self.min_gap_s > 0, f"{p}.min_gap_s", "> 0", self.min_gap_s)
+        _check(0 <= self.load <= 64, f"{p}.load", "in [0, 64]", self.load)
         _check(self.max_gap_s >= self.min_gap_s, f"{p}.max_gap_s", ">= min_gap_s", self.max_gap_s)
         _check(bool(self.kinds), f"{p}.kinds", f"a non-empty subset of {sorted(choices(FaultKind))}", self.kinds)
         _check(bool(self.targets), f"{p}.targets", f"a non-empty subset of {sorted(choices(StageKind))}", self.targets)

@@ -48,6 +48,39 @@ def check_token_ids(name: str, ids: np.ndarray, vocab_size: int) -> None:
         raise RecordError(f"{name} token id outside the vocabulary [0, {vocab_size})")
 
 
+MAX_ABS_REWARD = 1e4
+"""Rewards beyond this magnitude are refused: no reward mode comes near it (verifier scores are in
+[0, 1], environment rewards a game's score), and one such value would swamp a step's advantages."""
+
+
+def check_versions(rollout: "RolloutGroup", *, newest: int) -> None:
+    """Refuse a group claiming a policy version the run has not published (``newest``; version 0,
+    the base model, always exists): a producer's bug or a forged record, which staleness
+    arithmetic would otherwise turn into a negative lag."""
+    if rollout.max_version > max(newest, 0):
+        raise RecordError(f"policy version {rollout.max_version} is newer than the newest published, "
+                          f"{max(newest, 0)}")
+
+
+def check_group_size(rollout: "RolloutGroup", group_size: int | None) -> None:
+    """Refuse a group of another size than the run's ``generator.group_size``."""
+    if group_size is not None and rollout.group_size != group_size:
+        raise RecordError(f"group of {rollout.group_size} completions, generator.group_size is {group_size}")
+
+
+def check_scores(g: "ScoredGroup") -> None:
+    """Refuse scores out of their ranges: votes in [0, 1] or NaN (abstained), the hidden truth in
+    [0, 1] or NaN, rewards within ``MAX_ABS_REWARD`` (decoding already refused NaN and inf)."""
+    votes = g.votes[~np.isnan(g.votes)]
+    if votes.size and (float(votes.min()) < 0 or float(votes.max()) > 1):
+        raise RecordError("votes outside [0, 1]")
+    truth = g.truth[~np.isnan(g.truth)]
+    if truth.size and (float(truth.min()) < 0 or float(truth.max()) > 1):
+        raise RecordError("truth values outside [0, 1]")
+    if g.rewards.size and float(np.abs(g.rewards).max()) > MAX_ABS_REWARD:
+        raise RecordError(f"rewards beyond +-{MAX_ABS_REWARD:g}")
+
+
 _I4, _F4 = np.dtype("<i4"), np.dtype("<f4")
 
 

@@ -31,14 +31,14 @@ from typing import Any
 
 from redis.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError, WatchError
+from redis.exceptions import NoScriptError, RedisError, ResponseError, WatchError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pipeline.bus.connection import ride_outages
 from pipeline.bus.flow import release_admissions, stop_requested, wait_for_room
 from pipeline.bus.stats import heartbeat
 from pipeline.bus.streams import Entry, TxnWriter, counter_args, dead_letter_fields, decode_entries, \
-    ensure_all_groups, sharded_reader, trim_acked, txn_script
+    ensure_all_groups, failure_summary, sharded_reader, trim_acked, txn_script
 from pipeline.keys import Keys, ShardKeys
 
 TRIM_EVERY = 10
@@ -50,6 +50,11 @@ the batch read ahead waits in its pending list through one step, so a slow stage
 judge) never holds a batch its peers could be working on."""
 
 _LINK_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+
+STAGE_ERRORS = (RedisError, OSError, MemoryError)
+"""Failures of the stage's own state (its server, its files, its memory), not of the entries in
+hand: they end the step and the process as they would anywhere. Any other exception a step
+raises is put down to its entries (``Stage.isolate``)."""
 
 MULTI_BYTES = 64 << 10
 """Records written in one emit from this many bytes on go in a MULTI (``Stage._emit_multi``)
@@ -404,6 +409,37 @@ class Stage:
     def heartbeat(self, state: str, **extra) -> None:
         heartbeat(self.r, self.keys, self.worker_id, self.name, state, **extra)
 
+    def isolate(self, step: Callable[[Batch], Output], batch: Batch, err: Exception) -> None:
+        """After ``step`` failed on ``batch`` with an error not of the stage's own state
+        (``STAGE_ERRORS``): its defects are dead-lettered, then each good entry is stepped and
+        emitted alone, and one that fails alone is tried again until it has failed
+        ``redis.max_deliveries`` times (the batch's failure counted), then dead-lettered with
+        the failure's summary (an entry of a larger batch gets ``redis.max_deliveries`` tries
+        alone). The stage goes on either way: what an entry brings never ends the process."""
+        limit = self.cfg.redis.max_deliveries
+        self.log.warning("step_failed", entries=len(batch.good), error=failure_summary(err),
+                         then="each entry alone" if len(batch.good) > 1 else "again")
+        if batch.bad:
+            self.emit(Batch(shard=batch.shard, good=[], bad=batch.bad), Output())
+        for entry, record in batch.good:
+            one = Batch(shard=batch.shard, good=[(entry, record)], bad=[])
+            # A batch of one failed on this entry already; in a larger one, the failure was anyone's.
+            failures, out = int(len(batch.good) == 1), None
+            while out is None and failures < limit:
+                try:
+                    out = step(one)
+                except STAGE_ERRORS:
+                    raise
+                except Exception as e:  # noqa: BLE001 - this entry's failure
+                    failures, err = failures + 1, e
+            if out is not None:
+                self.emit(one, out)
+                continue
+            reason = f"{self.name} failed on this entry {failures} times: {failure_summary(err)}"
+            self.log.warning("entry_failed", id=entry.id, tries=failures, error=failure_summary(err))
+            self.emit(Batch(shard=batch.shard, good=[], bad=[(entry, reason)]),
+                      Output(counters={"entries_failed_total": 1}))
+
     # ------------------------------------------------------------------ the loop
 
     def run(self, step: Callable[[Batch], Output], *, count: int, read: Callable[[int], list[Entry]] | None = None,
@@ -428,7 +464,15 @@ class Stage:
                     continue
                 batch = self.take(entries)
                 t0 = time.perf_counter()
-                out = step(batch) if batch.good else Output()
+                try:
+                    out = step(batch) if batch.good else Output()
+                except STAGE_ERRORS:
+                    raise
+                except Exception as err:  # noqa: BLE001 - something an entry brought: find it, go on
+                    self.step_seconds = time.perf_counter() - t0
+                    self.isolate(step, batch, err)
+                    done += 1
+                    continue
                 self.step_seconds = time.perf_counter() - t0
                 self.emit(batch, out)
                 done += 1

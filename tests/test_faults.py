@@ -24,7 +24,7 @@ from harness import spawn as _spawn
 from test_pipeline_e2e import _config
 
 from pipeline.keys import GENERATORS_GROUP, TRAINER_GROUP, VERIFIERS_GROUP, Keys
-from pipeline.records import MAX_RECORD_BYTES, PromptTask, ScoredGroup
+from pipeline.records import MAX_RECORD_BYTES, PromptTask, RolloutGroup, ScoredGroup
 from pipeline.bus.server import start_local_server
 from pipeline.bus.connection import connect
 from pipeline.bus.flow import wait_for_room
@@ -138,6 +138,82 @@ def test_the_trainer_refuses_token_ids_its_model_cannot_embed(tiny_base_model):
                                    lambda g: check_scored(g, vocab_size=17))
     assert [g.rollout.prompt_id for _, g in good] == ["p1"]
     assert defects and "prompt token id outside the vocabulary" in defects[0][1]
+
+
+def test_records_this_run_could_not_have_made_are_defects_with_their_reason(tiny_base_model):
+    from pipeline.bus.streams import Entry
+    from pipeline.consumers.trainer import check_scored
+    from pipeline.consumers.verifier import check_rollout
+
+    def scored(pid: str, **changes):
+        ok = make_scored(prompt_id=pid)
+        rollout = {k: changes.pop(k) for k in ("min_version", "max_version") if k in changes}
+        return dataclasses.replace(ok, rollout=dataclasses.replace(ok.rollout, **rollout), **changes)
+
+    cases = {
+        "newer than the newest published, 3": scored("future", min_version=1_000_000, max_version=1_000_000),
+        "votes outside [0, 1]": scored("votes", votes=np.full((4, 2), 7.0, dtype=np.float32)),
+        "rewards beyond": scored("rewards", rewards=np.array([1e30, 0, 1, 0], dtype=np.float32)),
+        "truth values outside": scored("truth", truth=np.array([2, 0, 1, 0], dtype=np.float32)),
+    }
+    entries = [Entry(f"1-{i}".encode(), g.encode()) for i, g in enumerate([make_scored(prompt_id="ok"),
+                                                                            *cases.values()])]
+    good, bad = decode_entries(entries, ScoredGroup.decode, lambda g: check_scored(g, vocab_size=17, version=3,
+                                                                                   group_size=4))
+    assert [g.rollout.prompt_id for _, g in good] == ["ok"]
+    assert len(bad) == len(cases) and all(words in reason for words, (_, reason) in zip(cases, bad)), bad
+    (_, wrong_size), = decode_entries(entries[:1], ScoredGroup.decode,
+                                      lambda g: check_scored(g, vocab_size=17, group_size=8))[1]
+    assert "group of 4 completions, generator.group_size is 8" in wrong_size
+    future = make_rollout(prompt_id="f", version=5)
+    _, (( _, why),) = decode_entries([Entry(b"1-0", future.encode())], RolloutGroup.decode,
+                                     lambda g: check_rollout(g, vocab_size=17, newest=lambda claimed: 4))
+    assert "policy version 5 is newer than the newest published, 4" in why
+    # A check that fails in an unforeseen way makes that entry a defect, naming where.
+    _, ((_, why),) = decode_entries(entries[:1], ScoredGroup.decode, lambda g: [][1])
+    assert why.startswith("check failed: IndexError: list index out of range (at test_faults.py:"), why
+
+
+def test_a_step_that_fails_on_one_entry_dead_letters_it_and_the_stage_goes_on(redis_client):
+    """The general guard: whatever a step raises over one entry (not the stage's own state) is that
+    entry's defect after ``redis.max_deliveries`` tries; its batch mates are emitted; no exit."""
+    from pipeline.stage import Output, Stage
+
+    r = redis_client
+    cfg = _cfg_of("isolate", **{"redis.max_deliveries": 3})
+    keys = Keys(cfg.run_id)
+    ensure_all_groups(r, keys)
+    r.set(keys.admitted, 10)
+    for pid in ("p1", "p-bad", "p3", "p4"):
+        r.xadd(keys.shard(0).prompts, {"d": make_prompt(prompt_id=pid).encode()})
+    tries: dict[str, int] = {}
+
+    def step(batch):
+        for _, t in batch.good:
+            tries[t.prompt_id] = tries.get(t.prompt_id, 0) + 1
+            if t.prompt_id == "p-bad":
+                raise ValueError("negative lag")
+        return Output(written=[(e, make_rollout(prompt_id=t.prompt_id).encode()) for e, t in batch.good])
+
+    log = _Log()
+    stage = Stage(r, keys, cfg, name="generator", worker_id="gen-0", log=log, source="prompts",
+                  group=GENERATORS_GROUP, decode=PromptTask.decode, sink="rollouts", sink_group=VERIFIERS_GROUP)
+    assert stage.run(step, count=4, max_batches=1) == 1
+    (_, dead), = r.xrange(keys.shard(0).dead)
+    reason = dead[b"reason"].decode()
+    assert reason.startswith("generator failed on this entry 3 times: ValueError: negative lag (at test_faults.py:")
+    # The batch (which stops at p-bad), then each alone: p-bad to its limit.
+    assert tries == {"p1": 2, "p-bad": 4, "p3": 1, "p4": 1}, tries
+    assert sorted(RolloutGroup.decode(f[b"d"]).prompt_id for _, f in r.xrange(keys.shard(0).rollouts)) == \
+        ["p1", "p3", "p4"]
+    assert unacked(r, keys.shard(0).prompts, GENERATORS_GROUP) == 0 and int(r.get(keys.admitted)) == 9
+    assert [e for _, e, _ in log.events if e in ("step_failed", "entry_failed")] == ["step_failed", "entry_failed"]
+
+
+def _cfg_of(run_id: str, **overrides):
+    from pipeline.config import RunConfig
+
+    return RunConfig().with_overrides({"run_id": run_id, "redis.claim_idle_ms": 0, **overrides})
 
 
 def test_an_entry_that_kills_every_consumer_is_dead_lettered_after_the_delivery_limit(tmp_path, tiny_base_model,
@@ -296,6 +372,50 @@ def test_a_trainer_killed_mid_run_resumes_from_its_checkpoint_losing_and_repeati
     announced = [int(f[b"version"]) for _, f in r.xrange(keys.versions)]
     assert announced == sorted(announced) and announced[-1] == steps, "versions never went back"
     assert (cfg.run_dir / "checkpoints" / "latest").read_text().strip() == f"step-{steps:06d}"
+
+
+FAILING_LOSS = """
+import os
+
+from pipeline.algo.losses import LOSSES
+
+
+def loss(*args):
+    if os.environ.get("FAIL_LOSS"):
+        raise ValueError("a loss that fails on these groups")
+    return LOSSES["decoupled_ppo"](*args)
+"""
+
+
+def test_a_trainer_step_that_fails_on_its_groups_exits_4_and_their_delivery_count_dead_letters_them(
+        tmp_path, tiny_base_model, redis_url):
+    """No check foresaw the failure: the trainer exits with EXIT_ENTRIES_FAILED (the driver restarts
+    it at once, never as a crash loop), and its next start dead-letters the groups delivered more
+    than redis.max_deliveries times, then trains on."""
+    from pipeline.run.procs import EXIT_ENTRIES_FAILED
+
+    (tmp_path / "failing_loss.py").write_text(FAILING_LOSS)
+    cfg, path = _config(tmp_path, tiny_base_model, redis_url, "stepfails",
+                        **{"trainer.steps": 1, "trainer.groups_per_step": 2, "trainer.eval_every": 100,
+                           "trainer.loss": f"{tmp_path / 'failing_loss.py'}:loss", "redis.max_deliveries": 1})
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cfg.run_id)
+    ensure_all_groups(r, keys)
+    for i in range(4):
+        r.xadd(keys.shard(0).scored, {"d": make_scored(prompt_id=f"p{i}", rewards=[1, 0, 1, 0]).encode()})
+    cmd = [sys.executable, "-m", "pipeline.cli", "train", "--config", str(path)]
+    failed = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
+                            env={**os.environ, "FAIL_LOSS": "1"})
+    assert failed.returncode == EXIT_ENTRIES_FAILED, failed.stdout[-3000:] + failed.stderr[-3000:]
+    events = [json.loads(x) for x in (cfg.run_dir / "logs" / "trainer.jsonl").read_text().splitlines()]
+    (step_failed,) = [e for e in events if e["event"] == "step_failed"]
+    assert "ValueError: a loss that fails on these groups" in step_failed["error"], step_failed
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=os.environ)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    dead = {f[b"prompt_id"].decode() or ScoredGroup.decode(f[b"payload"]).rollout.prompt_id: f[b"reason"].decode()
+            for _, f in r.xrange(keys.shard(0).dead)}
+    assert sorted(dead) == ["p0", "p1"] and all("delivered 2 times" in x for x in dead.values()), dead
+    assert sorted(r.hgetall(keys.shard(0).ledger)) == [b"p2", b"p3"]
 
 
 def test_clients_ride_out_a_server_restart_and_the_aof_keeps_the_streams(tmp_path):
@@ -485,3 +605,25 @@ def test_a_wrong_lag_at_the_streams_end_counts_zero_and_is_set_right(redis_clien
     r.xadd(prompts, {"d": b"y"})
     (info,) = r.xinfo_groups(prompts)
     assert group_lag(r, prompts, info) == 1
+
+
+def test_the_summary_counts_committed_steps_not_the_metrics_rows_of_steps_that_never_committed(tmp_path,
+                                                                                                redis_client):
+    """A trainer killed between a step's metrics row and its commit leaves a row of a step that
+    never happened (the resumed trainer redoes it, or the run stops first)."""
+    from pipeline.config import RunConfig
+    from pipeline.run.accounting import account
+    from pipeline.run.launch import write_summary
+
+    cfg = RunConfig().with_overrides({"run_id": "summary", "runs_dir": str(tmp_path)})
+    cfg.run_dir.mkdir(parents=True)
+    rows = [{"kind": "step", "version": v, "reward_mean": 0.25 * v} for v in (1, 2, 3)]
+    (cfg.run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+    keys = Keys(cfg.run_id)
+    ensure_all_groups(redis_client, keys)
+    redis_client.hset(keys.trainer, "committed_version", 2)
+    s = write_summary(cfg, redis_client, keys, account(redis_client, keys), {}, status="stopped", wall_seconds=1.0,
+                      restarts=1, server_restarts=0, trainer_resume_seconds=[4.5])
+    assert s["steps"] == 2 and s["reward_last10"] == 0.375, s
+    md = (cfg.run_dir / "summary.md").read_text()
+    assert "2 steps in" in md and "death -> next committed step median 4.5 s" in md, md

@@ -162,6 +162,20 @@ class VersionWatch:
         return int(entries[-1][1][b"version"])
 
 
+class NewestVersion:
+    """The newest policy version the trainer has published (``{ns}:weights`` ``version``), read
+    again only when a record claims a newer one than last read: a check per record
+    (``records.check_versions``) that costs a round trip only for a record that may be forged."""
+
+    def __init__(self, r: redis.Redis, keys: Keys):
+        self.r, self.key, self.known = r, keys.weights, -1
+
+    def __call__(self, claimed: int) -> int:
+        if claimed > self.known:
+            self.known = max(self.known, int(self.r.hget(self.key, "version") or -1))
+        return self.known
+
+
 _local_stop = threading.Event()
 
 

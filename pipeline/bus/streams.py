@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import threading
 import time
+import traceback
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import redis
+from redis.exceptions import RedisError
 
 from pipeline.bus.connection import failed_calls
 from pipeline.keys import Keys
@@ -389,7 +392,19 @@ def decode_entries(entries: list[Entry], decode, check=None, *, reader: GroupRea
             good.append((e, record))
         except RecordError as err:
             bad.append((e, str(err)))
+        except (RedisError, OSError, MemoryError):
+            raise  # the stage's own state, not the entry's: the caller fails as it would anywhere
+        except Exception as err:  # noqa: BLE001 - a bug a record triggers is that record's defect
+            bad.append((e, f"check failed: {failure_summary(err)}"))
     return good, bad
+
+
+def failure_summary(err: BaseException, frames: int = 3) -> str:
+    """An exception in one line for a dead letter: its type and message, then the innermost
+    ``frames`` frames of its traceback (``file:line function``), innermost first."""
+    tb = traceback.extract_tb(err.__traceback__)[-frames:]
+    where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(tb))
+    return f"{type(err).__name__}: {err}" + (f" (at {where})" if where else "")
 
 
 def dead_letter_fields(*, stream: str, entry: Entry, reason: str, consumer: str, prompt_id: str = "") -> list:

@@ -35,15 +35,16 @@ from enum import StrEnum
 
 from pipeline.algo.losses import NO_SIGNAL_STD
 from pipeline.bus.flow import release_once
-from pipeline.bus.streams import counter_args, parse_ref, txn_script
+from pipeline.bus.streams import counter_args, failure_summary, parse_ref, txn_script
 from pipeline.config import RunConfig
 from pipeline.engines import TrainEngine, make_train_engine
 from pipeline.keys import TRAINER_GROUP, Keys
 from pipeline.observe.logs import MetricsFile
-from pipeline.records import ScoredGroup, check_token_ids
+from pipeline.records import ScoredGroup, check_group_size, check_scores, check_token_ids, check_versions
 from pipeline.run import checkpoint
 from pipeline.run.checkpoint import StepRecord
-from pipeline.stage import Output, Stage
+from pipeline.run.procs import EXIT_ENTRIES_FAILED, process_age_s
+from pipeline.stage import STAGE_ERRORS, Output, Stage
 from pipeline.tasks.prompting import build_prompt, prompt_format
 from pipeline.tasks.registry import make_task
 from pipeline.weights import make_publisher, publisher_options
@@ -59,10 +60,16 @@ class Outcome(StrEnum):
     """v − min_version > η: dropped by the staleness bound."""
 
 
-def check_scored(g: ScoredGroup, *, vocab_size: int) -> None:
-    """Defects only the trainer can see: token ids its model cannot embed."""
+def check_scored(g: ScoredGroup, *, vocab_size: int, group_size: int | None = None, version: int | None = None) -> None:
+    """Defects only the trainer can see: token ids its model cannot embed, a group of another size
+    than ``generator.group_size``, a policy version newer than its own ``version`` (every version
+    it has published), scores out of range (``records.check_scores``)."""
     check_token_ids("prompt", g.rollout.prompt_ids, vocab_size)
     check_token_ids("completion", g.rollout.completion_ids, vocab_size)
+    check_group_size(g.rollout, group_size)
+    if version is not None:
+        check_versions(g.rollout, newest=version)
+    check_scores(g)
 
 
 def collect_batch(stage: Stage, *, size: int, held: set[str] = frozenset()) -> list[tuple] | None:
@@ -273,6 +280,10 @@ class Trainer:
     def __init__(self, cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = None,
                  engine: TrainEngine | None = None) -> None:
         self.cfg, self.r, self.keys, self.log = cfg, r, keys, log
+        age = process_age_s()
+        self.started_age_s = None if age is None else round(age, 3)
+        """Seconds from the process's start to this trainer's (interpreter, imports, connection)."""
+        t0 = time.perf_counter()
         self._payload_bytes = -1
         self.engine = engine if engine is not None else make_train_engine(cfg)
         self.task = make_task(cfg.task)
@@ -289,7 +300,8 @@ class Trainer:
         # uncommitted entries must not come back to it while it still holds them.
         self.stage = Stage(r, keys, cfg, name="trainer", worker_id="trainer", log=log, source="scored",
                            group=TRAINER_GROUP, decode=ScoredGroup.decode, claim=False,
-                           check=lambda g: check_scored(g, vocab_size=self.engine.vocab_size))
+                           check=lambda g: check_scored(g, vocab_size=self.engine.vocab_size, version=self.version,
+                                                        group_size=cfg.generator.group_size))
         self.publisher = make_publisher(cfg.weights.transport, r, keys.weights, ns=keys.ns,
                                         keep_versions=cfg.weights.keep_versions, **publisher_options(cfg.weights))
         self.version = 0
@@ -301,6 +313,8 @@ class Trainer:
         self.labelmodel_versions: set[int] = set()
         self._env = None
         """The environment factory of the held-out episodes (``env.kind``), built at the first evaluation."""
+        self.init_s = round(time.perf_counter() - t0, 3)
+        """Seconds building the engine (the base model), the held-out set, the reader and the publisher."""
 
     def resume(self) -> Path | None:
         """Restore the latest checkpoint and re-apply its commit; the checkpoint, or None for a fresh start."""
@@ -439,15 +453,23 @@ class Trainer:
     def run(self) -> dict:
         """Train until the policy reaches version ``trainer.steps`` (or a stop); returns a summary."""
         t, r, keys = self.cfg.trainer, self.r, self.keys
+        t0 = time.perf_counter()
         resumed_from = self.resume()
+        t1 = time.perf_counter()
         self.publish()
-        if self.version not in self.evals:
+        t2 = time.perf_counter()
+        if resumed_from is None and self.version not in self.evals:
+            # The base model's accuracy; a resumed trainer evaluates on its schedule, not before training.
             self.evaluate()
         if resumed_from is None:
             r.hset(keys.trainer, "base_accuracy", self.evals[0])
         r.hset(keys.trainer, mapping={"steps": t.steps, "state": "training"})
+        # Where a (re)start's time goes, up to training: what the driver's resume time is made of.
+        startup = {"before_init_s": self.started_age_s, "init_s": self.init_s, "resume_s": round(t1 - t0, 3),
+                   "publish_s": round(t2 - t1, 3), "eval_s": round(time.perf_counter() - t2, 3)}
         self.log.info("trainer_started", steps=t.steps, groups_per_step=t.groups_per_step,
-                      max_staleness=t.max_staleness, version=self.version, checkpoint_every=t.checkpoint_every)
+                      max_staleness=t.max_staleness, version=self.version, checkpoint_every=t.checkpoint_every,
+                      resumed=resumed_from is not None, startup=startup)
         while self.version < t.steps:
             t_wait = time.perf_counter()
             batch = collect_batch(self.stage, size=t.groups_per_step, held=self.held)
@@ -456,7 +478,16 @@ class Trainer:
             if batch is None:
                 self.log.info("stop_requested", version=self.version)
                 break
-            row = self.step(batch, wait_s=time.perf_counter() - t_wait)
+            try:
+                row = self.step(batch, wait_s=time.perf_counter() - t_wait)
+            except STAGE_ERRORS:
+                raise
+            except Exception as err:  # something the groups brought, past every check: exit, resume
+                self.log.error("step_failed", version=self.version, groups=len(batch), error=failure_summary(err),
+                               then="exit; the restarted trainer resumes from its checkpoint and the groups' "
+                                    "delivery count dead-letters them (redis.max_deliveries)")
+                raise StepFailed(f"step {self.version + 1} failed on the groups in hand: {failure_summary(err)}") \
+                    from err
             if self.version % t.checkpoint_every == 0 or self.version >= t.steps:
                 self.durable()
             self.publish()
@@ -480,6 +511,11 @@ class Trainer:
             close_env()
 
 
+class StepFailed(RuntimeError):
+    """A step failed on the groups in hand with an error no check foresaw; the process exits
+    with ``EXIT_ENTRIES_FAILED`` (``run_trainer``)."""
+
+
 def run_trainer(cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = None,
                 engine: TrainEngine | None = None) -> dict:
     """Train until the policy reaches version ``trainer.steps`` (or a stop); returns a summary.
@@ -487,11 +523,14 @@ def run_trainer(cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = No
     ``engine`` does the tensor work (``trainer.backend``; on torchtitan this process is the
     driver rank and the engine runs each operation on every rank); it is closed on return,
     with the publisher's transport resources (shm files, a tcp server thread), however the
-    loop ends, an interrupt included.
+    loop ends, an interrupt included. A step that fails on its groups exits the process with
+    ``EXIT_ENTRIES_FAILED`` (``pipeline.run.procs``), which the driver restarts at once.
     """
     trainer = Trainer(cfg, r, keys, log, run_dir=run_dir, engine=engine)
     try:
         summary = trainer.run()
+    except StepFailed:
+        raise SystemExit(EXIT_ENTRIES_FAILED) from None
     finally:
         trainer.close()
     log.info("trainer_finished", version=summary["version"], evals=summary["evals"])

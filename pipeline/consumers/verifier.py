@@ -18,16 +18,18 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 
 import msgpack
 import numpy as np
 
 from pipeline.algo.labelmodel import LabelModel, fit_label_model
 from pipeline.algo.rewards import RewardMode, parse_reward_mode
+from pipeline.bus.flow import NewestVersion
 from pipeline.config import ConfigError, RunConfig, VerifierConfig
 from pipeline.keys import TRAINER_GROUP, VERIFIERS_GROUP, Keys
 from pipeline.model.tokenizer import model_vocab_size
-from pipeline.records import RolloutGroup, ScoredGroup, check_token_ids
+from pipeline.records import RolloutGroup, ScoredGroup, check_group_size, check_token_ids, check_versions
 from pipeline.stage import Batch, Output, Stage
 from pipeline.tasks.registry import make_task
 from pipeline.verifiers.base import is_sound
@@ -101,8 +103,16 @@ def make_scorer(v: VerifierConfig) -> Scorer:
     return Scorer(v.verifiers, timeouts=v.timeout_map(), default_timeout_s=v.timeout_s)
 
 
-def check_tokens(g: RolloutGroup, *, vocab_size: int) -> None:
+def check_rollout(g: RolloutGroup, *, vocab_size: int, group_size: int | None = None,
+                  newest: Callable[[int], int] | None = None) -> None:
+    """Defects only a stage of this run can see: token ids its model cannot embed, a group of
+    another size than ``generator.group_size``, a policy version not yet published (``newest``:
+    the newest published, given the version a record claims)."""
+    check_token_ids("prompt", g.prompt_ids, vocab_size)
     check_token_ids("completion", g.completion_ids, vocab_size)
+    check_group_size(g, group_size)
+    if newest is not None:
+        check_versions(g, newest=newest(g.max_version))
 
 
 def reward_mode(v: VerifierConfig) -> RewardMode:
@@ -179,9 +189,11 @@ class Verifier:
         self.shared = SharedLabelModel(r, keys, v, worker_id, log) if self.mode.needs_label_model else None
         self.scorer = scorer if scorer is not None else make_scorer(v)
         self.posteriors_path = cfg.run_dir / POSTERIORS_DIR / f"{worker_id}.jsonl"
+        newest = NewestVersion(r, keys)
         self.stage = Stage(r, keys, cfg, name="verifier", worker_id=worker_id, log=log, source="rollouts",
                            group=VERIFIERS_GROUP, decode=RolloutGroup.decode, sink="scored", sink_group=TRAINER_GROUP,
-                           check=lambda g: check_tokens(g, vocab_size=vocab_size), prefetch=True)
+                           check=lambda g: check_rollout(g, vocab_size=vocab_size, newest=newest,
+                                                         group_size=cfg.generator.group_size), prefetch=True)
         self.scored = 0
 
     def step(self, batch: Batch) -> Output:
@@ -242,7 +254,7 @@ def run_verifier(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batc
     set_torch_threads(cfg.verifier.threads)
     ver = Verifier(cfg, r, keys, worker_id, log, scorer=scorer)
     log.info("verifier_started", reward=cfg.verifier.reward, verifiers=cfg.verifier.verifiers)
-    ver.stage.run(ver.step, count=cfg.verifier.batch, idle=lambda: ver.stage.heartbeat("idle"),
+    ver.stage.run(ver.step, count=cfg.verifier.batch, idle=lambda: ver.stage.heartbeat("idle", groups=ver.scored),
                   max_batches=max_batches)
     log.info("verifier_stopped", groups=ver.scored)
     return ver.scored

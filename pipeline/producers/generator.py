@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import redis
 
-from pipeline.bus.flow import Admission, VersionWatch
+from pipeline.bus.flow import Admission, NewestVersion, VersionWatch
 from pipeline.bus.streams import Entry, unacked_all
 from pipeline.config import RunConfig
 from pipeline.envs.base import EpisodeRunner
@@ -66,9 +66,11 @@ def swap_weights(fetcher, backend: GenerationBackend, version: int, log, *,
 
 
 def check_prompt(t: PromptTask, *, prompt_len: int | None, max_len: int, vocab_size: int,
-                 group_size: int | None = None, max_new_tokens: int | None = None) -> None:
+                 group_size: int | None = None, max_new_tokens: int | None = None,
+                 newest: Callable[[int], int] | None = None) -> None:
     """Defects only the generator can see: a prompt of the wrong length or with unknown tokens,
-    a partial group of the wrong size or beyond the token budget."""
+    a partial group of the wrong size, beyond the token budget or claiming a policy version not
+    yet published (``newest``: the newest published, given the version claimed)."""
     if prompt_len is not None and t.prompt_ids.size != prompt_len:
         raise RecordError(f"prompt has {t.prompt_ids.size} tokens, this task's prompts have {prompt_len}")
     if not 1 <= t.prompt_ids.size <= max_len:
@@ -82,6 +84,11 @@ def check_prompt(t: PromptTask, *, prompt_len: int | None, max_len: int, vocab_s
             raise RecordError(f"partial completion of {int(t.partial.lens.max())} tokens exceeds "
                               f"task.max_new_tokens = {max_new_tokens}")
         check_token_ids("partial completion", t.partial.ids, vocab_size)
+        if newest is not None and t.partial.versions.size:
+            claimed = int(t.partial.versions[1::2].max())
+            if claimed > max(newest(claimed), 0):
+                raise RecordError(f"partial completion of policy version {claimed}, newer than the newest "
+                                  f"published, {max(newest(claimed), 0)}")
 
 
 def to_groups(tasks: list[PromptTask], samples: list[Sampled], *, tok, worker_id: str, batch: int,
@@ -148,13 +155,15 @@ class Generator:
         self.watch = VersionWatch(r, keys)
         plen = prompt_length(cfg.task.digits) if cfg.task.kind == "arithmetic" else None
         max_len = model_context_length(cfg.model.base_dir) - cfg.task.max_new_tokens
+        newest = NewestVersion(r, keys)
         self.stage = Stage(r, keys, cfg, name="generator", worker_id=worker_id, log=log, source="prompts",
                            group=GENERATORS_GROUP, decode=PromptTask.decode, sink="rollouts",
                            sink_group=VERIFIERS_GROUP,
                            check=lambda t: check_prompt(t, prompt_len=plen, max_len=max_len,
                                                         vocab_size=self.backend.vocab_size,
                                                         group_size=cfg.generator.group_size,
-                                                        max_new_tokens=cfg.task.max_new_tokens))
+                                                        max_new_tokens=cfg.task.max_new_tokens,
+                                                        newest=newest))
         self.version, self.produced = 0, 0
 
     def swap_weights(self) -> None:

@@ -40,6 +40,9 @@ stale, dead-lettered, still in flight, **lost** (issued, never accounted for),
 log) and **unexpected** (consumed but never issued). The run passes when lost,
 duplicated and unexpected are all zero and the trainer finished.
 
+``chaos.load`` CPU burners (busy loops at the injector's priority) run beside the run from
+the injector's start to its end, so the faults land on a loaded host.
+
 With ``appendfsync everysec`` a SIGKILL of the server may drop its last second of
 acknowledged writes, which no client can detect; a chaos run therefore uses
 ``appendfsync always`` so that server kills test the pipeline, not the fsync policy.
@@ -50,6 +53,7 @@ from __future__ import annotations
 import json
 import random
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -285,9 +289,14 @@ class Injector:
         self.log(f"inject: {fault.kind} {fault.target}: {fault.detail} (version {fault.version})", flush=True)
 
     def run(self) -> int:
-        """Inject until the run ends (its driver gone, its ``cluster.json`` removed) or the plan is done."""
+        """Inject until the run ends (its driver gone, its ``cluster.json`` removed) or the plan is
+        done; ``chaos.load`` CPU burners run meanwhile."""
         if not self.attach():
             return 1
+        burners = start_burners(self.cfg.chaos.load)
+        if burners:
+            self.log(f"inject: {len(burners)} CPU burner(s) beside the run (pids {[b.pid for b in burners]})",
+                     flush=True)
         try:
             while True:
                 info = self.read_info()
@@ -311,8 +320,33 @@ class Injector:
             pass
         finally:
             self.resume_due(everything=True)  # nothing stays stopped after the injector
+            stop_burners(burners)
         self.log(f"inject: done, {len(self.faults)} faults {by_kind(self.faults)}", flush=True)
         return 0
+
+
+BURNER = """
+import os
+parent = os.getppid()
+while os.getppid() == parent:  # orphaned (the injector SIGKILLed): stop burning
+    for _ in range(1_000_000):
+        pass
+"""
+"""A CPU burner: one core busy at normal priority for as long as its injector lives."""
+
+
+def start_burners(n: int) -> list[subprocess.Popen]:
+    """``n`` CPU burners (``chaos.load``), in the injector's process group, so a SIGKILL of the
+    group takes them too; each also ends by itself once its injector is gone."""
+    return [subprocess.Popen([sys.executable, "-c", BURNER], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL) for _ in range(n)]
+
+
+def stop_burners(burners: list[subprocess.Popen]) -> None:
+    for b in burners:
+        b.kill()
+    for b in burners:
+        b.wait()
 
 
 def by_kind(faults: list[Fault] | list[dict]) -> dict[str, int]:

@@ -13,17 +13,22 @@ it stops the workers and the server it started and removes ``cluster.json``.
 
 Restarts (``Supervisor``), as Kubernetes' CrashLoopBackOff and systemd do it: a worker
 that exits is started again, forever, after a per-worker exponential backoff
-(``cluster.restart_backoff_s`` doubling to ``cluster.restart_backoff_max_s``, back to the
-start once it stayed up ``cluster.restart_reset_s``). ``cluster.crash_loop_exits`` quick
+(``cluster.restart_backoff_s`` doubling to ``cluster.restart_backoff_max_s``), back to the
+start once the worker made progress, as Redis shows it (the trainer committed a step, a
+generator or verifier emitted a batch; for the others, once it stayed up
+``cluster.restart_reset_s``). A death by an outside signal (SIGKILL, an OOM kill, SIGTERM,
+``pipeline chaos``) and a step that failed on its entries (``EXIT_ENTRIES_FAILED``) restart
+at the short end and are never part of a crash loop. ``cluster.crash_loop_exits`` quick
 non-zero exits in a row (each within ``cluster.crash_loop_uptime_s`` of its start) are a
 crash loop: reported on stderr with the worker's last lines, in the progress output and in
-its heartbeat, and restarted all the same; only a trainer crash loop ends the run. A death
-by a signal (SIGKILL, an OOM kill, ``pipeline chaos``) is a restart, never part of a crash
-loop. ``cluster.max_restarts_per_hour`` (0: unlimited) bounds all restarts together;
+its heartbeat, and restarted all the same; only a trainer crash loop ends the run. The
+trainer's resumes are timed, from its death to its next committed step. ``cluster.max_restarts_per_hour`` (0: unlimited) bounds all restarts together;
 past it the run ends. A run that ends so prints the worker's last output lines, stops
 everything, and says why in its summary.
 
-``pipeline down`` stops a cluster left running (it reads ``<runs_dir>/cluster.json``).
+``pipeline down`` stops a cluster left running (it reads ``<runs_dir>/cluster.json``): the
+driver, then the workers while the server still answers, then the server, then the run's
+``/dev/shm`` weight files; every stop of the driver's own ends the same way.
 ``cluster.json`` records each pid with its start time (``/proc/<pid>/stat`` field 22), and
 nothing signals a pid whose start time differs: it is another process now. A later ``pipeline
 up`` in the same runs_dir finds a ``cluster.json`` whose driver is dead (SIGKILLed) and
@@ -46,7 +51,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import DEFAULT_BASE_DIR, ConfigError, RunConfig, Situation, choices, refuse_inert, to_toml
-from pipeline.run.procs import proc_start_time, recorded_identity, send_signal, signal_recorded, wait_gone
+from pipeline.run.procs import EXIT_ENTRIES_FAILED, proc_start_time, recorded_identity, send_signal, signal_recorded, \
+    wait_gone
 
 RESTART_BUDGET_WINDOW_S = 3600.0
 """The window ``cluster.max_restarts_per_hour`` counts restarts over."""
@@ -580,6 +586,8 @@ class Cluster:
     """pid -> its start time (``proc_start_time``), read as each worker is spawned."""
     failure: WorkerFailed | None = None
     """The worker that kept exiting, when that ended the run."""
+    resume_seconds: list[float] = field(default_factory=list)
+    """Per death of the trainer, seconds from its death to its next committed step (``Supervisor.tick``)."""
 
     @property
     def cluster_file(self) -> Path:
@@ -605,6 +613,12 @@ class Cluster:
             "start_times": starts, "run_dir": str(cfg.run_dir),
             "shm_dir": str(default_root() / self.keys.ns) if cfg.weights.transport == "shm" else None}))
         os.replace(tmp, self.cluster_file)  # a reader never sees half of it
+
+    def remove_weights(self) -> None:
+        """Remove the run's shared-memory weight files, once its workers are gone: a trainer that
+        died (or waited out a backoff) when the run stopped never closed its publisher."""
+        if self.cfg.weights.transport == "shm":
+            _remove_weight_files({"ns": self.keys.ns})
 
     def forget(self) -> None:
         """Remove ``cluster.json`` if it records this driver (another run may have taken the file over)."""
@@ -679,7 +693,11 @@ class WorkerRecord:
 
     started_at: float = 0.0
     backoff_level: int = 0
-    """Restarts in a row without a stable run (``cluster.restart_reset_s``) in between."""
+    """Restarts in a row without progress (``Supervisor.progressed``) in between."""
+    progress_at_start: int | None = None
+    """The trainer's committed step when this start began (None: not read)."""
+    died_at: float | None = None
+    """When the trainer last died, until its next committed step (``Supervisor.resume_seconds``)."""
     quick_failures: int = 0
     """Non-zero exits in a row, each within ``cluster.crash_loop_uptime_s`` of its start."""
     restart_at: float | None = None
@@ -700,14 +718,56 @@ class Supervisor:
     def started(self, name: str) -> None:
         rec = self.records.setdefault(name, WorkerRecord())
         rec.started_at, rec.restart_at = time.time(), None
+        if name == "trainer":
+            rec.progress_at_start = self.committed()
+
+    def committed(self) -> int | None:
+        """The trainer's last committed step (``{ns}:trainer`` ``committed_version``); None while the
+        server does not answer (read without retries: the driver's loop must never wait on it)."""
+        try:
+            return int(quick_client(self.c).hget(self.c.keys.trainer, "committed_version") or 0)
+        except Exception:  # noqa: BLE001 - the server is down: the caller falls back on uptime
+            self.c.quick = None
+            return None
+
+    def progressed(self, name: str, rec: WorkerRecord) -> bool | None:
+        """Whether this start of the worker made progress: the trainer committed a step, a generator
+        or verifier emitted a batch (its heartbeat, from this process, counts groups); None when
+        unknown (another stage, or the server down): then the uptime rule decides."""
+        if name == "trainer":
+            now = self.committed()
+            return None if now is None or rec.progress_at_start is None else now > rec.progress_at_start
+        if stage_of_worker(name) not in ("generate", "verify"):
+            return None
+        try:
+            raw = quick_client(self.c).hget(self.c.keys.workers, name)
+        except Exception:  # noqa: BLE001 - the server is down
+            self.c.quick = None
+            return None
+        try:
+            beat = json.loads(raw) if raw else {}
+        except ValueError:
+            return None
+        return beat.get("pid") == self.c.procs[name].pid and int(beat.get("groups") or 0) > 0
 
     def delay(self, rec: WorkerRecord) -> float:
         k = self.c.cfg.cluster
         return min(k.restart_backoff_max_s, k.restart_backoff_s * 2 ** min(rec.backoff_level, 30))
 
     def tick(self) -> None:
-        """Note every worker that exited since the last tick; start again each one whose wait is over."""
+        """Note every worker that exited since the last tick; start again each one whose wait is over;
+        time the trainer's resume after a death."""
         c, now = self.c, time.time()
+        tr = self.records.get("trainer")
+        if tr is not None and tr.died_at is not None and tr.restart_at is None:
+            committed = self.committed()
+            if tr.progress_at_start is None:  # the server was down when it started
+                tr.progress_at_start = committed
+            elif committed is not None and committed > tr.progress_at_start:
+                c.resume_seconds.append(round(now - tr.died_at, 2))
+                self.log(f"trainer resumed: step {committed} committed {now - tr.died_at:.1f} s after it died "
+                         f"({now - tr.started_at:.1f} s after its restart)", flush=True)
+                tr.died_at = None
         for name, p in list(c.procs.items()):
             rec = self.records.setdefault(name, WorkerRecord(started_at=now))
             if p.poll() is None or (name == "trainer" and p.returncode == 0):
@@ -722,12 +782,20 @@ class Supervisor:
     def exited(self, name: str, code: int, now: float) -> None:
         c, k, rec = self.c, self.c.cfg.cluster, self.records[name]
         uptime = now - rec.started_at
-        if uptime >= k.restart_reset_s:
+        progressed = self.progressed(name, rec)
+        if progressed or (progressed is None and uptime >= k.restart_reset_s):
             rec.backoff_level = 0
-        if code > 0 and uptime < k.crash_loop_uptime_s:
+        # A signal from outside (SIGKILL, an OOM kill, SIGTERM) or a step that failed on its entries
+        # says nothing of the worker's own health: it starts again at the short end.
+        outside = -code in OUTSIDE_SIGNALS or code == EXIT_ENTRIES_FAILED
+        if outside:
+            rec.backoff_level = 0
+        if code > 0 and code != EXIT_ENTRIES_FAILED and uptime < k.crash_loop_uptime_s:
             rec.quick_failures += 1
-        else:  # a clean exit, a long run, or a signal from outside: not a crash loop
+        else:  # a clean exit, a long run, a signal, entries at fault: not a crash loop
             rec.quick_failures, rec.crash_looping = 0, False
+        if name == "trainer" and rec.died_at is None:
+            rec.died_at = now
         self.restart_times = [t for t in self.restart_times if t > now - RESTART_BUDGET_WINDOW_S]
         self.restart_times.append(now)
         c.restarts += 1
@@ -775,6 +843,27 @@ class Supervisor:
                       quick_failures=rec.quick_failures, error=error[-500:])
         except Exception:  # noqa: BLE001 - the report on stderr stands without the heartbeat
             pass
+
+
+OUTSIDE_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+"""Deaths another process causes (a fault injector, the OOM killer, an operator); a worker's own
+crash (SIGSEGV, SIGABRT, ...) backs off as an exit code does."""
+
+
+def stage_of_worker(name: str) -> str:
+    """The stage command of a worker of ``worker_table``: ``gen-0`` -> ``generate``."""
+    return {"gen": "generate", "ver": "verify", "eval": "evaluate", "trainer": "train", "feeder": "feed"}.get(
+        name.split("-")[0], name)
+
+
+def quick_client(c: Cluster):
+    """The driver's client that never retries (``c.quick``), made on first use."""
+    from pipeline.bus.connection import connect
+
+    if c.quick is None:
+        c.quick = connect(c.server.url, name=f"{c.cfg.run_id}:driver-progress", redis_cfg=c.cfg.redis, retries=0,
+                          socket_timeout=2.0)
+    return c.quick
 
 
 def report_failure(e: WorkerFailed) -> None:
@@ -840,13 +929,8 @@ def progress_line(c: Cluster, start: float) -> str:
     what starts a dead server again, so it must never wait on that server."""
     import redis
 
-    from pipeline.bus.connection import connect
-
     try:
-        if c.quick is None:
-            c.quick = connect(c.server.url, name=f"{c.cfg.run_id}:driver-progress", redis_cfg=c.cfg.redis, retries=0,
-                              socket_timeout=2.0)
-        return _progress_line(c.quick, c.keys, start, c.cfg.trainer.steps)
+        return _progress_line(quick_client(c), c.keys, start, c.cfg.trainer.steps)
     except redis.RedisError as e:
         c.quick = None
         return f"[{time.time() - start:6.0f}s] the Redis server does not answer ({e}); the workers wait for it"
@@ -909,8 +993,10 @@ def finish(c: Cluster, base_info: dict, status: str, start: float) -> int:
         extra["chaos"] = {**chaos_summary(run_dir), "verdict": verdict(accounting, finished=status == "finished")}
     summary = write_summary(cfg, c.r, c.keys, accounting, base_info, status=status,
                             wall_seconds=time.time() - start, restarts=c.restarts,
+                            trainer_resume_seconds=c.resume_seconds,
                             server_restarts=c.server_restarts, **extra)
     c.server.stop()
+    c.remove_weights()
     c.forget()
     print((run_dir / "summary.md").read_text(), flush=True)
     write_report(run_dir)
@@ -938,6 +1024,7 @@ def shut_down(c: Cluster) -> None:
         stop_injector(c)
         _stop_all(c.procs, grace_s=5.0)
         c.server.stop()
+        c.remove_weights()
         c.forget()
     finally:
         for s, h in old.items():
@@ -1027,6 +1114,15 @@ def _by_dataset_lines(by_dataset: dict[int, dict[str, float]]) -> list[str]:
             + ", ".join(f"{name} {first.get(name, float('nan')):.3f} -> {acc:.3f}" for name, acc in last.items())]
 
 
+def _resume_lines(seconds: list[float]) -> list[str]:
+    """The summary line of the trainer's resumes (death -> next committed step), when it died."""
+    if not seconds:
+        return []
+    ordered = sorted(seconds)
+    return [f"- trainer resumed {len(seconds)} time(s) after dying: death -> next committed step median "
+            f"{ordered[len(ordered) // 2]:.1f} s, longest {ordered[-1]:.1f} s"]
+
+
 def _beside_lines(rows: list[dict]) -> list[str]:
     """The eval worker's results (``cluster.evaluators``) as a table, one row per version."""
     if not rows:
@@ -1052,6 +1148,10 @@ def write_summary(cfg: RunConfig, r, keys, accounting: dict, base_info: dict, **
         if (cfg.run_dir / "metrics.jsonl").exists() else []
     # A trainer resumed from a checkpoint redoes the steps after it: the last row per version counts.
     steps = sorted({x["version"]: x for x in rows if x["kind"] == "step"}.values(), key=lambda x: x["version"])
+    # A step's row is written before its commit; a row past the last committed step (the trainer
+    # died in between, or the run stopped) is of a step that never happened.
+    committed = int(r.hget(keys.trainer, "committed_version") or 0)
+    steps = [x for x in steps if x["version"] <= committed]
     evals = sorted({x["version"]: x for x in rows if x["kind"] == "eval"}.values(), key=lambda x: x["version"])
     stats = read_stats(r, keys)
     base = evals[0]["heldout_accuracy"] if evals else float("nan")
@@ -1068,7 +1168,7 @@ def write_summary(cfg: RunConfig, r, keys, accounting: dict, base_info: dict, **
     summary = {
         "run_id": cfg.run_id, **extra,
         "reward_mode": cfg.verifier.reward, "max_staleness": cfg.trainer.max_staleness,
-        "steps": len(steps), "base_accuracy": base, "final_accuracy_mean_last3": final,
+        "steps": committed, "base_accuracy": base, "final_accuracy_mean_last3": final,
         "improvement_points": 100 * (final - base),
         "heldout_size": cfg.task.heldout_size, "evals": {e["version"]: e["heldout_accuracy"] for e in evals},
         "pretrain": base_info,
@@ -1107,6 +1207,7 @@ def write_summary(cfg: RunConfig, r, keys, accounting: dict, base_info: dict, **
         f"- reward: first 10 steps {summary['reward_first10']:.3f}, last 10 {summary['reward_last10']:.3f}; "
         f"hidden accuracy of sampled answers: {summary['sample_accuracy_first10']:.3f} -> {summary['sample_accuracy_last10']:.3f}",
         f"- goodput (tokens trained / generated): {summary['goodput']:.3f}; trainer idle {summary['trainer_idle_fraction']:.1%}; worker restarts {summary['restarts']}",
+        *_resume_lines(summary.get("trainer_resume_seconds") or []),
         f"- weights per version: {summary['weights_payload_bytes']:,} bytes (weights.payload {summary['weights_payload']})",
         *_beside_lines(beside),
         "", "## Accounting", "",
@@ -1120,19 +1221,32 @@ def write_summary(cfg: RunConfig, r, keys, accounting: dict, base_info: dict, **
     return summary
 
 
-def _stop_recorded(info: dict, log=print) -> list[str]:
-    """SIGTERM (then, after a grace, SIGKILL) the recorded workers' process groups, then the
-    recorded server; each pid only after its start-time check. What was stopped."""
+STOP_GRACE_S = 12.0
+"""How long ``pipeline down`` (and a later ``pipeline up`` cleaning up) lets a recorded worker
+finish its batch after SIGTERM before SIGKILL: the server is still up meanwhile, so no worker
+waits on it."""
+
+
+def _stop_recorded(info: dict, log=print, *, quiet_gone: bool = False) -> list[str]:
+    """SIGTERM (then, after ``STOP_GRACE_S``, SIGKILL) the recorded workers' process groups, and
+    once they are gone the recorded server (the workers finish their batch against it); each
+    pid only after its start-time check. What was stopped."""
     stopped: list[str] = []
     for names, group in (([(f"{n}", pid) for n, pid in (info.get("workers") or {}).items()], True),
                          ([("the Redis server", pid) for pid in _server_pids(info)], False)):
         sent = [(what, pid) for what, pid in names if signal_recorded(info, what, pid, signal.SIGTERM, group=group,
-                                                                        log=log)]
-        for pid in wait_gone(info, [pid for _, pid in sent], 15.0):
+                                                                        log=log, quiet_gone=quiet_gone)]
+        for pid in wait_gone(info, [pid for _, pid in sent], STOP_GRACE_S):
             send_signal(pid, signal.SIGKILL, group=group)  # checked just above: still the recorded process
         wait_gone(info, [pid for _, pid in sent], 5.0)
         stopped += [f"{what} (pid {pid})" for what, pid in sent]
     return stopped
+
+
+def _recorded_alive(info: dict) -> list[int]:
+    """The recorded processes (driver, workers, servers) still running as recorded."""
+    pids = [info.get("driver_pid"), *(info.get("workers") or {}).values(), *_server_pids(info)]
+    return [pid for pid in pids if pid and recorded_identity(info, pid) == "same"]
 
 
 def _server_pids(info: dict) -> list[int]:
@@ -1186,10 +1300,22 @@ def reclaim_stale(runs_dir: Path, log=print) -> None:
         f"removed {n} weight file(s){f' in {directory}' if directory else ''}; removed {info_file}", flush=True)
 
 
+DOWN_DRIVER_WAIT_S = 60.0
+"""How long ``pipeline down`` waits for a live driver to stop its run (its workers' last batch,
+the accounting, the summary) before it SIGKILLs the driver and stops the rest itself; while
+every worker is gone already (the driver is accounting, writing its summary), up to
+``DOWN_SUMMARY_WAIT_S``."""
+DOWN_SUMMARY_WAIT_S = 600.0
+
+
 def down(runs_dir: Path) -> int:
-    """Stop the cluster recorded in ``<runs_dir>/cluster.json``: SIGTERM the driver (which stops
-    the rest), then the stop key and SIGTERM for any worker and server left. Every pid is
-    signalled only if its start time is the one recorded (``recorded_identity``)."""
+    """Stop the cluster recorded in ``<runs_dir>/cluster.json``, in order: SIGTERM the driver
+    (which stops the rest) and wait for it (SIGKILL after ``DOWN_DRIVER_WAIT_S``, or
+    ``DOWN_SUMMARY_WAIT_S`` while it writes its summary with every worker gone); then the stop
+    key, and any worker left SIGTERMed, then SIGKILLed after ``STOP_GRACE_S``; then the server,
+    last, so no worker waits on a server already gone; then the run's shared-memory weight files.
+    ``cluster.json`` is removed only once no recorded process is left. Every pid is signalled
+    only if its start time is the one recorded (``recorded_identity``); 1 if a process is left."""
     import redis
 
     info_file = runs_dir / "cluster.json"
@@ -1201,9 +1327,16 @@ def down(runs_dir: Path) -> int:
     stopped_driver = False
     if driver and signal_recorded(info, "the cluster driver", driver, signal.SIGTERM):
         # The driver stops its workers and server itself; give it the time to.
-        if not wait_gone(info, [driver], 30.0):
-            stopped_driver = True
-            print(f"stopped the cluster driver (pid {driver}) and its workers")
+        left = wait_gone(info, [driver], DOWN_DRIVER_WAIT_S)
+        if left and not wait_gone(info, list((info.get("workers") or {}).values()), 0):
+            print(f"the cluster driver (pid {driver}) has stopped its workers and is writing its summary; waiting")
+            left = wait_gone(info, [driver], DOWN_SUMMARY_WAIT_S)
+        if left:
+            print(f"the cluster driver (pid {driver}) did not stop in time; killing it")
+            send_signal(driver, signal.SIGKILL)
+            wait_gone(info, [driver], 5.0)
+        stopped_driver = True
+        print(f"stopped the cluster driver (pid {driver}) and its workers")
     try:
         if info.get("redis_cluster"):
             from redis.cluster import RedisCluster
@@ -1213,11 +1346,15 @@ def down(runs_dir: Path) -> int:
             redis.Redis.from_url(info["url"], socket_timeout=2).set(info.get("stop_key", f"{info['ns']}:stop"), 1)
     except (redis.RedisError, OSError, KeyError, IndexError, ValueError):
         pass  # server already gone: signals below still stop the workers
-    for name, pid in info["workers"].items():
-        if signal_recorded(info, name, pid, signal.SIGTERM, group=True, quiet_gone=stopped_driver):
-            print(f"stopped {name} (pid {pid})")
-    for pid in _server_pids(info):
-        if signal_recorded(info, "the Redis server", pid, signal.SIGTERM, quiet_gone=stopped_driver):
-            print(f"stopped the Redis server (pid {pid})")
+    for what in _stop_recorded(info, quiet_gone=stopped_driver):
+        print(f"stopped {what}")
+    directory, n = _remove_weight_files(info)
+    if n:
+        print(f"removed {n} weight file(s) in {directory}")
+    left = _recorded_alive(info)
+    if left:
+        print(f"pipeline: processes {left} of the run are still running; keeping {info_file} so that "
+              f"`pipeline down` can find them again", file=sys.stderr)
+        return 1
     info_file.unlink(missing_ok=True)
     return 0

@@ -11,6 +11,12 @@ from __future__ import annotations
 import os
 import time
 
+EXIT_ENTRIES_FAILED = 4
+"""The exit code of a worker whose step failed on the entries in hand (the trainer: its step is the
+whole batch's, so no entry can be set apart in the process). The driver restarts it at the short
+end of its backoff and never counts it toward a crash loop: the entries' delivery count
+(``redis.max_deliveries``) dead-letters them after a few restarts, and the run goes on."""
+
 
 def proc_start_time(pid: int) -> int | None:
     """The start time of process ``pid`` (field 22 of ``/proc/<pid>/stat``, clock ticks since
@@ -26,6 +32,18 @@ def proc_start_time(pid: int) -> int | None:
         return int(after[19])  # fields 3.. follow the name: field 22 is index 19
     except (IndexError, ValueError):
         return None
+
+
+def process_age_s(pid: int | None = None) -> float | None:
+    """Seconds since process ``pid`` (this one by default) started, from ``/proc`` (to 10 ms);
+    None when it cannot be read."""
+    start = proc_start_time(os.getpid() if pid is None else pid)
+    try:
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None if start is None else max(0.0, uptime - start / os.sysconf("SC_CLK_TCK"))
 
 
 def recorded_identity(info: dict, pid: int) -> str:
