@@ -9,6 +9,7 @@ total-queue check over every prompt issued).
 
     python bench/chaos.py seeds --seeds 0-9 --steps 80        # ten seeded runs, a fault every 4-10 s
     python bench/chaos.py seeds --seeds 11-20 --load 2         # the same beside two CPU burners
+    python bench/chaos.py seeds --seeds 11-20 --load 2 --resume  # after an interruption: the rest
     python bench/chaos.py rates --steps 60                     # rising fault rates until one fails
     python bench/chaos.py soak --minutes 60                    # one long run under steady faults
 
@@ -88,13 +89,27 @@ def chaos_run(label: str, *, steps: int, seed: int, gap: tuple[float, float], ru
             "gain_points": s.get("improvement_points"), "passed": rc == 0 and bool(v.get("ok"))}
 
 
-def run_seeds(a) -> dict:
-    rows = [chaos_run(f"chaos-seed{k}", steps=a.steps, seed=k, gap=(a.min_gap, a.max_gap), runs_dir=a.runs_dir,
-                      load=a.load) for k in seed_list(a.seeds)]
-    return {"command": f"python bench/chaos.py seeds --seeds {a.seeds} --steps {a.steps} --min-gap {a.min_gap:g} "
-                       f"--max-gap {a.max_gap:g} --load {a.load}", "steps": a.steps, "load": a.load,
-            "gap_s": [a.min_gap, a.max_gap], "runs": rows, "passed": sum(r["passed"] for r in rows), "n": len(rows),
-            "faults_total": sum(r.get("faults", 0) for r in rows), **resume_stats(rows)}
+def run_seeds(a, done: list[dict] | None = None, save=None) -> dict:
+    """One chaos run per seed. ``done``: rows of an earlier, interrupted series (``--resume``), whose
+    seeds are not run again; ``save`` gets the section after every run, so an interruption keeps
+    every finished run."""
+    rows = list(done or [])
+    have = {r["seed"] for r in rows}
+
+    def section() -> dict:
+        return {"command": f"python bench/chaos.py seeds --seeds {a.seeds} --steps {a.steps} --min-gap {a.min_gap:g} "
+                           f"--max-gap {a.max_gap:g} --load {a.load}", "steps": a.steps, "load": a.load,
+                "gap_s": [a.min_gap, a.max_gap], "runs": rows, "passed": sum(r["passed"] for r in rows),
+                "n": len(rows), "faults_total": sum(r.get("faults", 0) for r in rows), **resume_stats(rows)}
+
+    for k in seed_list(a.seeds):
+        if k in have:
+            continue
+        rows.append(chaos_run(f"chaos-seed{k}", steps=a.steps, seed=k, gap=(a.min_gap, a.max_gap),
+                              runs_dir=a.runs_dir, load=a.load))
+        if save is not None:
+            save(section())
+    return section()
 
 
 def resume_stats(rows: list[dict]) -> dict:
@@ -301,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "chaos-bench")
     p.add_argument("--load", type=int, default=0, help="CPU burners beside each run (chaos.load)")
+    p.add_argument("--resume", action="store_true",
+                   help="seeds: keep the runs the section already holds (same settings) and run only the others")
     a = p.parse_args(argv)
     if a.what == "soak" and a.steps == 80:
         a.steps = 1_000_000  # stopped by the clock, not by the step count
@@ -308,12 +325,18 @@ def main(argv: list[str] | None = None) -> int:
     # Each setting its own section: seeds (idle, the default gaps), seeds-load2, seeds-gap1.5-4.5, ...
     key = a.what + (f"-load{a.load}" if a.load else "") + (
         f"-gap{a.min_gap:g}-{a.max_gap:g}" if a.what == "seeds" and (a.min_gap, a.max_gap) != (4.0, 10.0) else "")
-    if a.what != "render":
-        part = {"seeds": run_seeds, "rates": run_rates, "soak": run_soak}[a.what](a)
+    def save(part: dict) -> None:
         part["date"] = time.strftime("%Y-%m-%d")
         res[key] = part
         OUT.parent.mkdir(parents=True, exist_ok=True)
         OUT.write_text(json.dumps(res, indent=2) + "\n")
+
+    if a.what == "seeds":
+        earlier = res.get(key, {}) if a.resume else {}
+        same = earlier.get("steps") == a.steps and earlier.get("load") == a.load
+        save(run_seeds(a, done=[r for r in earlier.get("runs", []) if r.get("summary")] if same else None, save=save))
+    elif a.what != "render":
+        save({"rates": run_rates, "soak": run_soak}[a.what](a))
     OUT.with_suffix(".md").write_text(render(res))
     print(OUT.with_suffix(".md").read_text())
     if a.what == "seeds":
