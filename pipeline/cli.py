@@ -165,9 +165,10 @@ def _distill(args: argparse.Namespace, cfg: RunConfig) -> int:
 
 def _eval(args: argparse.Namespace, cfg: RunConfig) -> int:
     from pipeline.run.evaluate import run_eval
+    from pipeline.run.launch import resolve_base_dir
 
     try:
-        result = run_eval(cfg, checkpoint=args.checkpoint or cfg.model.base_dir, n=args.n, ks=args.k,
+        result = run_eval(cfg, checkpoint=args.checkpoint or resolve_base_dir(cfg).model.base_dir, n=args.n, ks=args.k,
                           temperature=args.temperature, max_prompts=args.max_prompts, seed=args.seed,
                           batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, out=args.out,
                           argv=sys.argv[1:])  # the command line, recorded in --out
