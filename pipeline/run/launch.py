@@ -260,6 +260,18 @@ def check_settings(cfg: RunConfig, *, chaos: bool = False) -> None:
 # ----------------------------------------------------------------------------- preflight
 
 
+def check_run(cfg: RunConfig, *, chaos: bool = False) -> RunConfig:
+    """Every check ``pipeline up`` (``chaos``: ``pipeline chaos``) makes before it starts
+    anything, and all that ``pipeline config --check`` runs: the base directory of the
+    config's recipe (``resolve_base_dir``), the inputs a worker would fail on (``preflight``)
+    and the fields set that would not take effect (``check_settings``). Returns ``cfg`` with
+    that base directory; ConfigError naming the field otherwise."""
+    cfg = resolve_base_dir(cfg)
+    preflight(cfg, chaos=chaos)
+    check_settings(cfg, chaos=chaos)
+    return cfg
+
+
 def preflight(cfg: RunConfig, *, chaos: bool = False) -> None:
     """ConfigError naming each input the run would otherwise fail on inside a worker, and
     what the field allows: checked before anything starts (no server, no pretrain, no run
@@ -1034,16 +1046,13 @@ def up(cfg: RunConfig, *, chaos: bool = False) -> int:
     """Run the whole pipeline; with ``chaos``, inject the faults of ``cfg.chaos`` and judge the result.
 
     A run this runs_dir records is dealt with first (``reclaim_stale``); then every input the
-    config shows is checked (``preflight``, ``check_settings``), so a bad one fails here,
+    config shows is checked (``check_run``, as ``pipeline config --check``), so a bad one fails here,
     before anything starts. From then on Ctrl-C and SIGTERM (`pipeline
     down`) stop the run cleanly, and however the driver exits, it stops what it started.
     """
     # A run left behind by a SIGKILLed driver first: its workers would hold this run's ports.
     reclaim_stale(Path(cfg.runs_dir))
-    cfg = resolve_base_dir(cfg)
-    preflight(cfg, chaos=chaos)
-    check_settings(cfg, chaos=chaos)
-    cfg = run_config(cfg, chaos=chaos)
+    cfg = run_config(check_run(cfg, chaos=chaos), chaos=chaos)
     # SIGINT is set explicitly because a process started in the background inherits it ignored.
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
