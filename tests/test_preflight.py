@@ -365,7 +365,8 @@ def _documented_runs(tmp_path: Path) -> list[tuple[str, list[str]]]:
     """(command, arguments) of every shipped config and of every config the docs show: each
     ``configs/*.toml``, each TOML block of a run config in docs/ (written to a file), and each
     ``pipeline up`` / ``pipeline chaos`` command line of README.md and docs/."""
-    runs: list[tuple[str, list[str]]] = [("up", ["--config", str(p)]) for p in sorted((ROOT / "configs").glob("*.toml"))]
+    runs: list[tuple[str, list[str]]] = [("up", ["--config", str(p)])
+                                         for p in sorted((ROOT / "configs").glob("*.toml"))]
     tables = {f"[{n.partition('.')[0]}]" for n in field_names() if "." in n}
     for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         text = doc.read_text()

@@ -75,7 +75,7 @@ def base_recipe(cfg: RunConfig) -> dict:
     warm-up, and every held-out set of the run it must leave out (``evaluated_sets``)."""
     m, t = cfg.model, cfg.task
     shape = {k: getattr(m, k) for k in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size")}
-    main, *others = evaluated_sets(cfg)
+    others = evaluated_sets(cfg)[1:]  # the first is the task's own: heldout_size, heldout_seed
     overlapping = [s for s in others if s["digits"] == t.digits and set(s["ops"]) & set(t.ops)]
     return recipe(shape=shape, digits=t.digits, ops=t.ops, steps=m.pretrain_steps, batch_size=m.pretrain_batch_size,
                   lr=m.pretrain_lr, seed=m.seed, stop_loss=m.pretrain_stop_loss or None, heldout_size=t.heldout_size,
@@ -189,8 +189,8 @@ def ensure_base_model(cfg: RunConfig, *, force: bool = False) -> dict:
         return shipped
     print(f"building the base model in {base} (supervised warm-up, at most {m.pretrain_steps} steps)", flush=True)
     if (shipped_r := shipped_recipe()) is not None and want != shipped_r:
-        print(f"  its recipe differs from the shipped base's in {'; '.join(differences(shipped_r, want, label='here'))}",
-              flush=True)
+        differ = "; ".join(differences(shipped_r, want, label="here"))
+        print(f"  its recipe differs from the shipped base's in {differ}", flush=True)
     extra = [p for s in evaluated_sets(cfg)[1:] for p in task.heldout_problems(
         n=s["heldout_size"], seed=s["heldout_seed"], digits=s["digits"], ops=tuple(s["ops"]))]
     return pretrain(base, shape=shape, digits=t.digits, ops=tuple(t.ops), steps=m.pretrain_steps,
