@@ -22,8 +22,8 @@ from pipeline.config import DEFAULT_BASE_DIR, ConfigError, load_config
 from pipeline.model.pretrain import RECIPE_FILE, SHIPPED, install_shipped, pretrain, recipe
 from pipeline.model.qwen import ModelShape, greedy_accuracy, load_checkpoint
 from pipeline.model.recipe import differences, leaked
-from pipeline.run.launch import (base_problems, base_recipe, ensure_base_model, evaluated_sets, preflight,
-                                 resolve_base_dir)
+from pipeline.run.launch import (base_problems, base_recipe, ensure_base_model, evaluated_sets, model_problems,
+                                 preflight, resolve_base_dir)
 from pipeline.tasks import arithmetic as task
 
 
@@ -207,8 +207,8 @@ def test_the_extending_commands_then_a_default_run_leave_the_shipped_base_untouc
             made[base] = _sha(base / "model.safetensors")
         assert base_problems(cfg) == []
     assert made, "the tiny config's recipe differs from the shipped one"
-    cfg = resolve_base_dir(load_config())  # then a plain default run's base step
-    preflight(cfg)
+    cfg = resolve_base_dir(parse(["up", "--metrics.base_port", "9400"])[1])  # then `make up-cluster`'s base step
+    assert model_problems(cfg) == []
     info = ensure_base_model(cfg)
     assert cfg.model.base_dir == DEFAULT_BASE_DIR and info["source"] == "shipped"
     for f in SHIPPED.iterdir():
