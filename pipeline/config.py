@@ -12,6 +12,7 @@ every CLI can parse and check its config before paying for heavy imports.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import json
 import math
@@ -612,7 +613,11 @@ class TrainerConfig(_Section):
     ppo_epochs: int = 1
     """Passes over each batch (``trainer.backend = "torch"``). With more than one update per
     batch (epochs × minibatches > 1) the proximal policy is the one before the first update,
-    so the ratio departs from 1 and clip_eps binds; 1 × 1 is one plain update, ratio 1."""
+    so the ratio departs from 1 and clip_eps can bind, as often as the updates are large:
+    on the shipped base (32 prompts × 8, 2 epochs × 2 minibatches, a fresh AdamW) clip_frac
+    fell from 0.08 to 0.03 over six steps at lr 1e-4 and from 0.02 to 0.005 at 1.5e-5. The
+    first steps train at a fraction of lr (warmup_steps: 1/21 of it at the first), so a short
+    run on a small batch can show 0. 1 × 1 is one plain update, ratio 1."""
     minibatches: int = 1
     """Optimizer updates per epoch: the batch's completions shuffled and split this many ways."""
     max_tokens_per_microbatch: int = 0
@@ -1174,7 +1179,8 @@ def _build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
     for key, value in values.items():
         name = f"{prefix}{key}"
         if key not in names:
-            raise ConfigError(f"{name}: unknown field; allowed: {', '.join(sorted(names))}")
+            raise ConfigError(f"{name}: unknown field{_did_you_mean(key, names, prefix)}; allowed: "
+                              f"{', '.join(sorted(names))}")
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
             if not isinstance(value, Mapping):
@@ -1183,6 +1189,29 @@ def _build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
         else:
             kwargs[key] = _coerce(value, hint, name)
     return cls(**kwargs)
+
+
+def field_names(cls: type | None = None, prefix: str = "") -> list[str]:
+    """The dotted name of every field of ``cls`` (default: the whole ``RunConfig``)."""
+    out = []
+    for f in dataclasses.fields(cls or RunConfig):
+        hint = _hints(cls or RunConfig)[f.name]
+        out += field_names(hint, f"{prefix}{f.name}.") if dataclasses.is_dataclass(hint) else [f"{prefix}{f.name}"]
+    return out
+
+
+def _did_you_mean(key: str, names: list[str], prefix: str) -> str:
+    """`` (did you mean X?)`` for an unknown field ``prefix + key``: the closest field of its own
+    table, else a field of that name (or a close one) in another table; empty when none is close."""
+    if close := difflib.get_close_matches(key, names, n=1, cutoff=0.6):
+        return f" (did you mean {prefix}{close[0]}?)"
+    everywhere = field_names()
+    leaves = {n.rpartition(".")[2]: n for n in everywhere}
+    if close := difflib.get_close_matches(key, list(leaves), n=1, cutoff=0.75):
+        return f" (did you mean {leaves[close[0]]}?)"
+    if close := difflib.get_close_matches(f"{prefix}{key}", everywhere, n=1, cutoff=0.75):
+        return f" (did you mean {close[0]}?)"
+    return ""
 
 
 def _nest(overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -1380,14 +1409,29 @@ def _uses_label_model(reward: str) -> bool:
 
 
 def refuse_inert(cfg: RunConfig, s: Situation) -> None:
-    """ConfigError naming every field the user set (``cfg.explicit``) that cannot take effect, and why."""
+    """ConfigError naming every field the user set (``cfg.explicit``) to other than its default
+    that cannot take effect, why, and how to get round it: leave the field out, or set it back
+    to its default on the command line (which wins over a config file)."""
     by_reason: dict[str, list[str]] = {}
+    default = RunConfig()
     for name, why in inert_fields(cfg, s).items():
-        if name in cfg.explicit:
+        if name in cfg.explicit and cfg.get(name) != default.get(name):
             by_reason.setdefault(why, []).append(name)
     if by_reason:
-        raise ConfigError("; ".join(f"{', '.join(f'{n} = {cfg.get(n)!r}' for n in names)}: set, but cannot take "
-                                    f"effect: {why}" for why, names in by_reason.items()))
+        raise ConfigError("; ".join(
+            f"{', '.join(f'{n} = {cfg.get(n)!r}' for n in names)}: set, but cannot take effect: {why}. To run "
+            f"without {'them' if len(names) > 1 else 'it'}, leave {'them' if len(names) > 1 else 'it'} out of the "
+            f"config, or pass {' '.join(f'--{n} {_flag_value(default.get(n))}' for n in names)} (the default)"
+            for why, names in by_reason.items()))
+
+
+def _flag_value(v: Any) -> str:
+    """``v`` as a command-line value (lists joined by commas, as ``_coerce`` reads them)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (list, tuple)):
+        return ",".join(map(str, v)) or "''"
+    return "''" if v == "" else str(v)
 
 
 def config_to_dict(cfg: RunConfig) -> dict[str, Any]:

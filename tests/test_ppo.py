@@ -99,3 +99,27 @@ def test_clip_eps_with_one_update_per_batch_is_refused_as_inert():
     with pytest.raises(ConfigError, match=r"trainer\.clip_eps = .*ratio is 1"):
         refuse_inert(cfg, Situation())
     refuse_inert(load_config(overrides={"trainer.clip_eps": "0.1", "trainer.ppo_epochs": "2"}), Situation())
+
+
+def test_a_step_that_trains_nothing_leaves_the_lr_schedule_alone_and_warns_nothing(tiny_base_model, redis_client,
+                                                                                  tmp_path, recwarn):
+    from pipeline.bus.streams import Entry
+    from pipeline.consumers.trainer import Trainer
+    from pipeline.keys import Keys
+    from pipeline.observe.logs import setup_logging
+
+    cfg = load_config(overrides={"model.base_dir": str(tiny_base_model), "run_id": "no-signal",
+                                 "trainer.groups_per_step": "2"})
+    log = setup_logging(tmp_path / "logs", stage="trainer", worker="trainer")
+    trainer = Trainer(cfg, redis_client, Keys.of(cfg.run_id, cfg.redis), log, run_dir=None)
+    try:
+        same = [(Entry(id=f"1-{i}".encode(), payload=None), make_scored(prompt_id=f"p{i:08d}", rewards=[1, 1, 1, 1]))
+                for i in range(2)]
+        trainer.step(same, wait_s=0.0)  # every group's rewards equal: no signal, no update
+        assert trainer.engine.sched.last_epoch == 0 and trainer.version == 1
+        assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)], [str(w.message) for w in recwarn]
+        trainer.step([(Entry(id=f"2-{i}".encode(), payload=None), make_scored(prompt_id=f"q{i:08d}", version=1))
+                      for i in range(2)], wait_s=0.0)
+        assert trainer.engine.sched.last_epoch == 1 and trainer.version == 2
+    finally:
+        trainer.close()

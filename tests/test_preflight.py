@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -25,8 +26,9 @@ import pytest
 
 from harness import TINY
 
-from pipeline.config import ConfigError, load_config
-from pipeline.run.launch import log_file, preflight, worker_table
+from pipeline.cli import COMMANDS, main, parse
+from pipeline.config import ConfigError, field_names, load_config
+from pipeline.run.launch import check_run, log_file, preflight, worker_table
 
 ROOT = Path(__file__).resolve().parents[1]
 REFUSE_WITHIN_S = 2.0
@@ -354,3 +356,112 @@ def test_a_checkpoint_the_torchtitan_trainer_cannot_build_is_refused_before_laun
     out = subprocess.run([sys.executable, "-c", "import sys, pipeline.engines.titan_arch; print('torch' in sys.modules)"],
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# ----------------------------------------------------------------------------- pipeline config --check
+
+
+def _documented_runs(tmp_path: Path) -> list[tuple[str, list[str]]]:
+    """(command, arguments) of every shipped config and of every config the docs show: each
+    ``configs/*.toml``, each TOML block of a run config in docs/ (written to a file), and each
+    ``pipeline up`` / ``pipeline chaos`` command line of README.md and docs/."""
+    runs: list[tuple[str, list[str]]] = [("up", ["--config", str(p)])
+                                         for p in sorted((ROOT / "configs").glob("*.toml"))]
+    tables = {f"[{n.partition('.')[0]}]" for n in field_names() if "." in n}
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = doc.read_text()
+        for i, block in enumerate(re.findall(r"```toml\n(.*?)```", text, flags=re.S)):
+            if any(line.strip() in tables for line in block.splitlines()):
+                path = tmp_path / f"{doc.stem}-{i}.toml"
+                path.write_text(block)
+                runs.append(("up", ["--config", str(path)]))
+        text = re.sub(r"\\\n\s*", " ", text)  # shell line continuations
+        for m in re.finditer(r"(?:^|`|\$ )pipeline (up|chaos)((?: [^`|\n]*)?)", text, flags=re.M):
+            try:
+                args = shlex.split(m.group(2), comments=True)
+            except ValueError:
+                continue
+            if "--help" not in args and "-h" not in args:
+                runs.append((m.group(1), args))
+    return runs
+
+
+def _outcome(call) -> tuple[int, str]:
+    """(0, "") when ``call`` passes; (2, the message) when it refuses the config."""
+    try:
+        call()
+    except ConfigError as e:
+        return 2, str(e)
+    except SystemExit as e:  # argparse
+        return int(e.code or 0), "argparse"
+    return 0, ""
+
+
+def test_config_check_and_up_agree_on_every_shipped_and_documented_config(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)  # the docs' relative paths (configs/, examples/) are the repository's
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    runs = _documented_runs(tmp_path)
+    assert len(runs) > 40 and sum(c == "chaos" for c, _ in runs) >= 1
+    passed = 0
+    for command, args in runs:
+        def up_checks():  # what `pipeline up` checks before it starts anything, without starting it
+            _, cfg = parse([command, *args])
+            check_run(cfg, chaos=command == "chaos")
+
+        def config_check():
+            code = main(["config", "--check", command, *args])
+            err = capsys.readouterr().err
+            if code:
+                raise ConfigError(err.removeprefix("pipeline: config error: ").strip())
+
+        up = _outcome(up_checks)
+        assert _outcome(config_check) == up, f"pipeline {command} {shlex.join(args)}"
+        passed += up[0] == 0
+    assert passed >= 10, "most documented configs pass"
+    print(f"{len(runs)} configs, {passed} pass both, {len(runs) - passed} refused by both")
+
+
+def test_config_check_refuses_what_up_refuses_with_the_way_round(tmp_path, tiny_base_model):
+    p = subprocess.run([sys.executable, "-m", "pipeline.cli", "config", "--check", "--config", str(TINY),
+                        "--verifier.reward", "ground_truth", "--model.base_dir", str(tiny_base_model)],
+                       capture_output=True, text=True, env=UP_ENV, cwd=tmp_path, timeout=60)
+    assert p.returncode == 2
+    assert "verifier.min_fit_rows = 16: set, but cannot take effect" in p.stderr
+    assert "leave it out of the config, or pass --verifier.min_fit_rows 128 (the default)" in p.stderr
+    p = subprocess.run([sys.executable, "-m", "pipeline.cli", "config", "--check", "--config", str(TINY),
+                        "--verifier.reward", "ground_truth", "--verifier.min_fit_rows", "128",
+                        "--model.base_dir", str(tiny_base_model)],
+                       capture_output=True, text=True, env=UP_ENV, cwd=tmp_path, timeout=60)
+    assert p.returncode == 0 and "passes every check of `pipeline up`" in p.stdout, p.stderr
+    assert not (tmp_path / "runs").exists(), "nothing started"
+
+
+def test_an_unknown_field_is_answered_with_the_closest_one():
+    with pytest.raises(ConfigError, match=r"trainer\.stpes: unknown field \(did you mean trainer\.steps\?\)"):
+        load_config(overrides={"trainer.stpes": "3"})
+    with pytest.raises(ConfigError, match=r"did you mean task\.heldout_size\?"):
+        load_config(overrides={"trainer.heldout_size": "3"})
+
+
+def test_either_spelling_of_a_flag_is_the_same_flag():
+    for argv in (["up", "--runs-dir", "x", "--run_id", "r", "--redis_url", "redis://h:1", "--trainer.max-refills", "3"],
+                 ["up", "--runs_dir", "x", "--run-id", "r", "--redis-url", "redis://h:1", "--trainer.max_refills=3"]):
+        _, cfg = parse(argv)
+        assert (cfg.runs_dir, cfg.run_id, cfg.redis.url, cfg.trainer.max_refills) == ("x", "r", "redis://h:1", 3)
+    assert parse(["down", "--runs_dir", "y"])[0].runs_dir == "y"
+    assert parse(["generate", "--worker_id", "g", "--max_batches", "2"])[0].worker_id == "g"
+
+
+def test_help_lists_every_command_and_every_config_field(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    top = capsys.readouterr().out
+    for name in COMMANDS:
+        assert re.search(rf"^ +pipeline (?:[\w-]+ \| )*{name} ", top, flags=re.M), f"`pipeline --help` omits {name}"
+    with pytest.raises(SystemExit):
+        main(["up", "--help"])
+    up_help = " ".join(capsys.readouterr().out.split())
+    assert "pipeline config" in up_help
+    for name in field_names():
+        table, _, leaf = name.rpartition(".")
+        assert re.search(rf"\[{table or 'top'}\][^\[]*\b{leaf}\b", up_help), name

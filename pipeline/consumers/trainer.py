@@ -411,7 +411,8 @@ class Trainer:
         if any(self.version - g.rollout.min_version > t.max_staleness for g in signal):
             raise RuntimeError(f"staleness invariant violated at version {self.version}")
         stats = self.engine.train_step(signal) if signal else {}
-        self.engine.lr_step()
+        if signal:  # the lr warm-up counts optimizer updates; a step that trained nothing made none
+            self.engine.lr_step()
         self.version += 1
         row = step_metrics(batch, fresh, signal, version=self.version, stats=stats, wait_s=wait_s,
                            step_s=time.perf_counter() - t_step)

@@ -22,7 +22,7 @@ import json
 import math
 import shutil
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -37,6 +37,7 @@ from rich.progress import (
 )
 
 from pipeline.tasks import arithmetic as task
+from pipeline.model.recipe import DEFAULT_SCHEDULE, RECIPE_FILE, SHIPPED, WARMUP_STEPS, recipe
 from pipeline.model.qwen import (ModelShape, build_model, completion_logprobs, greedy_accuracy, num_parameters,
                                  save_checkpoint)
 from pipeline.model.tokenizer import CharTokenizer
@@ -51,24 +52,9 @@ DEFAULT_STEPS = 650
 DEFAULT_BATCH_SIZE = 128
 DEFAULT_LR = 2e-3
 DEFAULT_SEED = 0
-DEFAULT_SCHEDULE = "constant"
-"""A cosine decay makes the plateau escape (which needs a large lr) late or absent for
-some seeds, so after warm-up the lr is kept constant."""
-WARMUP_STEPS = 50
 LOSS_WINDOW = 20
 """Steps averaged for ``final_loss`` and for the optional ``stop_loss`` rule."""
-SHIPPED = Path(__file__).resolve().parent / "arith_base"
-"""The default base model (HF checkpoint directory), built by ``pretrain`` from ``SHIPPED/recipe.json``."""
-RECIPE_FILE = "recipe.json"
-
-
-def recipe(*, shape: ModelShape, digits: int, ops: Sequence[str], steps: int, batch_size: int, lr: float,
-           seed: int, stop_loss: float | None, heldout_size: int, heldout_seed: int,
-           schedule: str = DEFAULT_SCHEDULE, warmup: int = WARMUP_STEPS) -> dict:
-    """Everything that decides the bytes ``pretrain`` writes (the held-out set is never trained on)."""
-    return {"shape": asdict(shape), "digits": digits, "ops": list(ops), "steps": steps, "batch_size": batch_size,
-            "lr": lr, "seed": seed, "stop_loss": stop_loss, "heldout_size": heldout_size,
-            "heldout_seed": heldout_seed, "schedule": schedule, "warmup": warmup}
+__all__ = ["RECIPE_FILE", "SHIPPED", "WARMUP_STEPS", "install_shipped", "pretrain", "recipe"]
 
 
 def install_shipped(out_dir: Path, want: dict) -> dict | None:
@@ -130,6 +116,8 @@ def pretrain(
     lr: float = DEFAULT_LR,
     seed: int = DEFAULT_SEED,
     heldout: Sequence[task.Problem],
+    exclude: Iterable[task.Problem] = (),
+    record: Mapping | None = None,
     schedule: str = DEFAULT_SCHEDULE,
     warmup: int = WARMUP_STEPS,
     weight_decay: float = 0.0,
@@ -143,10 +131,12 @@ def pretrain(
 
     The loss is the mean negative log-likelihood of the completion tokens (answer
     digits and eos; the prompt and trailing pads are not scored). Training problems
-    never include a ``heldout`` one. At the end, greedy accuracy on ``heldout`` is
-    measured (and every ``eval_every`` steps when > 0), the checkpoint is written
-    with :func:`save_checkpoint`, and ``out_dir/pretrain.json`` records the run; its
-    content is returned. Deterministic for a given seed (measured identical with 1
+    never include a ``heldout`` one, nor one of ``exclude`` (the held-out rows of the run's
+    other evaluation sets). ``record``, the recipe that asked for this run
+    (``pipeline.model.recipe.recipe``), is written as ``out_dir/recipe.json``. At the end,
+    greedy accuracy on ``heldout`` is measured (and every ``eval_every`` steps when > 0),
+    the checkpoint is written with :func:`save_checkpoint`, and ``out_dir/pretrain.json``
+    records the run; its content is returned. Deterministic for a given seed (measured identical with 1
     and 2 torch threads).
 
     ``threads`` sets torch's intra-op threads for the run (restored afterwards; None
@@ -172,7 +162,8 @@ def pretrain(
     try:
         return _pretrain(
             out_dir, shape=shape, digits=digits, ops=ops, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
-            heldout=heldout, schedule=schedule, warmup=warmup, weight_decay=weight_decay, eval_every=eval_every,
+            heldout=heldout, exclude=frozenset(exclude), record=record, schedule=schedule, warmup=warmup,
+            weight_decay=weight_decay, eval_every=eval_every,
             stop_loss=stop_loss, progress=progress, log=log,
         )
     finally:
@@ -190,6 +181,8 @@ def _pretrain(
     lr: float,
     seed: int,
     heldout: Sequence[task.Problem],
+    exclude: frozenset[task.Problem],
+    record: Mapping | None,
     schedule: str,
     warmup: int,
     weight_decay: float,
@@ -204,7 +197,7 @@ def _pretrain(
     model.train()
     params = num_parameters(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=weight_decay)
-    problems = task.training_problems(seed=seed, digits=digits, ops=ops, exclude=set(heldout))
+    problems = task.training_problems(seed=seed, digits=digits, ops=ops, exclude=set(heldout) | exclude)
     width = task.answer_max_length(digits, ops) + 1
     batches = _batches(tokenizer, problems, batch_size=batch_size, completion_width=width)
     log(f"pretrain: {params:,} parameters, {steps} steps x {batch_size}, lr {lr:g} ({schedule}), seed {seed}")
@@ -269,6 +262,8 @@ def _pretrain(
         "threads": torch.get_num_threads(),
         "evals": evals,
     }
+    if record is not None:  # before pretrain.json, which marks the directory complete
+        (out_dir / RECIPE_FILE).write_text(json.dumps(dict(record), indent=2) + "\n", encoding="utf-8")
     (out_dir / "pretrain.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     log(
         f"pretrain done in {result['seconds']:.1f}s: loss {result['final_loss']:.4f}, "

@@ -50,7 +50,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import DEFAULT_BASE_DIR, ConfigError, RunConfig, Situation, choices, refuse_inert, to_toml
+from pipeline.config import (DEFAULT_BASE_DIR, ConfigError, RunConfig, Situation, choices, eval_set_task, refuse_inert,
+                             to_toml)
+from pipeline.model.recipe import (RECIPE_FILE, SHIPPED, differences, heldout_sets, leaked, read_recipe, recipe,
+                                   recipe_dir, shipped_recipe)
 from pipeline.run.procs import EXIT_ENTRIES_FAILED, proc_start_time, recorded_identity, send_signal, signal_recorded, \
     wait_gone
 
@@ -73,33 +76,102 @@ def built_base_model(cfg: RunConfig) -> dict | None:
     return None
 
 
-def base_model_differences(cfg: RunConfig, built: dict) -> list[str]:
-    """``field = recorded (config: value)`` for each warm-up setting where the checkpoint's
-    ``pretrain.json`` and the config disagree (an older default, another recipe)."""
+def base_recipe(cfg: RunConfig) -> dict:
+    """The recipe of the base model ``cfg`` asks for (task.kind ``arithmetic``): its shape and
+    warm-up, and every held-out set of the run it must leave out (``evaluated_sets``)."""
     m, t = cfg.model, cfg.task
-    want = {"model.pretrain_steps": ("max_steps", m.pretrain_steps),
-            "model.pretrain_stop_loss": ("stop_loss", m.pretrain_stop_loss or None),
-            "model.pretrain_batch_size": ("batch_size", m.pretrain_batch_size), "model.pretrain_lr": ("lr", m.pretrain_lr),
-            "model.seed": ("seed", m.seed), "task.digits": ("digits", t.digits), "task.ops": ("ops", list(t.ops))}
-    want.update({f"model.{k}": (None, getattr(m, k)) for k in ("hidden_size", "num_layers", "num_heads",
-                                                                "num_kv_heads", "intermediate_size")})
-    out = []
-    for name, (key, value) in want.items():
-        recorded = built.get("shape", {}).get(name.split(".")[1]) if key is None else built.get(key)
-        if recorded is not None and recorded != value:
-            out.append(f"{name} = {recorded} (config: {value})")
-    return out
+    shape = {k: getattr(m, k) for k in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size")}
+    others = evaluated_sets(cfg)[1:]  # the first is the task's own: heldout_size, heldout_seed
+    overlapping = [s for s in others if s["digits"] == t.digits and set(s["ops"]) & set(t.ops)]
+    return recipe(shape=shape, digits=t.digits, ops=t.ops, steps=m.pretrain_steps, batch_size=m.pretrain_batch_size,
+                  lr=m.pretrain_lr, seed=m.seed, stop_loss=m.pretrain_stop_loss or None, heldout_size=t.heldout_size,
+                  heldout_seed=t.heldout_seed, eval_sets=overlapping)
+
+
+def evaluated_sets(cfg: RunConfig) -> list[dict]:
+    """Every arithmetic held-out set the run evaluates on, the task's own first: the task's
+    held-out split, and with an eval worker each arithmetic set of ``eval.sets``."""
+    tasks = [cfg.task]
+    for spec in cfg.eval.sets if cfg.cluster.evaluators else ():
+        try:
+            tasks.append(eval_set_task(cfg.task, spec))
+        except ConfigError:
+            continue  # the preflight names it (eval_problems)
+    return [{"digits": t.digits, "ops": list(t.ops), "heldout_size": t.heldout_size, "heldout_seed": t.heldout_seed}
+            for t in tasks if t.kind == "arithmetic"]
+
+
+def resolve_base_dir(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with ``model.base_dir`` at the directory of its recipe when it names the default
+    location: ``artifacts/base-model`` for the shipped recipe, ``artifacts/base-model-<digest>``
+    for any other, so that a run with another recipe never reuses nor overwrites the default
+    run's base. A directory named otherwise is the user's: kept as given."""
+    if cfg.task.kind != "arithmetic" or Path(cfg.model.base_dir).resolve() != Path(DEFAULT_BASE_DIR).resolve():
+        return cfg
+    target = recipe_dir(cfg.model.base_dir, base_recipe(cfg))
+    return cfg if target == Path(cfg.model.base_dir) else cfg.replace("model.base_dir", str(target))
+
+
+def recorded_recipe(base: Path, built: dict) -> dict:
+    """The recipe ``base`` records (``recipe.json``); for a directory written before recipes
+    were recorded, what its ``pretrain.json`` says (no ``heldout_seed``)."""
+    if (r := read_recipe(base)) is not None:
+        return r
+    return {"shape": built.get("shape"), "digits": built.get("digits"), "ops": built.get("ops"),
+            "steps": built.get("max_steps"), "batch_size": built.get("batch_size"), "lr": built.get("lr"),
+            "seed": built.get("seed"), "stop_loss": built.get("stop_loss"), "heldout_size": built.get("heldout_size"),
+            "heldout_seed": None, "schedule": built.get("schedule"), "warmup": built.get("warmup")}
+
+
+def base_model_differences(cfg: RunConfig, built: dict) -> list[str]:
+    """``field = recorded (config: value)`` for each recipe entry where the checkpoint in
+    ``model.base_dir`` (its ``recipe.json``) and the config disagree (an older default, another recipe)."""
+    return differences(recorded_recipe(Path(cfg.model.base_dir), built), base_recipe(cfg))
+
+
+def base_problems(cfg: RunConfig) -> list[str]:
+    """Why the warm-up checkpoint in ``model.base_dir`` cannot start this run (empty: it can, or
+    there is none to judge): at the default location, one built from another recipe; anywhere,
+    one whose warm-up may have trained on a held-out problem the run evaluates on."""
+    base = Path(cfg.model.base_dir)
+    if cfg.task.kind != "arithmetic" or not (base / "pretrain.json").is_file():
+        return []
+    built = json.loads((base / "pretrain.json").read_text())
+    have = recorded_recipe(base, built)
+    want = base_recipe(cfg)
+    if base.resolve() == recipe_dir(DEFAULT_BASE_DIR, want).resolve() and have != want:
+        return [f"model.base_dir: {str(base)!r}, where this recipe's base belongs, holds one built from another "
+                f"recipe ({'; '.join(differences(have, want))}): move it away (it is kept as it is) or "
+                "replace it with this recipe's base (`pipeline pretrain --force`, with this config)"]
+    n = leaked(have, evaluated_sets(cfg))
+    if n is None:
+        return [f"model.base_dir: {str(base)!r} records no held-out split of its warm-up (no {RECIPE_FILE}: written "
+                "before recipes were recorded), so its warm-up may have trained on this run's held-out problems: "
+                "rebuild it with `pipeline pretrain --force` and this config, or point model.base_dir elsewhere"]
+    if n:
+        return [f"model.base_dir: the warm-up of {str(base)!r} may have trained on {n} of the held-out problems this "
+                f"run evaluates on (it left out {json.dumps(heldout_sets(have))}; the run evaluates on "
+                f"{json.dumps(evaluated_sets(cfg))}): leave model.base_dir at its default (each recipe gets a base "
+                "of its own), rebuild it with `pipeline pretrain --force` and this config, or evaluate on a set it "
+                "left out (task.heldout_size, task.heldout_seed, eval.sets)"]
+    return []
 
 
 def ensure_base_model(cfg: RunConfig, *, force: bool = False) -> dict:
-    """Pretrain the base model into ``model.base_dir`` unless a checkpoint is there."""
+    """Pretrain the base model into ``model.base_dir`` (at the default location, the directory
+    of the config's recipe: ``resolve_base_dir``) unless a checkpoint is there; ConfigError when
+    the checkpoint there cannot start this run (``base_problems``)."""
     from pipeline.tasks import arithmetic as task
     from pipeline.model.qwen import ModelShape
-    from pipeline.model.pretrain import install_shipped, pretrain, recipe
+    from pipeline.model.pretrain import install_shipped, pretrain
 
+    cfg = resolve_base_dir(cfg)
     base = Path(cfg.model.base_dir)
     if not force and (built := built_base_model(cfg)) is not None:
-        if cfg.task.kind == "arithmetic" and (differ := base_model_differences(cfg, built)):
+        if problems := base_problems(cfg):
+            raise ConfigError("; ".join(problems))
+        if (base / "pretrain.json").is_file() and cfg.task.kind == "arithmetic" and (
+                differ := base_model_differences(cfg, built)):
             print(f"note: {base} holds a base model built with {', '.join(differ)}; it is used as it is "
                   f"(remove it, or point model.base_dir elsewhere, for the one this config describes)", flush=True)
         return built
@@ -109,21 +181,29 @@ def ensure_base_model(cfg: RunConfig, *, force: bool = False) -> dict:
             raise FileNotFoundError(f"model.base_dir: {base} is not an HF checkpoint directory (config.json, "
                                     "safetensors, tokenizer.json); `pipeline init-model` builds one")
         return {}
+    if base.resolve() == SHIPPED.resolve():
+        raise ConfigError(f"model.base_dir: {str(base)!r} is the package's shipped base, which nothing writes; "
+                          "point model.base_dir elsewhere")
     m, t = cfg.model, cfg.task
     shape = ModelShape(hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
                        num_kv_heads=m.num_kv_heads, intermediate_size=m.intermediate_size)
-    settings = dict(shape=shape, digits=t.digits, ops=tuple(t.ops), steps=m.pretrain_steps,
-                    batch_size=m.pretrain_batch_size, lr=m.pretrain_lr, seed=m.seed,
-                    stop_loss=m.pretrain_stop_loss or None)
-    if not force and (shipped := install_shipped(base, recipe(**settings, heldout_size=t.heldout_size,
-                                                              heldout_seed=t.heldout_seed))) is not None:
+    want = base_recipe(cfg)
+    if not force and (shipped := install_shipped(base, want)) is not None:
         # The same bytes on every machine (pipeline.model.pretrain says why it is shipped).
         print(f"installed the shipped base model in {base} (held-out greedy accuracy "
               f"{shipped['heldout_accuracy']:.1%}; `pipeline pretrain --force` trains it here instead)", flush=True)
         return shipped
     print(f"building the base model in {base} (supervised warm-up, at most {m.pretrain_steps} steps)", flush=True)
-    return pretrain(base, **settings, heldout=task.heldout_problems(n=t.heldout_size, seed=t.heldout_seed,
-                                                                     digits=t.digits, ops=tuple(t.ops)))
+    if (shipped_r := shipped_recipe()) is not None and want != shipped_r:
+        differ = "; ".join(differences(shipped_r, want, label="here"))
+        print(f"  its recipe differs from the shipped base's in {differ}", flush=True)
+    extra = [p for s in evaluated_sets(cfg)[1:] for p in task.heldout_problems(
+        n=s["heldout_size"], seed=s["heldout_seed"], digits=s["digits"], ops=tuple(s["ops"]))]
+    return pretrain(base, shape=shape, digits=t.digits, ops=tuple(t.ops), steps=m.pretrain_steps,
+                    batch_size=m.pretrain_batch_size, lr=m.pretrain_lr, seed=m.seed,
+                    stop_loss=m.pretrain_stop_loss or None, record=want, exclude=extra,
+                    heldout=task.heldout_problems(n=t.heldout_size, seed=t.heldout_seed, digits=t.digits,
+                                                  ops=tuple(t.ops)))
 
 
 def stage_command(cfg: RunConfig, stage: str) -> list[str]:
@@ -186,6 +266,18 @@ def check_settings(cfg: RunConfig, *, chaos: bool = False) -> None:
 # ----------------------------------------------------------------------------- preflight
 
 
+def check_run(cfg: RunConfig, *, chaos: bool = False) -> RunConfig:
+    """Every check ``pipeline up`` (``chaos``: ``pipeline chaos``) makes before it starts
+    anything, and all that ``pipeline config --check`` runs: the base directory of the
+    config's recipe (``resolve_base_dir``), the inputs a worker would fail on (``preflight``)
+    and the fields set that would not take effect (``check_settings``). Returns ``cfg`` with
+    that base directory; ConfigError naming the field otherwise."""
+    cfg = resolve_base_dir(cfg)
+    preflight(cfg, chaos=chaos)
+    check_settings(cfg, chaos=chaos)
+    return cfg
+
+
 def preflight(cfg: RunConfig, *, chaos: bool = False) -> None:
     """ConfigError naming each input the run would otherwise fail on inside a worker, and
     what the field allows: checked before anything starts (no server, no pretrain, no run
@@ -206,9 +298,13 @@ def preflight(cfg: RunConfig, *, chaos: bool = False) -> None:
 
 def builds_base_model(cfg: RunConfig) -> bool:
     """Whether a missing ``model.base_dir`` may be built by this run: the task has a warm-up
-    (only ``arithmetic``) and the directory is the default location or ``model.build_missing`` is set."""
-    return cfg.task.kind == "arithmetic" and (
-        cfg.model.build_missing or Path(cfg.model.base_dir).resolve() == Path(DEFAULT_BASE_DIR).resolve())
+    (only ``arithmetic``) and the directory is the default location (or the config's recipe's
+    directory there, ``resolve_base_dir``) or ``model.build_missing`` is set."""
+    if cfg.task.kind != "arithmetic":
+        return False
+    base = Path(cfg.model.base_dir).resolve()
+    return (cfg.model.build_missing or base == Path(DEFAULT_BASE_DIR).resolve()
+            or base == recipe_dir(DEFAULT_BASE_DIR, base_recipe(cfg)).resolve())
 
 
 def checkpoint_problems(directory: Path) -> list[str]:
@@ -264,8 +360,9 @@ def model_problems(cfg: RunConfig) -> list[str]:
     if missing:
         return [f"model.base_dir: must be a loadable checkpoint directory (config.json with vocab_size, "
                 f"tokenizer.json, model.safetensors); {str(base)!r} lacks {', '.join(missing)}: {how}"]
+    if problems := base_problems(cfg):
+        return problems
     if cfg.trainer.backend == "torchtitan":
-        import json
 
         from pipeline.engines.titan_arch import checkpoint_problems as titan_problems
 
@@ -545,9 +642,10 @@ def chaos_problems(cfg: RunConfig) -> list[str]:
 
 
 def run_config(cfg: RunConfig, *, chaos: bool = False) -> RunConfig:
-    """The config the run uses: a run id made from the time when none is given, and under
-    chaos a server that fsyncs every write (a SIGKILLed server must lose nothing it
-    acknowledged, see pipeline.run.chaos)."""
+    """The config the run uses: the base directory of its recipe (``resolve_base_dir``), a run
+    id made from the time when none is given, and under chaos a server that fsyncs every
+    write (a SIGKILLed server must lose nothing it acknowledged, see pipeline.run.chaos)."""
+    cfg = resolve_base_dir(cfg)
     if not cfg.run_id:
         cfg = cfg.replace("run_id", time.strftime("run-%Y%m%d-%H%M%S"))
     if chaos:
@@ -1035,15 +1133,13 @@ def up(cfg: RunConfig, *, chaos: bool = False) -> int:
     """Run the whole pipeline; with ``chaos``, inject the faults of ``cfg.chaos`` and judge the result.
 
     A run this runs_dir records is dealt with first (``reclaim_stale``); then every input the
-    config shows is checked (``preflight``, ``check_settings``), so a bad one fails here,
+    config shows is checked (``check_run``, as ``pipeline config --check``), so a bad one fails here,
     before anything starts. From then on Ctrl-C and SIGTERM (`pipeline
     down`) stop the run cleanly, and however the driver exits, it stops what it started.
     """
     # A run left behind by a SIGKILLed driver first: its workers would hold this run's ports.
     reclaim_stale(Path(cfg.runs_dir))
-    preflight(cfg, chaos=chaos)
-    check_settings(cfg, chaos=chaos)
-    cfg = run_config(cfg, chaos=chaos)
+    cfg = run_config(check_run(cfg, chaos=chaos), chaos=chaos)
     # SIGINT is set explicitly because a process started in the background inherits it ignored.
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
