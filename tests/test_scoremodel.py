@@ -1,0 +1,108 @@
+"""The label model that keeps the scores (pipeline/algo/scoremodel.py), on synthetic votes with a known truth."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.algo.labelmodel import fit_label_model
+from pipeline.algo.scoremodel import _auc, family, fit_score_model
+
+JUDGES = ["lm_judge:m@x", "lm_judge:m@y", "lm_judge:m@z"]
+
+
+def make_votes(*, n: int = 2000, pi: float = 0.2, shared: float = 0.0, seed: int = 0):
+    """Three independent verifiers of falling strength and three judges of one model that share a
+    nuisance of strength ``shared``: (votes [n, 6], truth [n], names)."""
+    rng = np.random.default_rng(seed)
+    y = (rng.random(n) < pi).astype(float)
+    nuisance = rng.normal(size=n)
+    cols = [1 / (1 + np.exp(-(s * (2 * y - 1) + rng.normal(size=n)))) for s in (2.0, 1.0, 0.7)]
+    cols += [1 / (1 + np.exp(-(0.5 * (2 * y - 1) + shared * nuisance + 0.5 * rng.normal(size=n)))) for _ in JUDGES]
+    return np.stack(cols, axis=1), y, ["a", "b", "c", *JUDGES]
+
+
+def test_judges_of_one_model_are_one_family_and_count_once():
+    assert family("lm_judge:artifacts/x@configs/judges/a.toml") == family("lm_judge:artifacts/x@solve")
+    assert family("self_consistency:last_number") == "self_consistency:last_number"
+    v, _, names = make_votes()
+    assert fit_score_model(v, names).report()["weights"] == {"a": 1.0, "b": 1.0, "c": 1.0, **dict.fromkeys(JUDGES, 0.333)}
+
+
+def test_label_free_it_finds_pi_and_ranks_as_well_as_the_best_verifier():
+    v, y, names = make_votes()
+    m = fit_score_model(v, names)
+    assert abs(m.pi - y.mean()) < 0.03 and m.sane and m.used == "fit"
+    assert _auc(m.posterior(v, names), y) >= max(_auc(v[:, j], y) for j in range(v.shape[1])) - 0.01
+
+
+def test_judges_sharing_an_error_do_not_pull_pi_up_as_they_pull_the_binarised_model():
+    v, y, names = make_votes(shared=1.5)
+    m = fit_score_model(v, names)
+    weaver = fit_label_model(v, names)
+    assert abs(m.pi - y.mean()) < 0.05 < abs(weaver.pi - y.mean())
+    assert _auc(m.posterior(v, names), y) > _auc(np.asarray(weaver.posterior(v, names)), y) + 0.1
+
+
+def test_y_is_the_component_the_verifiers_favour_even_when_right_answers_are_few():
+    for pi in (0.08, 0.5, 0.85):
+        v, y, names = make_votes(pi=pi, seed=3)
+        m = fit_score_model(v, names)
+        assert abs(m.pi - y.mean()) < 0.05, pi
+        assert _auc(m.posterior(v, names), y) > 0.9
+        assert sum(f > 0 for f in m.favour) == len(names)
+
+
+def test_abstentions_leave_a_row_scored_by_the_others():
+    v, y, names = make_votes()
+    v[::3, 0] = np.nan
+    m = fit_score_model(v, names)
+    p = m.posterior(v, names)
+    assert np.isfinite(p).all() and _auc(p, y) > 0.95
+
+
+def test_a_sound_verifier_failing_makes_a_row_wrong():
+    v, y, names = make_votes()
+    states = np.where((y == 1) | (np.arange(len(y)) % 2 == 0), 1.0, 0.0)  # right answers always pass
+    m = fit_score_model(np.column_stack([v, states]), [*names, "states_answer"], sound=["states_answer"])
+    p = m.posterior(np.column_stack([v, states]), [*names, "states_answer"])
+    assert p[states == 0].max() < 1e-3
+
+
+def test_labels_guard_falls_back_to_the_best_single_verifier_when_the_fit_loses_on_them():
+    rng = np.random.default_rng(5)
+    n = 2000
+    y = (rng.random(n) < 0.3).astype(float)
+    nuisance = rng.normal(size=n)
+    strong = 1 / (1 + np.exp(-(1.5 * (2 * y - 1) + 0.5 * rng.normal(size=n))))
+    # four judges of four models that agree on a nuisance and say nothing about correctness
+    fooled = [1 / (1 + np.exp(-(2 * nuisance + 0.3 * rng.normal(size=n)))) for _ in range(4)]
+    v = np.column_stack([strong, *fooled])
+    names = ["strong", "f1", "f2", "f3", "f4"]
+    free = fit_score_model(v, names)
+    assert _auc(free.posterior(v, names), y) < 0.7  # label-free, the shared nuisance wins
+    labelled = rng.choice(n, size=128, replace=False)
+    m = fit_score_model(v, names, labels=(labelled, y[labelled]))
+    assert m.used == "single:strong" and m.report()["labels"] == 128
+    assert _auc(m.posterior(v, names), y) > 0.9
+    ok = fit_score_model(*make_votes()[::2], labels=None)  # without labels nothing is guarded
+    assert ok.used == "fit"
+
+
+def test_with_labels_the_fit_is_kept_when_it_wins_and_reports_the_labelled_share():
+    v, y, names = make_votes(shared=1.5, seed=7)
+    labelled = np.random.default_rng(7).choice(len(y), size=32, replace=False)
+    m = fit_score_model(v, names, labels=(labelled, y[labelled]))
+    r = m.report()
+    assert m.used == "fit" and r["label_auc"]["fit"] >= r["label_auc"]["best_single_auc"]
+    assert r["label_share"] == pytest.approx((y[labelled].sum() + 1) / 34, abs=1e-4)
+    assert abs(m.pi - y.mean()) < 0.05
+
+
+def test_a_constant_column_is_left_out_and_none_left_is_refused():
+    v, y, names = make_votes()
+    m = fit_score_model(np.column_stack([v, np.ones(len(y))]), [*names, "const"])
+    assert "const" not in m.names and np.isfinite(m.posterior(np.column_stack([v, np.ones(len(y))]),
+                                                              [*names, "const"])).all()
+    with pytest.raises(ValueError, match="no verifier has two distinct scores"):
+        fit_score_model(np.ones((10, 2)), ["x", "y"])
