@@ -50,6 +50,7 @@ KvOnSwap = Literal["keep", "recompute"]
 Dependence = Literal["drop", "merge"]
 """Implemented by ``pipeline.algo.labelmodel.DEPENDENCE_POLICIES``."""
 PiEstimate = Literal["alternate", "levels"]
+LabelModelKind = Literal["weaver", "scores"]
 """Implemented by ``pipeline.algo.labelmodel.PI_ESTIMATES``."""
 TrainBackendName = Literal["torch", "torchtitan"]
 """Implemented by ``pipeline.engines.make_train_engine``."""
@@ -512,6 +513,12 @@ class VerifierConfig(_Section):
     as near the truth or nearer on SmolLM2's judges, farther when judges share an error).
     Verifiers that all vote 0/1 give both the same fit (docs/design.md §5,
     docs/real-models.md)."""
+    label_model: LabelModelKind = "weaver"
+    """The label model the ``weaver`` rewards fit: ``weaver`` (binarised votes, Dawid-Skene and
+    moment matching; ``pipeline.algo.labelmodel``) or ``scores`` (each verifier's scores kept
+    as levels, judges of one model counted once, y = 1 the component the verifiers favour;
+    ``pipeline.algo.scoremodel``, docs/design.md §5). ``scores`` ignores ``dependence``,
+    ``class_balance`` and ``pi_estimate``."""
 
     def _validate(self, p: str) -> None:
         _check(0.0 <= self.class_balance < 1.0, f"{p}.class_balance", "in [0, 1) (0: estimated)", self.class_balance)
@@ -1260,7 +1267,8 @@ PRETRAIN_FIELDS: dict[str, tuple[str, ...]] = {
 checkpoint's ``pretrain.json`` records the value it was built with."""
 
 LABEL_MODEL_FIELDS = ("verifier.window", "verifier.refit_every", "verifier.min_fit_rows", "verifier.dependence",
-                      "verifier.sound_checks", "verifier.class_balance", "verifier.pi_estimate")
+                      "verifier.sound_checks", "verifier.class_balance", "verifier.pi_estimate",
+                      "verifier.label_model")
 VLLM_FIELDS = tuple(f"generator.{f.name}" for f in dataclasses.fields(GeneratorConfig) if f.name.startswith("vllm_"))
 
 

@@ -106,3 +106,50 @@ def test_a_constant_column_is_left_out_and_none_left_is_refused():
                                                               [*names, "const"])).all()
     with pytest.raises(ValueError, match="no verifier has two distinct scores"):
         fit_score_model(np.ones((10, 2)), ["x", "y"])
+
+
+def test_a_fit_survives_its_dict_form_as_the_verifier_stage_stores_it():
+    import msgpack
+
+    from pipeline.algo.scoremodel import ScoreModel
+
+    v, y, names = make_votes()
+    labelled = np.arange(0, 400, 5)
+    for m in (fit_score_model(v, names, version=3), fit_score_model(v, names, labels=(labelled, y[labelled]))):
+        back = ScoreModel.from_dict(msgpack.unpackb(msgpack.packb(m.to_dict())))
+        np.testing.assert_array_equal(back.posterior(v, names), m.posterior(v, names))
+        assert back.report() == m.report()
+
+
+def test_the_verifier_stage_fits_the_score_model_when_configured_and_logs_which(tmp_path, tiny_base_model,
+                                                                               redis_client, redis_url):
+    import json
+
+    from builders import make_rollout
+
+    from pipeline.bus.streams import FIELD
+    from pipeline.config import load_config
+    from pipeline.consumers.verifier import run_verifier
+    from pipeline.keys import Keys
+    from pipeline.observe.logs import setup_logging
+    from pipeline.records import ScoredGroup
+
+    cfg = load_config(overrides={
+        "run_id": "scores", "runs_dir": str(tmp_path), "redis.url": redis_url, "model.base_dir": str(tiny_base_model),
+        "verifier.verifiers": "format,mod9,units_digit,self_consistency", "verifier.reward": "weaver",
+        "verifier.label_model": "scores", "verifier.min_fit_rows": 8, "verifier.batch": 4})
+    keys = Keys(cfg.run_id)
+    answers = ["357", "356", "357", "12", "357", "358", "3570", "357"]
+    for i in range(4):
+        redis_client.xadd(keys.shard(0).rollouts, {FIELD: make_rollout(
+            prompt_id=f"p{i:08d}", completions=tuple(answers[(i + k) % 8] for k in range(8))).encode()})
+    log = setup_logging(tmp_path / "logs", stage="verifier", worker="ver-0")
+    assert run_verifier(cfg, redis_client, keys, "ver-0", log, max_batches=1) == 4
+    scored = [ScoredGroup.decode(f[FIELD]) for _, f in redis_client.xrange(keys.shard(0).scored)]
+    assert len(scored) == 4 and all(np.isfinite(g.rewards).all() for g in scored)
+    right = np.concatenate([g.rewards[np.array(g.rollout.completions) == "357"] for g in scored])
+    wrong = np.concatenate([g.rewards[np.array(g.rollout.completions) != "357"] for g in scored])
+    assert right.mean() > wrong.mean()
+    fits = [json.loads(line) for line in (tmp_path / "logs" / "ver-0.jsonl").read_text().splitlines()
+            if '"labelmodel_fitted"' in line]
+    assert fits and fits[-1]["method"] == "scores" and fits[-1]["used"] == "fit"

@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+LABEL_MODELS = ("weaver", "scores")
+"""What ``verifier.label_model`` chooses: ``pipeline.algo.labelmodel``'s model, or this one."""
 LEVELS = 5
 """Most levels a column's scores are cut into."""
 SMOOTHING = 1.0
@@ -100,6 +102,8 @@ class ScoreModel:
     labels: int = 0
     label_share: float | None = None
     label_auc: dict = field(default_factory=dict)
+    version: int = 0
+    fitted_rows: int = 0
 
     def levels(self, votes: np.ndarray, names: Sequence[str]) -> np.ndarray:
         cols = [list(names).index(n) for n in self.names]
@@ -123,8 +127,27 @@ class ScoreModel:
     def sane(self) -> bool:
         return not self.warnings
 
+    def to_dict(self) -> dict:
+        """Plain lists, floats and strings (msgpack), for the ``{ns}:labelmodel`` hash."""
+        return {"kind": "scores", "names": list(self.names), "cuts": [c.tolist() for c in self.cuts],
+                "tables": [t.tolist() for t in self.tables], "weights": self.weights.tolist(), "pi": self.pi,
+                "used": self.used, "single": None if self.single is None else [self.single[0], self.single[1].tolist()],
+                "favour": list(self.favour), "warnings": list(self.warnings), "iterations": self.iterations,
+                "labels": self.labels, "label_share": self.label_share, "label_auc": dict(self.label_auc),
+                "version": self.version, "fitted_rows": self.fitted_rows}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ScoreModel:
+        return cls(tuple(d["names"]), [np.asarray(c, dtype=np.float64) for c in d["cuts"]],
+                   [np.asarray(t, dtype=np.float64) for t in d["tables"]], np.asarray(d["weights"], dtype=np.float64),
+                   float(d["pi"]), used=d["used"],
+                   single=None if d["single"] is None else (int(d["single"][0]), np.asarray(d["single"][1])),
+                   favour=list(d["favour"]), warnings=list(d["warnings"]), iterations=int(d["iterations"]),
+                   labels=int(d["labels"]), label_share=d["label_share"], label_auc=dict(d["label_auc"]),
+                   version=int(d["version"]), fitted_rows=int(d["fitted_rows"]))
+
     def report(self) -> dict:
-        return {"method": "scores", "pi": round(self.pi, 4), "used": self.used, "labels": self.labels,
+        return {"method": "scores", "version": self.version, "rows": self.fitted_rows, "pi": round(self.pi, 4), "used": self.used, "labels": self.labels,
                 "weights": dict(zip(self.names, np.round(self.weights, 3).tolist())),
                 "favour": dict(zip(self.names, np.round(self.favour, 3).tolist())),
                 "levels": {n: len(c) + 1 for n, c in zip(self.names, self.cuts)}, "iterations": self.iterations,
@@ -180,7 +203,7 @@ def _tables(lv: np.ndarray, r: np.ndarray, sizes: list[int], sound: np.ndarray) 
 
 
 def fit_score_model(votes: np.ndarray, names: Sequence[str], *, sound: Sequence[str] = (),
-                    labels: tuple[np.ndarray, np.ndarray] | None = None) -> ScoreModel:
+                    labels: tuple[np.ndarray, np.ndarray] | None = None, version: int = 0) -> ScoreModel:
     """Fit on pooled votes float [N, m] (NaN = abstain). ``labels``: (row indices, truth 0/1) of a
     few labelled rows, never held-out ones; without them the fit is label-free."""
     v = np.asarray(votes, dtype=np.float64)
@@ -240,7 +263,8 @@ def fit_score_model(votes: np.ndarray, names: Sequence[str], *, sound: Sequence[
     against = [n for n, f in zip(names_k, favour) if f < 0]
     if 2 * len(against) > len(names_k):
         warnings.append(f"most verifiers favour the component called wrong: {against}")
-    model = ScoreModel(names_k, cuts, tables, weights, pi, favour=favour, warnings=warnings, iterations=it)
+    model = ScoreModel(names_k, cuts, tables, weights, pi, favour=favour, warnings=warnings, iterations=it,
+                       version=version, fitted_rows=len(v))
     if idx is not None:
         model.labels = len(idx)
         model.label_share = label_share

@@ -23,6 +23,7 @@ import msgpack
 import numpy as np
 
 from pipeline.algo.labelmodel import LabelModel, fit_label_model
+from pipeline.algo.scoremodel import ScoreModel, fit_score_model
 from pipeline.algo.rewards import RewardMode, parse_reward_mode
 from pipeline.config import ConfigError, RunConfig, VerifierConfig
 from pipeline.keys import TRAINER_GROUP, VERIFIERS_GROUP, Keys
@@ -69,9 +70,12 @@ class SharedLabelModel:
             votes = np.concatenate(rows)
             t0 = time.perf_counter()
             sound = [n for n in self.cfg.verifiers if is_sound(n)] if self.cfg.sound_checks else []
-            lm = fit_label_model(votes, list(self.cfg.verifiers), version=version + 1, dependence=self.cfg.dependence,
-                                 sound=sound, class_balance=self.cfg.class_balance or None,
-                                 pi_estimate=self.cfg.pi_estimate)
+            if self.cfg.label_model == "scores":
+                lm = fit_score_model(votes, list(self.cfg.verifiers), sound=sound, version=version + 1)
+            else:
+                lm = fit_label_model(votes, list(self.cfg.verifiers), version=version + 1,
+                                     dependence=self.cfg.dependence, sound=sound,
+                                     class_balance=self.cfg.class_balance or None, pi_estimate=self.cfg.pi_estimate)
             self.r.hset(self.keys.labelmodel, mapping={
                 "version": version + 1, "params": msgpack.packb(lm.to_dict()), "rows": len(votes), "new_groups": 0})
             self.log.info("labelmodel_fitted", seconds=round(time.perf_counter() - t0, 4), **lm.report())
@@ -88,7 +92,9 @@ class SharedLabelModel:
                 version = int(self.r.hget(self.keys.labelmodel, "version") or -1)
             if version != self.version and version >= 0:
                 params = self.r.hget(self.keys.labelmodel, "params")
-                self.model, self.version = LabelModel.from_dict(msgpack.unpackb(params)), version
+                d = msgpack.unpackb(params)
+                kind = ScoreModel if d.get("kind") == "scores" else LabelModel
+                self.model, self.version = kind.from_dict(d), version
             if self.model is not None:
                 return self.model
             if time.monotonic() > deadline:
