@@ -36,9 +36,10 @@ the share of members scoring above 0.5. Label model: ``pipeline.algo.labelmodel`
 verifier stage fits it (label-free; and with π given from 32 and from 128 labelled completions
 of the labelled split). Score model: ``pipeline.algo.scoremodel`` fitted on both splits' votes
 (no truth), label-free and with 32 and 128 labelled completions of the labelled split (held
-at their truth; its guard may pick one verifier). Figures on the evaluation split: AUC, selection accuracy (the top-scored
-completion of each group), calibration error (10 equal-width bins), π error (a label model's π,
-else the mean score, against the true share) and the mean score on wrong answers.
+at their truth; its guard may pick one verifier). Figures on the evaluation split: AUC,
+selection accuracy (the top-scored completion of each group), calibration error (10
+equal-width bins), π error (a label model's π, else the mean score, against the true share)
+and the mean score on wrong answers.
 """
 
 from __future__ import annotations
@@ -268,14 +269,15 @@ def analyse_task(rows: list[dict], seed: int = 0) -> dict:
     for j, n in enumerate(names):
         out["members"][n] = {"auc_labelled": auc(votes[lab, :, j], truth[lab]),
                              **figures(votes[ev, :, j], truth[ev]),
-                             "seconds_per_completion": round(float(np.mean([r["seconds"][n] for r in rows])) / GROUP, 4)}
+                             "seconds_per_completion": round(float(np.mean([r["seconds"][n] for r in rows])) / GROUP,
+                                                             4)}
     scored = [n for n in names if out["members"][n]["auc_labelled"] is not None]
     best = max(scored, key=lambda n: out["members"][n]["auc_labelled"]) if scored else names[0]
     out["best_single"] = best
     out["methods"]["best single verifier"] = figures(votes[ev, :, names.index(best)], truth[ev])
     out["methods"]["mean"] = figures(np.nanmean(votes[ev], axis=2), truth[ev])
-    out["methods"]["majority vote"] = figures(np.nanmean(np.where(np.isnan(votes[ev]), np.nan, votes[ev] > 0.5), axis=2),
-                                              truth[ev])
+    passes = np.where(np.isnan(votes[ev]), np.nan, votes[ev] > 0.5)
+    out["methods"]["majority vote"] = figures(np.nanmean(passes, axis=2), truth[ev])
     flat = votes[ev].reshape(-1, m)
     sound = [n for n in names if is_sound(n)]
     rng = np.random.default_rng(seed)

@@ -26,7 +26,8 @@ def test_judges_of_one_model_are_one_family_and_count_once():
     assert family("lm_judge:artifacts/x@configs/judges/a.toml") == family("lm_judge:artifacts/x@solve")
     assert family("self_consistency:last_number") == "self_consistency:last_number"
     v, _, names = make_votes()
-    assert fit_score_model(v, names).report()["weights"] == {"a": 1.0, "b": 1.0, "c": 1.0, **dict.fromkeys(JUDGES, 0.333)}
+    weights = fit_score_model(v, names).report()["weights"]
+    assert weights == {"a": 1.0, "b": 1.0, "c": 1.0, **dict.fromkeys(JUDGES, 0.333)}
 
 
 def test_label_free_it_finds_pi_and_ranks_as_well_as_the_best_verifier():
@@ -121,8 +122,9 @@ def test_a_fit_survives_its_dict_form_as_the_verifier_stage_stores_it():
         assert back.report() == m.report()
 
 
+@pytest.mark.parametrize("labels", [0, 16])
 def test_the_verifier_stage_fits_the_score_model_when_configured_and_logs_which(tmp_path, tiny_base_model,
-                                                                               redis_client, redis_url):
+                                                                               redis_client, redis_url, labels):
     import json
 
     from builders import make_rollout
@@ -137,7 +139,8 @@ def test_the_verifier_stage_fits_the_score_model_when_configured_and_logs_which(
     cfg = load_config(overrides={
         "run_id": "scores", "runs_dir": str(tmp_path), "redis.url": redis_url, "model.base_dir": str(tiny_base_model),
         "verifier.verifiers": "format,mod9,units_digit,self_consistency", "verifier.reward": "weaver",
-        "verifier.label_model": "scores", "verifier.min_fit_rows": 8, "verifier.batch": 4})
+        "verifier.label_model": "scores", "verifier.labels": labels, "verifier.min_fit_rows": 8,
+        "verifier.batch": 4})
     keys = Keys(cfg.run_id)
     answers = ["357", "356", "357", "12", "357", "358", "3570", "357"]
     for i in range(4):
@@ -152,4 +155,16 @@ def test_the_verifier_stage_fits_the_score_model_when_configured_and_logs_which(
     assert right.mean() > wrong.mean()
     fits = [json.loads(line) for line in (tmp_path / "logs" / "ver-0.jsonl").read_text().splitlines()
             if '"labelmodel_fitted"' in line]
-    assert fits and fits[-1]["method"] == "scores" and fits[-1]["used"] == "fit"
+    assert fits and fits[-1]["method"] == "scores" and fits[-1]["labels"] == labels
+    assert fits[-1]["used"] == "fit" or (labels and fits[-1]["used"].startswith("single:"))
+    assert redis_client.llen(keys.labels) == (4 if labels else 0)  # a batch of 4 groups, kept whole
+    if labels:
+        assert 0 < fits[-1]["label_share"] < 1 and "best_single" in fits[-1]["label_auc"]
+
+
+def test_labels_need_the_score_model():
+    from pipeline.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"verifier\.labels: must be 0 unless verifier\.label_model = \"scores\""):
+        load_config(overrides={"verifier.labels": 32})
+    assert load_config(overrides={"verifier.labels": 32, "verifier.label_model": "scores"}).verifier.labels == 32

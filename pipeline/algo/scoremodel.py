@@ -147,7 +147,8 @@ class ScoreModel:
                    version=int(d["version"]), fitted_rows=int(d["fitted_rows"]))
 
     def report(self) -> dict:
-        return {"method": "scores", "version": self.version, "rows": self.fitted_rows, "pi": round(self.pi, 4), "used": self.used, "labels": self.labels,
+        return {"method": "scores", "version": self.version, "rows": self.fitted_rows, "pi": round(self.pi, 4),
+                "used": self.used, "labels": self.labels,
                 "weights": dict(zip(self.names, np.round(self.weights, 3).tolist())),
                 "favour": dict(zip(self.names, np.round(self.favour, 3).tolist())),
                 "levels": {n: len(c) + 1 for n, c in zip(self.names, self.cuts)}, "iterations": self.iterations,
