@@ -24,8 +24,9 @@ each in a few-shot likelihood style and a few-shot yes/no style written for base
 and the answer-level checks ``self_consistency``, ``states_answer``, ``answer_only``.
 
 **The cache** (``--cache``, default ``artifacts/panel``): ``<task>.jsonl``, one line a group
-(prompt, completions, truth, every member's scores, seconds per member); ``--resume`` (the
-default) continues each task where its file ends; group i of a task is always the i-th
+(prompt, completions, truth, every member's scores, seconds per member), recorded round
+robin (``--chunk`` groups of each task a round, the comparison rewritten after each round);
+``--resume`` (the default) continues each task where its file ends; group i of a task is always the i-th
 training prompt of seed 0 sampled with generator seed 1000 + i, so a resumed record is the
 record an unbroken one would be.
 
@@ -356,6 +357,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", type=int, default=5, help="tasks to record (default 5)")
     ap.add_argument("--groups", type=int, default=256, help="groups of 8 per task (default 256: 2048 completions)")
+    ap.add_argument("--chunk", type=int, default=8, help="groups of each task a round (default 8)")
     ap.add_argument("--cache", type=Path, default=ROOT / "artifacts" / "panel")
     ap.add_argument("--out", type=Path, default=RESULTS, help="where panel.json and panel.md go")
     ap.add_argument("--analyse", action="store_true", help="only compare, from the cache")
@@ -370,8 +372,10 @@ def main() -> int:
         sampler = Sampler()
         chosen = pilot(sampler, args.cache, args.tasks)
         print(f"tasks: {', '.join(t['key'] for t in chosen)}", flush=True)
-        for task in chosen:
-            record(sampler, task, args.cache, args.groups, PANEL)
+        # Round robin, ``--chunk`` groups of each task a round, so a partial record covers every task.
+        for target in range(args.chunk, args.groups + args.chunk, args.chunk):
+            for task in chosen:
+                record(sampler, task, args.cache, min(target, args.groups), PANEL)
             analyse(args.cache, args.out)
     result = analyse(args.cache, args.out)
     print(markdown(result))
