@@ -168,3 +168,34 @@ def test_labels_need_the_score_model():
     with pytest.raises(ConfigError, match=r"verifier\.labels: must be 0 unless verifier\.label_model = \"scores\""):
         load_config(overrides={"verifier.labels": 32})
     assert load_config(overrides={"verifier.labels": 32, "verifier.label_model": "scores"}).verifier.labels == 32
+
+
+def test_the_panel_bench_compares_every_method_from_a_recorded_cache(tmp_path):
+    """bench/bench_panel.py's comparison, on a cache of synthetic groups (the recording needs the models)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import bench_panel
+
+    v, y, names = make_votes(n=8 * 48, shared=1.5)
+    task = {"key": "synthetic", "dataset": "synthetic", "params": {}, "chosen": True, "distinct_in_2000": 2000,
+            "pilot_accuracy": 0.2}
+    (tmp_path / "pilot.json").write_text(json.dumps([task]))
+    with open(tmp_path / "synthetic.jsonl", "w") as f:
+        for i in range(48):
+            rows = slice(8 * i, 8 * i + 8)
+            f.write(json.dumps({"i": i, "names": names, "truth": y[rows].tolist(), "votes": v[rows].tolist(),
+                                "seconds": dict.fromkeys(names, 0.8)}) + "\n")
+    result = bench_panel.analyse(tmp_path, tmp_path / "out")
+    t = result["tasks"]["synthetic"]
+    assert t["completions"] == 384 and t["best_single"] == "a"
+    assert set(t["methods"]) == {"best single verifier", "mean", "majority vote", "label model (current), label-free",
+                                 "label model (current), pi from 32 labels", "label model (current), pi from 128 labels",
+                                 "score model, label-free", "score model, 32 labels", "score model, 128 labels"}
+    for f in t["methods"].values():
+        assert 0 <= f["auc"] <= 1 and 0 <= f["selection_accuracy"] <= 1 and f["pi_error"] >= 0
+    assert t["members"]["a"]["seconds_per_completion"] == pytest.approx(0.1)
+    md = (tmp_path / "out" / "panel.md").read_text()
+    assert "## synthetic" in md and "| score model, 128 labels |" in md
