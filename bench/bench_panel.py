@@ -328,15 +328,23 @@ def analyse(cache: Path, out_dir: Path) -> dict:
     return result
 
 
+def _status(result: dict) -> str:
+    chosen = sum(d["chosen"] for d in result["pilot"])
+    tasks = ", ".join(f"{k}: {t['groups']} groups ({t['completions']} completions)" for k, t in result["tasks"].items())
+    return (f"Pilot: {len(result['pilot'])} of {len(CANDIDATES)} candidates tried, {chosen} chosen. Recorded: "
+            + (tasks or "no task has 4 groups yet") + ".")
+
+
 def markdown(result: dict) -> str:
     lines = ["# The verifier panel on recorded real votes", "",
              f"`python bench/bench_panel.py --analyse`, {result['time']}, from the cache `bench/bench_panel.py` "
              "records (its docstring gives the recipe). Figures on each task's evaluation split (groups of odd "
              "index); the best single verifier is picked by AUC on the labelled split (even index).", "",
-             "## The tasks", "", result["rule"], "",
+             "## The tasks", "", "The rule, " + result["rule"].removeprefix("(the rule, ").replace(").", ":", 1), "",
              md_table(["candidate", "distinct questions in 2000", "pilot sampled accuracy", "chosen"],
                       [[d["key"], d.get("distinct_in_2000", "-"), d.get("pilot_accuracy", d.get("error", "-")),
-                        "yes" if d["chosen"] else "no"] for d in result["pilot"]])]
+                        "yes" if d["chosen"] else "no"] for d in result["pilot"]]),
+             _status(result), ""]
     for k, t in result["tasks"].items():
         lines += [f"## {k}", "", f"{t['groups']} groups, {t['completions']} completions, {t['true_share']:.1%} right "
                   f"({t['evaluation_share']:.1%} on the evaluation split); best single verifier on the labelled "
