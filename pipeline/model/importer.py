@@ -49,8 +49,9 @@ RELATIVE_TOLERANCE = 2.0 ** -10
 """The check's tolerance as a share of the reference's largest |logit| (:func:`tolerance_for`)."""
 CHECK_THREADS = 1
 """Both sides of the check run on this many torch threads, so no kernel's split of its work
-(which follows the thread count, and under MKL's dynamic threading the machine's load)
-can change the order of a sum between them."""
+across threads (which may follow the thread count) can change the order of a sum between
+them; on a 16-core Xeon the logits moved by up to 1.5e-6 of their scale between 1 and 16
+threads (bench/results/import_spread.md)."""
 GGUF_MAGIC = b"GGUF"
 DROPPED_CONFIG_KEYS = ("quantization_config", "_model_name_or_path", "name_or_path")
 """Keys of the GGUF-loaded config that describe the file it came from, not the model."""
