@@ -308,7 +308,34 @@ def analyse_task(rows: list[dict], seed: int = 0) -> dict:
         post = sm.posterior(both, names)[ev_rows].reshape(truth[ev].shape)
         out["methods"][label] = {**figures(post, truth[ev], pi=float(sm.pi)), "used": sm.used,
                                  "warnings": sm.warnings}
+    out["targets"] = targets(out["methods"])
     return out
+
+
+def targets(methods: dict) -> list[dict]:
+    """The panel's aims on one task, each met or missed by how much: with at most 128 labels the
+    score model's AUC at least the best single verifier's minus 0.01 and its selection accuracy
+    at least the best single's; label-free, its AUC above the mean's and the majority's and its
+    π within 0.05 of the truth."""
+    best = methods["best single verifier"]
+    free = methods["score model, label-free"]
+    labelled = [methods[k] for k in ("score model, label-free", "score model, 32 labels", "score model, 128 labels")]
+
+    def aim(what: str, got: float | None, bound: float | None, higher: bool = True) -> dict:
+        if got is None or bound is None:
+            return {"aim": what, "met": None, "by": None}
+        margin = (got - bound) if higher else (bound - got)
+        return {"aim": what, "met": margin > 0 if what.startswith("label-free AUC") else margin >= 0,
+                "by": round(margin, 3)}
+
+    top_auc = max((m["auc"] for m in labelled if m["auc"] is not None), default=None)
+    top_sel = max(m["selection_accuracy"] for m in labelled)
+    floor = None if best["auc"] is None else best["auc"] - 0.01
+    return [aim("AUC (<= 128 labels) >= best single - 0.01", top_auc, floor),
+            aim("selection accuracy (<= 128 labels) >= best single", top_sel, best["selection_accuracy"]),
+            aim("label-free AUC > mean", free["auc"], methods["mean"]["auc"]),
+            aim("label-free AUC > majority vote", free["auc"], methods["majority vote"]["auc"]),
+            aim("label-free pi error <= 0.05", free["pi_error"], 0.05, higher=False)]
 
 
 def analyse(cache: Path, out_dir: Path) -> dict:
@@ -355,6 +382,8 @@ def markdown(result: dict) -> str:
                              f["reward_on_wrong"], "; ".join(([] if f.get("used", "fit") == "fit" else
                                                               [f"used {f['used']}"]) + f.get("warnings", []))]
                             for name, f in t["methods"].items()]),
+                  md_table(["aim", "met", "by"], [[a["aim"], {True: "yes", False: "**missed**", None: "-"}[a["met"]],
+                                                   a["by"]] for a in t.get("targets", [])]),
                   md_table(["member", "AUC (labelled)", "AUC (evaluation)", "selection accuracy", "s per completion"],
                            [[f"`{n}`", None if f["auc_labelled"] is None else round(f["auc_labelled"], 3), f["auc"],
                              f["selection_accuracy"], f["seconds_per_completion"]] for n, f in t["members"].items()])]

@@ -200,3 +200,5 @@ def test_the_panel_bench_compares_every_method_from_a_recorded_cache(tmp_path):
     assert t["members"]["a"]["seconds_per_completion"] == pytest.approx(0.1)
     md = (tmp_path / "out" / "panel.md").read_text()
     assert "## synthetic" in md and "| score model, 128 labels |" in md
+    assert len(t["targets"]) == 5 and all(a["met"] in (True, False) for a in t["targets"])
+    assert "| label-free pi error <= 0.05 |" in md
