@@ -71,6 +71,12 @@ CANDIDATES: list[tuple[str, dict]] = [
     ("time_intervals", {}),
     ("basic_arithmetic", {}),
     ("fraction_simplification", {}),
+    # Added after the twelve above had been piloted (three met the rule), before any panel score
+    # was recorded: the pilot measures only the base model's accuracy.
+    ("basic_arithmetic", {"min_terms": 3, "max_terms": 3, "min_digits": 1, "max_digits": 1}),
+    ("lcm", {"min_numbers": 2, "max_numbers": 2, "min_value": 1, "max_value": 50}),
+    ("gcd", {"min_numbers": 2, "max_numbers": 2, "min_value": 1, "max_value": 1000}),
+    ("products", {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2}),
 ]
 """Candidate tasks in the order the rule tries them: (dataset, its parameters)."""
 PANEL = [
