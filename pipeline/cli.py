@@ -153,7 +153,8 @@ def _import_model(args: argparse.Namespace, cfg: RunConfig) -> int:
     from pipeline.model.importer import ImportModelError, import_gguf
 
     try:
-        import_gguf(args.source, args.out, dtype=args.dtype, check=not args.no_check, force=args.force)
+        import_gguf(args.source, args.out, dtype=args.dtype, check=not args.no_check, force=args.force,
+                    tolerance=args.tolerance)
     except ImportModelError as e:
         print(f"pipeline import-model: {e}", file=sys.stderr)
         return 2
@@ -403,6 +404,9 @@ def _import_model_args(sp: argparse.ArgumentParser) -> None:
                     help="dtype of the written safetensors (default float32)")
     sp.add_argument("--force", action="store_true", help="replace a non-empty --out")
     sp.add_argument("--no-check", action="store_true", help="skip the logits check against the GGUF model")
+    sp.add_argument("--tolerance", type=float, default=None,
+                    help="largest |logit difference| the check accepts (default: 2^-10 x the GGUF model's "
+                         "largest |logit| on the check batch)")
 
 
 def _math_data_args(sp: argparse.ArgumentParser) -> None:

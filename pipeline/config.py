@@ -51,6 +51,7 @@ KvOnSwap = Literal["keep", "recompute"]
 Dependence = Literal["drop", "merge"]
 """Implemented by ``pipeline.algo.labelmodel.DEPENDENCE_POLICIES``."""
 PiEstimate = Literal["alternate", "levels"]
+LabelModelKind = Literal["weaver", "scores"]
 """Implemented by ``pipeline.algo.labelmodel.PI_ESTIMATES``."""
 TrainBackendName = Literal["torch", "torchtitan"]
 """Implemented by ``pipeline.engines.make_train_engine``."""
@@ -517,6 +518,18 @@ class VerifierConfig(_Section):
     as near the truth or nearer on SmolLM2's judges, farther when judges share an error).
     Verifiers that all vote 0/1 give both the same fit (docs/design.md §5,
     docs/real-models.md)."""
+    label_model: LabelModelKind = "weaver"
+    """The label model the ``weaver`` rewards fit: ``weaver`` (binarised votes, Dawid-Skene and
+    moment matching; ``pipeline.algo.labelmodel``) or ``scores`` (each verifier's scores kept
+    as levels, judges of one model counted once, y = 1 the component the verifiers favour;
+    ``pipeline.algo.scoremodel``, docs/design.md §5). ``scores`` ignores ``dependence``,
+    ``class_balance`` and ``pi_estimate``."""
+    labels: int = 0
+    """``label_model = "scores"`` only: keep about this many of the first completions the verifiers
+    score (the base policy's, on training prompts: the verifiers never see a held-out one) with
+    their hidden truth as the fit's labelled set (Weaver uses labels so: 32-256): they are held at
+    their truth in every fit, and a guard uses the best single verifier when it beats the fit on
+    them (the run's report says which). 0: label-free."""
 
     def _validate(self, p: str) -> None:
         _check(0.0 <= self.class_balance < 1.0, f"{p}.class_balance", "in [0, 1) (0: estimated)", self.class_balance)
@@ -526,6 +539,9 @@ class VerifierConfig(_Section):
         _check(self.refit_every >= 1, f"{p}.refit_every", ">= 1", self.refit_every)
         _check(self.timeout_s > 0, f"{p}.timeout_s", "> 0", self.timeout_s)
         _check(self.threads >= 1, f"{p}.threads", ">= 1", self.threads)
+        _check(self.labels >= 0, f"{p}.labels", ">= 0", self.labels)
+        _check(self.labels == 0 or self.label_model == "scores", f"{p}.labels",
+               '0 unless verifier.label_model = "scores" (set it too)', self.labels)
         self.timeout_map(p)
 
     def timeout_map(self, p: str = "verifier") -> dict[str, float]:
@@ -1301,7 +1317,8 @@ PRETRAIN_FIELDS: dict[str, tuple[str, ...]] = {
 checkpoint's ``pretrain.json`` records the value it was built with."""
 
 LABEL_MODEL_FIELDS = ("verifier.window", "verifier.refit_every", "verifier.min_fit_rows", "verifier.dependence",
-                      "verifier.sound_checks", "verifier.class_balance", "verifier.pi_estimate")
+                      "verifier.sound_checks", "verifier.class_balance", "verifier.pi_estimate",
+                      "verifier.label_model", "verifier.labels")
 VLLM_FIELDS = tuple(f"generator.{f.name}" for f in dataclasses.fields(GeneratorConfig) if f.name.startswith("vllm_"))
 
 

@@ -48,6 +48,8 @@ Run-global (``<global>`` is the global prefix; one slot when tagged):
   <global>:labelmodel:lock   string   with TTL: which verifier replica is refitting.
   <global>:votes             list     the label model's window: one raw little-endian float32
                                       blob per group, [G, m] votes (m verifiers, NaN = abstain).
+  <global>:labels            list     the label model's labelled set (``verifier.labels``): one
+                                      blob per group, [G, m + 1] float32, votes then hidden truth.
   <global>:admitted          counter  groups admitted for generation, minus those dead-lettered
                                       before training (the staleness admission rule).
   <global>:admitted:txn      hash     idempotency tokens of the changes to ``admitted`` (grants and
@@ -212,6 +214,10 @@ class Keys:
     @property
     def votes(self) -> str:
         return f"{self._g}:votes"
+
+    @property
+    def labels(self) -> str:
+        return f"{self._g}:labels"
 
     @property
     def admitted(self) -> str:

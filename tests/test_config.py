@@ -113,7 +113,7 @@ def test_explicit_names_every_override_and_each_toml_value_that_differs_from_the
 
 
 def test_each_choice_field_allows_exactly_what_its_registry_implements():
-    from pipeline.algo import labelmodel, losses
+    from pipeline.algo import labelmodel, losses, scoremodel
     from pipeline.engines import GENERATION_BACKENDS, TRAIN_ENGINES
     from pipeline.tasks.registry import TASKS
     from pipeline.verifiers.registry import DEFAULT_VERIFIERS
@@ -128,6 +128,7 @@ def test_each_choice_field_allows_exactly_what_its_registry_implements():
         "weights.transport": (hints[C.WeightsConfig]["transport"], tuple(TRANSPORTS)),
         "verifier.dependence": (hints[C.VerifierConfig]["dependence"], tuple(labelmodel.DEPENDENCE_POLICIES)),
         "verifier.pi_estimate": (hints[C.VerifierConfig]["pi_estimate"], tuple(labelmodel.PI_ESTIMATES)),
+        "verifier.label_model": (hints[C.VerifierConfig]["label_model"], tuple(scoremodel.LABEL_MODELS)),
         "generator.backend": (hints[C.GeneratorConfig]["backend"], tuple(GENERATION_BACKENDS)),
         "trainer.backend": (hints[C.TrainerConfig]["backend"], tuple(TRAIN_ENGINES)),
     }
@@ -156,7 +157,8 @@ def test_every_fixed_choice_field_is_a_literal_and_its_validation_allows_its_val
                 load_config(overrides={f"{f.name}.{name}": "no-such-choice"})
     assert found == {"redis.appendfsync", "task.ops", "task.chat_template", "generator.backend",
                      "generator.vllm_dtype", "generator.swap", "generator.kv_on_swap", "generator.device",
-                     "verifier.dependence", "verifier.pi_estimate", "trainer.backend", "trainer.device",
+                     "verifier.dependence", "verifier.pi_estimate", "verifier.label_model", "trainer.backend",
+                     "trainer.device",
                      "trainer.is_mode",
                      "trainer.loss_agg", "weights.transport", "weights.payload", "chaos.targets", "chaos.kinds", "tracking.backends",
                      "tracking.wandb_mode", "env.on_error"}

