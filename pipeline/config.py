@@ -487,6 +487,11 @@ class VerifierConfig(_Section):
     threads: int = 1
     """torch intra-op threads of a verifier process (the model-based kinds: ``lm_judge``,
     ``reward_model``). More than 1 is much slower when other stages share the cores."""
+    monitor_share: float = 0.0
+    """Share of groups (0 to 1) on which the verifiers whose votes the reward does not read are
+    run too, for monitoring (their votes in the posteriors file and the report); 0 runs only
+    what the reward reads (``ground_truth``: none of them), 1 runs every verifier on every
+    group. The groups are picked by their id, so every replica and a rerun pick the same."""
     dependence: Dependence = "drop"
     """Label model: the weaker verifier of a dependent pair is dropped (``drop``) or averaged
     into the other (``merge``)."""
@@ -521,6 +526,7 @@ class VerifierConfig(_Section):
         _check(self.refit_every >= 1, f"{p}.refit_every", ">= 1", self.refit_every)
         _check(self.timeout_s > 0, f"{p}.timeout_s", "> 0", self.timeout_s)
         _check(self.threads >= 1, f"{p}.threads", ">= 1", self.threads)
+        _check(0.0 <= self.monitor_share <= 1.0, f"{p}.monitor_share", "in [0, 1]", self.monitor_share)
         self.timeout_map(p)
 
     def timeout_map(self, p: str = "verifier") -> dict[str, float]:

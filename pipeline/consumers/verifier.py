@@ -9,8 +9,9 @@ logged beside the reward (and by the ``ground_truth`` reward mode for experiment
 A batch comes from rollouts shard k and goes to scored shard k.
 
 The loop (``Stage.run``): wait for room downstream → take rollout groups → score every
-completion with each weak verifier → add the votes to the label model's window and take
-its current version → aggregate votes into rewards → emit the scored groups and ack the
+completion with each weak verifier whose votes the reward reads (all of them for Weaver; the
+rest only on ``verifier.monitor_share`` of the groups, their columns NaN elsewhere) → add
+the votes to the label model's window and take its current version → aggregate votes into rewards → emit the scored groups and ack the
 rollouts in one MULTI → append the posteriors file.
 """
 
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import json
 import time
+import zlib
+from collections.abc import Callable, Collection, Sequence
 
 import msgpack
 import numpy as np
@@ -30,7 +33,7 @@ from pipeline.model.tokenizer import model_vocab_size
 from pipeline.records import RolloutGroup, ScoredGroup, check_token_ids
 from pipeline.stage import Batch, Output, Stage
 from pipeline.tasks.registry import make_task
-from pipeline.verifiers.base import is_sound
+from pipeline.verifiers.base import VERIFIER_COMPLETIONS, VERIFIER_SECONDS, is_sound
 from pipeline.verifiers.registry import Scorer, check_spec
 
 FIRST_MODEL_WAIT_S = 60.0
@@ -96,9 +99,16 @@ class SharedLabelModel:
             time.sleep(0.05)  # another replica holds the lock for the first fit
 
 
-def make_scorer(v: VerifierConfig) -> Scorer:
-    """The weak verifiers ``verifier.verifiers`` names, under their deadlines."""
-    return Scorer(v.verifiers, timeouts=v.timeout_map(), default_timeout_s=v.timeout_s)
+def make_scorer(v: VerifierConfig, build: Sequence[str] | None = None) -> Scorer:
+    """The weak verifiers ``verifier.verifiers`` names, under their deadlines; of the kinds, only
+    those of ``build`` built now (None: all), the others when a group first asks for them."""
+    return Scorer(v.verifiers, timeouts=v.timeout_map(), default_timeout_s=v.timeout_s, build=build)
+
+
+def monitored(group_id: str, share: float) -> bool:
+    """Whether a group is one of the ``verifier.monitor_share`` on which every verifier runs:
+    picked by a hash of its id, so replicas and reruns agree."""
+    return share >= 1.0 or (share > 0.0 and zlib.crc32(group_id.encode()) < share * 2**32)
 
 
 def check_tokens(g: RolloutGroup, *, vocab_size: int) -> None:
@@ -148,18 +158,21 @@ def append_posteriors(path, rows: list[dict]) -> None:
             f.write("".join(json.dumps(row) + "\n" for row in rows))
 
 
-def score_batch(scorer: Scorer, groups: list[RolloutGroup], log) -> tuple[list[np.ndarray], dict[str, int]]:
+def score_batch(scorer: Scorer, groups: list[RolloutGroup], log,
+                runs: Callable[[RolloutGroup], Collection[str] | None] = lambda g: None,
+                ) -> tuple[list[np.ndarray], dict[str, int]]:
     """Votes of each group, and how many (group, verifier) pairs abstained by error or timeout.
 
+    ``runs(group)``: the verifiers to run on it (None: all); the others' columns stay NaN.
     A verifier that fails or misses its deadline abstains for that group and is logged
     with its running counters; it never stops the stage.
     """
     votes, failed = [], {"error": 0, "timeout": 0}
     for g in groups:
-        vt, outcome = scorer.score(g.prompt, g.completions)
+        vt, outcome = scorer.score(g.prompt, g.completions, only=runs(g))
         votes.append(vt)
         for name, o in outcome.items():
-            if o != "ok":
+            if o in failed:
                 failed[o] += 1
                 st = scorer.stats[name]
                 log.warning("verifier_abstained", verifier=name, outcome=o, reason=st.last_error,
@@ -177,19 +190,34 @@ class Verifier:
         vocab_size = model_vocab_size(cfg.model.base_dir)
         self.task = make_task(cfg.task)
         self.shared = SharedLabelModel(r, keys, v, worker_id, log) if self.mode.needs_label_model else None
-        self.scorer = scorer if scorer is not None else make_scorer(v)
+        # Only the verifiers the reward reads run, and every one on the monitored share of groups.
+        self.reads = self.mode.reads(v.verifiers)
+        self.scorer = scorer if scorer is not None else make_scorer(v, None if v.monitor_share else self.reads)
         self.posteriors_path = cfg.run_dir / POSTERIORS_DIR / f"{worker_id}.jsonl"
         self.stage = Stage(r, keys, cfg, name="verifier", worker_id=worker_id, log=log, source="rollouts",
                            group=VERIFIERS_GROUP, decode=RolloutGroup.decode, sink="scored", sink_group=TRAINER_GROUP,
                            check=lambda g: check_tokens(g, vocab_size=vocab_size), prefetch=True)
         self.scored = 0
 
+    def runs(self, g: RolloutGroup) -> tuple[str, ...] | None:
+        """The verifiers to run on ``g``: those the reward reads, or every one (None) on a
+        monitored group (``verifier.monitor_share``)."""
+        v = self.cfg.verifier
+        if len(self.reads) == len(v.verifiers) or monitored(g.group_id, v.monitor_share):
+            return None
+        return self.reads
+
     def step(self, batch: Batch) -> Output:
         """Votes → label model → rewards for every group of the batch."""
         v = self.cfg.verifier
         t0 = time.perf_counter()
         groups = batch.records
-        votes, failed = score_batch(self.scorer, groups, self.log)
+        before = {n: (st.completions, st.seconds) for n, st in self.scorer.stats.items()}
+        votes, failed = score_batch(self.scorer, groups, self.log, self.runs)
+        costs = {}
+        for n, st in self.scorer.stats.items():
+            costs[VERIFIER_COMPLETIONS + n] = st.completions - before[n][0]
+            costs[VERIFIER_SECONDS + n] = st.seconds - before[n][1]
         lm = None
         if self.shared is not None:
             self.shared.add_votes(votes)
@@ -219,7 +247,8 @@ class Verifier:
 
         return Output(written=written, after=after,
                       counters={"groups_scored_total": len(groups), "verifier_errors_total": failed["error"],
-                                "verifier_timeouts_total": failed["timeout"], "verify_seconds_total": seconds})
+                                "verifier_timeouts_total": failed["timeout"], "verify_seconds_total": seconds,
+                                **costs})
 
 
 def set_torch_threads(n: int) -> None:
@@ -241,7 +270,8 @@ def run_verifier(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batc
     """
     set_torch_threads(cfg.verifier.threads)
     ver = Verifier(cfg, r, keys, worker_id, log, scorer=scorer)
-    log.info("verifier_started", reward=cfg.verifier.reward, verifiers=cfg.verifier.verifiers)
+    log.info("verifier_started", reward=cfg.verifier.reward, verifiers=cfg.verifier.verifiers, reads=ver.reads,
+             monitor_share=cfg.verifier.monitor_share)
     ver.stage.run(ver.step, count=cfg.verifier.batch, idle=lambda: ver.stage.heartbeat("idle"),
                   max_batches=max_batches)
     log.info("verifier_stopped", groups=ver.scored)

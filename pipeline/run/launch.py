@@ -1044,6 +1044,19 @@ def _beside_lines(rows: list[dict]) -> list[str]:
     return out
 
 
+def _verifier_lines(costs: dict[str, dict]) -> list[str]:
+    """The summary's line of the weak verifiers: each one run, with its seconds per completion
+    (``verifiers.base.verifier_costs``), and those never run."""
+    ran = [f"`{n}` {c['seconds_per_completion']:.4g} s ({c['completions']:,} completions)"
+           for n, c in costs.items() if c["completions"]]
+    idle = [f"`{n}`" for n, c in costs.items() if not c["completions"]]
+    out = [f"- verifiers run, seconds per completion: {', '.join(ran) if ran else 'none'}"]
+    if idle:
+        out.append(f"- verifiers not run (the reward reads none of their votes; verifier.monitor_share runs "
+                   f"them on a share of the groups): {', '.join(idle)}")
+    return out
+
+
 def write_summary(cfg: RunConfig, r, keys, accounting: dict, base_info: dict, **extra) -> dict:
     """Write ``summary.json`` and ``summary.md`` from the run's metrics file and Redis counters."""
     from pipeline.bus.stats import read_stats
@@ -1095,6 +1108,9 @@ def write_summary(cfg: RunConfig, r, keys, accounting: dict, base_info: dict, **
     episodes = episode_summary(stats)
     if episodes:  # multi-turn episodes: the run-wide numbers (docs/observing.md, "Episodes")
         summary["episodes"] = episodes
+    from pipeline.verifiers.base import verifier_costs
+
+    summary["verifiers"] = verifier_costs(stats, cfg.verifier.verifiers)  # which ran, and their cost
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
     a = accounting
     md = [
@@ -1109,6 +1125,7 @@ def write_summary(cfg: RunConfig, r, keys, accounting: dict, base_info: dict, **
         f"- goodput (tokens trained / generated): {summary['goodput']:.3f}; trainer idle {summary['trainer_idle_fraction']:.1%}; worker restarts {summary['restarts']}",
         f"- weights per version: {summary['weights_payload_bytes']:,} bytes (weights.payload {summary['weights_payload']})",
         *_beside_lines(beside),
+        *_verifier_lines(summary["verifiers"]),
         "", "## Accounting", "",
         "| issued | trained | no signal | stale | dead-lettered | in flight at stop | lost | unexpected | duplicates skipped |",
         "|---|---|---|---|---|---|---|---|---|",

@@ -123,3 +123,24 @@ def frequency_scores(answers: Sequence[object | None]) -> np.ndarray:
         if ans is not None:
             out[i] = 1.0 if c_max == c_min else (counts[ans] - c_min) / (c_max - c_min)
     return out
+
+
+VERIFIER_SECONDS = "verifier_seconds_total:"
+VERIFIER_COMPLETIONS = "verifier_completions_total:"
+"""Prefixes of the run's per-verifier counters (``{ns}:stats``, one field per verifier spec,
+e.g. ``verifier_seconds_total:mod9``): the seconds the verifier stage spent waiting for it
+and the completions it scored, added with each scored batch."""
+
+
+def verifier_costs(stats: dict[str, float], names: Sequence[str] = ()) -> dict[str, dict[str, float]]:
+    """What each verifier cost a run, from its counters: ``{spec: {completions, seconds,
+    seconds_per_completion}}``, in the order of ``names`` (a verifier of ``names`` that never
+    ran: 0 completions, ``seconds_per_completion`` None), then any other counted."""
+    done = {k[len(VERIFIER_COMPLETIONS):]: v for k, v in stats.items() if k.startswith(VERIFIER_COMPLETIONS)}
+    secs = {k[len(VERIFIER_SECONDS):]: v for k, v in stats.items() if k.startswith(VERIFIER_SECONDS)}
+    out = {}
+    for name in [*names, *(n for n in done if n not in names)]:
+        n, t = int(done.get(name, 0)), float(secs.get(name, 0.0))
+        out[name] = {"completions": n, "seconds": round(t, 4),
+                     "seconds_per_completion": round(t / n, 6) if n else None}
+    return out
