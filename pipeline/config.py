@@ -70,6 +70,17 @@ DEFAULT_BASE_DIR = "artifacts/base-model"
 DEFAULT_VERIFIERS: tuple[str, ...] = ("format", "units_digit", "mod9", "magnitude", "majority", "leading_digit")
 """The weak-verifier ensemble unless configured otherwise (the verifier registry re-exports it)."""
 
+TASK_VERIFIERS: dict[str, str] = {"reasoning_gym": "self_consistency,states_answer,answer_only"}
+"""The ensemble of a task kind whose prompts the arithmetic checks above cannot read, when
+``verifier.verifiers`` is not set: these kinds, each reading answers as ``task.answer_extract``
+does (``self_consistency:<extract>``, ...; pipeline/verifiers/kinds/answers.py)."""
+
+
+def task_verifiers(task: "TaskConfig") -> tuple[str, ...]:
+    """The weak verifiers a run of ``task`` gets when ``verifier.verifiers`` is not set."""
+    kinds = TASK_VERIFIERS.get(task.kind)
+    return DEFAULT_VERIFIERS if kinds is None else tuple(f"{k}:{task.answer_extract}" for k in kinds.split(","))
+
 
 def _plugin_shaped(value: str, group: str) -> bool:
     """``module:attr``, ``file.py:attr`` or the name of an installed entry point of ``group``: what
@@ -1230,6 +1241,8 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
     nested = _nest(overrides or {})
     explicit.update(_leaves(nested))
     cfg = _build(RunConfig, _merge(data, nested), "").validate()
+    if "verifier.verifiers" not in explicit and cfg.task.kind in TASK_VERIFIERS:
+        cfg = cfg.replace("verifier.verifiers", ",".join(task_verifiers(cfg.task)))
     object.__setattr__(cfg, "_explicit", frozenset(explicit))
     return cfg
 

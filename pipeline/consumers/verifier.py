@@ -17,6 +17,7 @@ rollouts in one MULTI → append the posteriors file.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import zlib
@@ -34,7 +35,7 @@ from pipeline.records import RolloutGroup, ScoredGroup, check_token_ids
 from pipeline.stage import Batch, Output, Stage
 from pipeline.tasks.registry import make_task
 from pipeline.verifiers.base import VERIFIER_COMPLETIONS, VERIFIER_SECONDS, is_sound
-from pipeline.verifiers.registry import Scorer, check_spec
+from pipeline.verifiers.registry import Scorer, applicability_problems, check_spec
 
 FIRST_MODEL_WAIT_S = 60.0
 LOCK_TTL_MS = 30_000
@@ -130,6 +131,27 @@ def reward_mode(v: VerifierConfig) -> RewardMode:
     if missing:
         raise ConfigError(f"verifier.reward: {v.reward!r} names {missing}, not in verifier.verifiers {v.verifiers}")
     return mode
+
+
+def panel_problems(cfg: RunConfig, *, prompts: int = 8) -> list[str]:
+    """Before launch: the verifiers this run will run (those the reward reads; all of them with
+    ``verifier.monitor_share``) scored on ``prompts`` real training prompts of its task, rendered
+    as the generators render them (``registry.applicability_problems``): one that applies to
+    none is named. Nothing when the reward, a spec or the task is wrong (other checks name those)."""
+    from pipeline.tasks.prompting import prompt_format
+
+    v = cfg.verifier
+    try:
+        run = v.verifiers if v.monitor_share > 0 else parse_reward_mode(v.reward).reads(v.verifiers)
+        for spec in run:
+            check_spec(spec)
+        items = list(itertools.islice(make_task(cfg.task).training(cfg.feeder.seed), prompts)) if run else []
+        fmt = prompt_format(cfg.task, cfg.model.base_dir)
+    except (ValueError, ImportError, OSError):
+        return []
+    if not items:
+        return []
+    return applicability_problems(run, [fmt.render(i.prompt) for i in items], where=f"task {cfg.task.kind}'s")
 
 
 POSTERIORS_DIR = "posteriors"

@@ -192,6 +192,10 @@ def preflight(cfg: RunConfig, *, chaos: bool = False) -> None:
     """
     problems = [*model_problems(cfg), *port_problems(cfg), *backend_problems(cfg), *registry_problems(cfg),
                 *task_problems(cfg), *eval_problems(cfg), *(chaos_problems(cfg) if chaos else [])]
+    if not problems:  # the verifiers that will run, scored on real prompts of the task
+        from pipeline.consumers.verifier import panel_problems
+
+        problems = panel_problems(cfg)
     if len(problems) == 1:
         raise ConfigError(problems[0])
     if problems:

@@ -80,15 +80,18 @@ class Kind:
     """Name of the builder in ``module`` (several kinds may share a module)."""
     sound: bool = False
     """A correct answer always passes every verifier of this kind (see ``SOUND``)."""
+    model: bool = False
+    """It runs a model on any text (a judge, a reward model): it applies to every prompt, and the
+    check before launch does not load it to see (``registry.applicability_problems``)."""
 
 
 _EXTRACT_HELP = "a task.answer_extract spec (boxed, last_number, regex:<pattern>, full); default last_number"
 
 KINDS: dict[str, Kind] = {
     "math_equiv": Kind(module="pipeline.verifiers.kinds.math_equiv", arg="none", help="no argument"),
-    "reward_model": Kind(module="pipeline.verifiers.kinds.reward_model", arg="required",
+    "reward_model": Kind(module="pipeline.verifiers.kinds.reward_model", arg="required", model=True,
                          help="a local HF sequence-classification checkpoint directory (safetensors)"),
-    "lm_judge": Kind(module="pipeline.verifiers.kinds.lm_judge", arg="optional", check="check_arg",
+    "lm_judge": Kind(module="pipeline.verifiers.kinds.lm_judge", arg="optional", check="check_arg", model=True,
                      help="a causal-LM checkpoint directory (default artifacts/base-model) or a judge server's "
                           "tcp://<host>:<port>, then optionally @<style> for a chat model"),
     "code_exec": Kind(module="pipeline.verifiers.kinds.code_exec", arg="none", help="no argument"),

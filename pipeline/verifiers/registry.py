@@ -262,3 +262,34 @@ def score_group(
     """
     votes, outcome = Scorer(names, timeouts=dict(timeouts or {})).score(prompt, completions)
     return votes, {n: int(o != "ok") for n, o in outcome.items()}
+
+
+PROBE_COMPLETIONS = ("7", "42", "315", "1640", "27813", "The answer is 7.", "\\boxed{3}")
+"""What ``applicability_problems`` scores each sampled prompt with: answers in the shapes the
+answer extractions read (bare numbers of several lengths, a sentence, a boxed answer). A
+verifier that applies to a prompt scores some of them (right or wrong); one that cannot read
+the prompt fails or abstains on all."""
+
+
+def applicability_problems(specs: Sequence[str], prompts: Sequence[str], *, where: str = "the task's") -> list[str]:
+    """The verifiers of ``specs`` that apply to none of ``prompts`` (real prompts of the run's
+    task): each scores every prompt with :data:`PROBE_COMPLETIONS`, and one that abstains on
+    all of them, or fails on all of them, is named with its last error. Kinds that run a model
+    on any text (``Kind.model``: judges, reward models) apply everywhere and are not loaded."""
+    problems = []
+    for spec in specs:
+        kind = KINDS.get(spec.partition(":")[0])
+        if spec not in VERIFIERS and kind is not None and kind.model:
+            continue
+        scorer = Scorer([spec])
+        voted = 0
+        for prompt in prompts:
+            votes, _ = scorer.score(prompt, list(PROBE_COMPLETIONS))
+            voted += int(np.isfinite(votes).any())
+        if not voted:
+            st = scorer.stats[spec]
+            why = f"it failed on every one ({st.last_error})" if st.errors else "it abstained on every one"
+            problems.append(f"verifier.verifiers: {spec!r} does not apply to this task: scored on {len(prompts)} of "
+                            f"{where} prompts (e.g. {prompts[0][:60]!r}), {why}; its votes would be NaN on every "
+                            "group. Remove it, or pick verifiers that read these prompts")
+    return problems
