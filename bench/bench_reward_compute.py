@@ -1,7 +1,7 @@
 """Compute what the reward uses: configs/real.toml with the ground-truth reward, the verifier
 stage running only what the reward reads (none of its seven verifiers) against the same run
 scoring every verifier on every group (``verifier.monitor_share 1``: the four SmolLM2 judges
-and three checks, as before the stage skipped them), one after the other under ``nice -n 10``.
+and three checks, as before the stage skipped them), one after the other, each ``pipeline up`` under ``nice -n 10``.
 
 The workload is the one a side-by-side with TRL's GRPOTrainer measured on this machine
 (SmolLM2-135M-Instruct on reasoning-gym chain_sum, 8 prompts × 8 samples, 24 new tokens,
@@ -16,6 +16,7 @@ median gap, from metrics.jsonl), and each verifier's cost from summary.json.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from pathlib import Path
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
     for label, share in (("every_verifier", 1.0), ("reward_only", 0.0)):
         say(f"{label}: pipeline up --config configs/real.toml --verifier.reward ground_truth "
             f"--verifier.monitor_share {share:g}, {a.steps} steps")
-        t0 = time.time()
+        t0, load = time.time(), os.getloadavg()
         run_dir = run_up(f"bench-reward-{label.replace('_', '-')}", {
             "verifier.reward": "ground_truth", "verifier.monitor_share": share, "trainer.steps": a.steps,
             "trainer.eval_every": 1000, "task.heldout_size": a.heldout}, runs_dir=Path(a.runs_dir), config=CONFIG)
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> dict:
         gaps = [b["time"] - a_["time"] for a_, b in zip(steps, steps[1:])]
         row = {**figures(run, run_dir), "median_step_s": statistics.median(gaps), "gaps_s": gaps,
                "verifiers": run["summary"]["verifiers"], "sample_accuracy": [s["sample_accuracy"] for s in steps],
-               "run_dir": str(run_dir)}
+               "run_dir": str(run_dir), "load_average": {"start": [round(x, 2) for x in load],
+                                                         "end": [round(x, 2) for x in os.getloadavg()]}}
         rows[label] = row
         ran = [n for n, c in row["verifiers"].items() if c["completions"]]
         say(f"{label}: {row['step_s']:.1f} s per step (median gap {row['median_step_s']:.1f} s); verifiers run: "

@@ -1024,7 +1024,7 @@ class EvalConfig(_Section):
     seed: int = 0
     """Seed of the samples: each version is sampled from the same seed."""
     threads: int = 1
-    """Torch threads of the eval worker."""
+    """Torch threads of the eval worker and of ``pipeline eval``."""
     sched_idle: bool = True
     """Linux: the eval worker runs under SCHED_IDLE, on CPU time no other process wants, so
     the stages never wait for it (it evaluates less often on a saturated host). False (or

@@ -806,7 +806,7 @@ def supervise(c: Cluster, start: float) -> str:
         c.record()
         if c.chaos:
             c.injector = start_injector(c)
-        last_print = 0.0
+        last_print, base_checked = 0.0, False
         # The trainer exiting 0 ends the run (finished, or stopped); any other exit of any
         # worker, the trainer included (it resumes from its checkpoint), is a restart.
         while c.procs["trainer"].poll() != 0:
@@ -819,6 +819,8 @@ def supervise(c: Cluster, start: float) -> str:
             if time.time() - last_print >= cfg.cluster.progress_every_s:
                 print(progress_line(c, start), flush=True)
                 last_print = time.time()
+                if not base_checked and c.quick is not None:
+                    base_checked = report_hopeless_base(c.quick, c.keys, cfg)
             time.sleep(0.2)
         if status == "finished" and c.procs["trainer"].returncode != 0:
             status = f"trainer exited with code {c.procs['trainer'].returncode}"
@@ -837,6 +839,32 @@ def supervise(c: Cluster, start: float) -> str:
             pass
         _stop_all(c.procs)
     return status
+
+
+def report_hopeless_base(r, keys, cfg: RunConfig) -> bool:
+    """Once the trainer has its base evaluation and its first batch: when the base model answered
+    no held-out problem right and no sampled completion of that batch is right either, print
+    so, with what to change (no group can carry a signal the truth agrees with). Returns whether
+    the check could be made (then it is not made again)."""
+    import redis
+
+    try:
+        tr = {k.decode(): v.decode() for k, v in r.hgetall(keys.trainer).items()}
+    except redis.RedisError:
+        return False
+    if int(tr.get("version", 0)) < 1 or "base_accuracy" not in tr:
+        return False
+    if float(tr["base_accuracy"]) == 0 and float(tr.get("sample_accuracy", 1)) == 0:
+        t, g = cfg.task, cfg.generator
+        print(f"pipeline: the base model answers nothing right: held-out greedy accuracy 0 on "
+              f"{t.heldout_size} problems and 0 of the first step's {cfg.trainer.groups_per_step} x {g.group_size} "
+              "sampled completions, so no group has a signal the truth agrees with and training cannot start "
+              "from here. Change: an easier task (task.dataset_params, task.datasets), a prompt the model "
+              "follows (task.system_prompt, task.template, task.chat_template), room to answer "
+              "(task.max_new_tokens), how answers are read (task.answer_extract), more tries per prompt "
+              "(generator.group_size, generator.temperature), or a stronger base (model.base_dir)",
+              file=sys.stderr, flush=True)
+    return True
 
 
 def progress_line(c: Cluster, start: float) -> str:
