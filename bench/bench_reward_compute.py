@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> dict:
         ran = [n for n, c in row["verifiers"].items() if c["completions"]]
         say(f"{label}: {row['step_s']:.1f} s per step (median gap {row['median_step_s']:.1f} s); verifiers run: "
             f"{len(ran)} of {len(row['verifiers'])}; {time.time() - t0:.0f} s")
-    res = save_result(a.out, {"runs": rows, "trl_step_s": TRL_STEP_S, "workload": {
+    res = save_result(a.out, {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": rows,
+                              "trl_step_s": TRL_STEP_S, "workload": {
         "config": "configs/real.toml", "reward": "ground_truth", "steps": a.steps, "heldout_size": a.heldout}},
         script="bench/bench_reward_compute.py", argv=argv)
     say(f"wrote {a.out}")
