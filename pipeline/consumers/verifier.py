@@ -11,8 +11,9 @@ A batch comes from rollouts shard k and goes to scored shard k.
 The loop (``Stage.run``): wait for room downstream → take rollout groups → score every
 completion with each weak verifier whose votes the reward reads (all of them for Weaver; the
 rest only on ``verifier.monitor_share`` of the groups, their columns NaN elsewhere) → add
-the votes to the label model's window and take its current version → aggregate votes into rewards → emit the scored groups and ack the
-rollouts in one MULTI → append the posteriors file.
+the votes to the label model's window and take its current version → aggregate votes into
+rewards → emit the scored groups and ack the rollouts in one MULTI → append the posteriors
+file.
 """
 
 from __future__ import annotations
