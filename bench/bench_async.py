@@ -103,9 +103,9 @@ class SleepScorer:
         self.scorer, self.seconds_per_group = scorer, seconds_per_group
         self.stats = scorer.stats
 
-    def score(self, prompt, completions):
+    def score(self, prompt, completions, *, only=None):
         time.sleep(self.seconds_per_group)  # verifiers on their own device
-        return self.scorer.score(prompt, completions)
+        return self.scorer.score(prompt, completions, only=only)
 
 
 class SleepEngine:

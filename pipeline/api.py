@@ -40,7 +40,13 @@ samples, scores, trains or moves bytes on its own (docs/api.md has the full page
   ``version − min_version > trainer.max_staleness`` are dropped by ``consumers.trainer.classify``;
   the row is the trainer's ``metrics.jsonl`` row), ``publish()`` (``Trainer.publish``: the weight
   transport, ``{ns}:versions``, ``{ns}:trainer``), ``evaluate() -> float`` (``Trainer.evaluate``),
-  ``version``, ``engine``.
+  ``version``, ``engine``, ``save(directory)`` (the policy as a checkpoint, ``export_hf``).
+  A step written by hand, with the algorithm in the loop (the torch engine;
+  examples/grpo_loop.py): ``batch(groups) -> TrainBatch`` (stale groups dropped, groups without
+  signal set aside, the rest padded: ``rewards`` per group, ``ids``, ``behav_logp``, ``mask``
+  [N, T]), ``logprobs(batch)`` ([N, T] with grad), then advantages and a loss from
+  ``pipeline.algo.losses`` or your own, and ``update(batch, loss, stats) -> dict`` (backward,
+  clip, AdamW, version + 1, the metrics row).
 
 What this API leaves to you, and ``pipeline up`` does: admission (the staleness bound enforced
 before generation; here stale groups are only dropped at the step), the ledger and trainer
@@ -52,15 +58,18 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from pipeline.config import RunConfig, load_config
 from pipeline.records import PromptTask, RolloutGroup, ScoredGroup
 
 API_VERSION = 1
 
-__all__ = ["API_VERSION", "Run", "Queue", "Policy", "Verifiers", "Learner"]
+__all__ = ["API_VERSION", "Run", "Queue", "Policy", "Verifiers", "Learner", "TrainBatch"]
 
 _RECORDS = {"prompts": PromptTask, "rollouts": RolloutGroup, "scored": ScoredGroup}
 
@@ -213,6 +222,36 @@ class Verifiers:
         return [ScoredGroup.decode(payload) for _, payload in out.written]
 
 
+@dataclass(frozen=True, kw_only=True)
+class TrainBatch:
+    """One step's groups for a loss written by hand (``Learner.batch``). N: the completions of
+    the groups with signal, T: their longest completion; tensors are torch's."""
+
+    groups: tuple
+    """Every group handed to ``Learner.batch`` (ScoredGroup), in order."""
+    fresh: list
+    """The groups within ``trainer.max_staleness`` (trained or without signal)."""
+    signal: list
+    """The fresh groups whose rewards differ: the ones a step trains on, in completion order."""
+    rewards: list
+    """One float32 tensor [G] of rewards per group of ``signal``."""
+    prompts: list
+    """Each completion's prompt ids (a 1-D long tensor), N of them."""
+    ids: Any
+    """Completion token ids [N, T], padded."""
+    behav_logp: Any
+    """The behaviour policy's log-probabilities of those tokens [N, T] (the generator's)."""
+    mask: Any
+    """1 on the tokens the loss counts [N, T]: sampled tokens (not padding, not an environment's)."""
+    started: float
+    """``time.perf_counter()`` when the batch was made: the step's time counts from it."""
+
+    @property
+    def size(self) -> int:
+        """N, the completions to train on (0: nothing had signal)."""
+        return int(self.ids.shape[0])
+
+
 class Learner:
     """The trainer's engine, held-out set, publisher and metrics file (``consumers.trainer.Trainer``)."""
 
@@ -250,6 +289,89 @@ class Learner:
         tr.metrics.write("step", **row)
         report_progress(self.run.r, self.run.keys, version=tr.version, row=row)
         return row
+
+    # -------------------------------------------------------------- a step written by hand
+
+    def batch(self, groups: Sequence[ScoredGroup]) -> "TrainBatch":
+        """The groups of one step, ready for an advantage and a loss written in the loop: stale
+        groups dropped and groups without signal set aside (``consumers.trainer.classify``, as
+        :meth:`step`), the rest padded as the torch engine pads them (``engines.torch.pad_batch``)."""
+        import torch
+
+        from pipeline.consumers.trainer import Outcome, classify
+        from pipeline.engines.torch import pad_batch, sampled_mask
+
+        t0 = time.perf_counter()
+        self._torch_engine()
+        kinds = classify([(None, g) for g in groups], version=self.version,
+                         max_staleness=self.run.cfg.trainer.max_staleness)
+        fresh = [g for g, k in zip(groups, kinds) if k != Outcome.STALE]
+        signal = [g for g, k in zip(groups, kinds) if k == Outcome.TRAINED]
+        if not signal:
+            empty = torch.zeros((0, 0))
+            return TrainBatch(groups=tuple(groups), fresh=fresh, signal=signal, rewards=[], prompts=[],
+                              ids=empty.long(), behav_logp=empty, mask=empty, started=t0)
+        prompts, ids, behav, pad_mask = pad_batch(signal, self.engine.tokenizer.pad_id)
+        mask = pad_mask * sampled_mask(signal, tuple(pad_mask.shape))  # an episode's observation tokens out
+        rewards = [torch.tensor(np.asarray(g.rewards, dtype=np.float32)) for g in signal]
+        return TrainBatch(groups=tuple(groups), fresh=fresh, signal=signal, rewards=rewards, prompts=prompts,
+                          ids=ids, behav_logp=behav, mask=mask, started=t0)
+
+    def logprobs(self, batch: "TrainBatch"):
+        """log π_θ of each completion token of ``batch`` under the current weights: [N, T], with
+        grad, at ``generator.temperature`` (the policy the generators sample), by the function the
+        torch engine's step uses (``model.qwen.ragged_completion_logprobs``)."""
+        from pipeline.model.qwen import ragged_completion_logprobs
+
+        engine = self._torch_engine()
+        engine.model.train()
+        return ragged_completion_logprobs(engine.model, batch.prompts, batch.ids, pad_id=engine.tokenizer.pad_id,
+                                          temperature=self.run.cfg.generator.temperature)
+
+    def update(self, batch: "TrainBatch", loss=None, stats: Mapping[str, float] | None = None, *,
+               wait_s: float = 0.0) -> dict:
+        """One optimizer step on ``loss`` (a scalar tensor from :meth:`logprobs`): backward, the
+        gradient norm clipped to ``trainer.grad_clip``, AdamW; none when ``loss`` is None (no
+        group had signal). Then as :meth:`step`: the learning-rate schedule, version + 1, the
+        metrics row (``stats`` joins it) written and returned."""
+        import torch
+
+        from pipeline.consumers.trainer import report_progress, step_metrics
+
+        engine, tr = self._torch_engine(), self.trainer
+        row_stats: dict = {}
+        if loss is not None:
+            engine.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            params = [p for g in engine.opt.param_groups for p in g["params"]]
+            norm = float(torch.nn.utils.clip_grad_norm_(params, self.run.cfg.trainer.grad_clip))
+            engine.opt.step()
+            row_stats = {"loss": float(loss.detach()), "grad_norm": norm, "tokens": int(batch.mask.sum()),
+                         **(stats or {})}
+        engine.model.eval()
+        engine.lr_step()
+        tr.version += 1
+        pairs = [(None, g) for g in batch.groups]
+        row = step_metrics(pairs, batch.fresh, batch.signal, version=tr.version, stats=row_stats, wait_s=wait_s,
+                           step_s=time.perf_counter() - batch.started)
+        row["groups_consumed"] = len(batch.groups)
+        tr.metrics.write("step", **row)
+        report_progress(self.run.r, self.run.keys, version=tr.version, row=row)
+        return row
+
+    def _torch_engine(self):
+        from pipeline.engines.torch import TorchEngine
+
+        if not isinstance(self.engine, TorchEngine):
+            raise ValueError(f"trainer.backend: a step written by hand (Learner.batch, logprobs, update) needs the "
+                             f"'torch' engine; this run's is {self.run.cfg.trainer.backend!r} (Learner.step "
+                             "runs any engine)")
+        return self.engine
+
+    def save(self, directory: str | Path) -> Path:
+        """The current policy as a plain checkpoint in ``directory`` (``pipeline eval --checkpoint``)."""
+        self.engine.export_hf(Path(directory))
+        return Path(directory)
 
     def publish(self) -> None:
         """Publish the current weights as ``version`` and announce it (``Trainer.publish``)."""

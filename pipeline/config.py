@@ -73,6 +73,17 @@ DEFAULT_BASE_DIR = "artifacts/base-model"
 DEFAULT_VERIFIERS: tuple[str, ...] = ("format", "units_digit", "mod9", "magnitude", "majority", "leading_digit")
 """The weak-verifier ensemble unless configured otherwise (the verifier registry re-exports it)."""
 
+TASK_VERIFIERS: dict[str, str] = {"reasoning_gym": "self_consistency,states_answer,answer_only"}
+"""The ensemble of a task kind whose prompts the arithmetic checks above cannot read, when
+``verifier.verifiers`` is not set: these kinds, each reading answers as ``task.answer_extract``
+does (``self_consistency:<extract>``, ...; pipeline/verifiers/kinds/answers.py)."""
+
+
+def task_verifiers(task: "TaskConfig") -> tuple[str, ...]:
+    """The weak verifiers a run of ``task`` gets when ``verifier.verifiers`` is not set."""
+    kinds = TASK_VERIFIERS.get(task.kind)
+    return DEFAULT_VERIFIERS if kinds is None else tuple(f"{k}:{task.answer_extract}" for k in kinds.split(","))
+
 
 def _plugin_shaped(value: str, group: str) -> bool:
     """``module:attr``, ``file.py:attr`` or the name of an installed entry point of ``group``: what
@@ -493,6 +504,11 @@ class VerifierConfig(_Section):
     threads: int = 1
     """torch intra-op threads of a verifier process (the model-based kinds: ``lm_judge``,
     ``reward_model``). More than 1 is much slower when other stages share the cores."""
+    monitor_share: float = 0.0
+    """Share of groups (0 to 1) on which the verifiers whose votes the reward does not read are
+    run too, for monitoring (their votes in the posteriors file and the report); 0 runs only
+    what the reward reads (``ground_truth``: none of them), 1 runs every verifier on every
+    group. The groups are picked by their id, so every replica and a rerun pick the same."""
     dependence: Dependence = "drop"
     """Label model: the weaker verifier of a dependent pair is dropped (``drop``) or averaged
     into the other (``merge``)."""
@@ -542,6 +558,7 @@ class VerifierConfig(_Section):
         _check(self.labels >= 0, f"{p}.labels", ">= 0", self.labels)
         _check(self.labels == 0 or self.label_model == "scores", f"{p}.labels",
                '0 unless verifier.label_model = "scores" (set it too)', self.labels)
+        _check(0.0 <= self.monitor_share <= 1.0, f"{p}.monitor_share", "in [0, 1]", self.monitor_share)
         self.timeout_map(p)
 
     def timeout_map(self, p: str = "verifier") -> dict[str, float]:
@@ -1040,7 +1057,7 @@ class EvalConfig(_Section):
     seed: int = 0
     """Seed of the samples: each version is sampled from the same seed."""
     threads: int = 1
-    """Torch threads of the eval worker."""
+    """Torch threads of the eval worker and of ``pipeline eval``."""
     sched_idle: bool = True
     """Linux: the eval worker runs under SCHED_IDLE, on CPU time no other process wants, so
     the stages never wait for it (it evaluates less often on a saturated host). False (or
@@ -1281,6 +1298,8 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
     nested = _nest(overrides or {})
     explicit.update(_leaves(nested))
     cfg = _build(RunConfig, _merge(data, nested), "").validate()
+    if "verifier.verifiers" not in explicit and cfg.task.kind in TASK_VERIFIERS:
+        cfg = cfg.replace("verifier.verifiers", ",".join(task_verifiers(cfg.task)))
     object.__setattr__(cfg, "_explicit", frozenset(explicit))
     return cfg
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 import time
@@ -109,24 +110,74 @@ def test_every_example_names_the_command_that_runs_it():
         assert f"examples/{path.name}" in doc and ("pipeline up" in doc or "python examples/" in doc), path
 
 
-@pytest.mark.slow
-def test_the_grpo_loop_example_runs_end_to_end(tmp_path, tiny_base_model, redis_url):
-    steps = 3
-    args = [sys.executable, str(ROOT / "examples" / "grpo_loop.py"), "--steps", str(steps), "--config", str(TINY),
-            "--model.base_dir", str(tiny_base_model), "--runs_dir", str(tmp_path / "runs"), "--run_id", "grpo",
-            "--redis.url", redis_url, "--trainer.eval_every", "2", "--task.heldout_size", "20"]
-    t0 = time.monotonic()
+def _run_example(script: Path, tmp_path: Path, base_model: Path, redis_url: str, *, steps: int, run_id: str,
+                 extra: tuple[str, ...] = ()) -> tuple[dict, str]:
+    """Run an example loop file as a process on configs/tiny.toml; its api_summary.json and output."""
+    args = [sys.executable, str(script), "--steps", str(steps), "--config", str(TINY), "--model.base_dir",
+            str(base_model), "--runs_dir", str(tmp_path / "runs"), "--run_id", run_id, "--redis.url", redis_url,
+            "--trainer.eval_every", "2", "--task.heldout_size", "20", *extra]
     p = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=tmp_path,
                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-3000:]
-    summary = json.loads((tmp_path / "runs" / "grpo" / "api_summary.json").read_text())
+    return json.loads((tmp_path / "runs" / run_id / "api_summary.json").read_text()), out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", ["grpo_loop.py", "reinforce_loop.py"])
+def test_each_loop_example_runs_end_to_end(example, tmp_path, tiny_base_model, redis_url):
+    steps = 3
+    t0 = time.monotonic()
+    summary, out = _run_example(ROOT / "examples" / example, tmp_path, tiny_base_model, redis_url, steps=steps,
+                                run_id="loop", extra=("--save", str(tmp_path / "final")))
     c = summary["counts"]
     assert summary["consistent"], summary
     assert c["got"] == c["acked"] == steps * 4  # B = 4 groups per step in tiny.toml, every one acked
     assert c["put"] == c["got"] + c["left_in_queue"]
     assert set(summary["evals"]) == {"0", "2", "3"}
     assert "base held-out accuracy" in out and "-> final" in out
-    metrics = [json.loads(x) for x in (tmp_path / "runs" / "grpo" / "metrics.jsonl").read_text().splitlines()]
-    assert [m["version"] for m in metrics if m["kind"] == "step"] == [1, 2, 3]
-    print(f"grpo_loop: {time.monotonic() - t0:.1f} s")
+    metrics = [json.loads(x) for x in (tmp_path / "runs" / "loop" / "metrics.jsonl").read_text().splitlines()]
+    steps_rows = [m for m in metrics if m["kind"] == "step"]
+    assert [m["version"] for m in steps_rows] == [1, 2, 3]
+    trained = [m for m in steps_rows if m["groups_trained"]]
+    assert trained and all(m["grad_norm"] > 0 and m["tokens"] > 0 for m in trained), steps_rows
+    assert (tmp_path / "final" / "model.safetensors").is_file()  # --save: a checkpoint pipeline eval reads
+    print(f"{example}: {time.monotonic() - t0:.1f} s")
+
+
+LOSS_LINE = "# the loss"
+
+
+@pytest.mark.slow
+def test_editing_the_loss_line_of_the_grpo_loop_changes_what_trains(tmp_path, tiny_base_model, redis_url):
+    from safetensors.torch import load_file
+
+    source = (ROOT / "examples" / "grpo_loop.py").read_text()
+    lines = [x for x in source.splitlines() if x.rstrip().endswith(LOSS_LINE)]
+    assert len(lines) == 1 and "decoupled_ppo_loss(" in lines[0] and ", adv," in lines[0], lines
+    # The edit: the same loss with the advantages' sign turned, which rewards what GRPO punishes.
+    edited = tmp_path / "copy" / "grpo_loop.py"
+    edited.parent.mkdir()
+    edited.write_text(source.replace(lines[0], lines[0].replace(", adv,", ", -adv,")))
+    sys_path_line = "sys.path.insert(0, str(Path(__file__).resolve().parent.parent))"
+    assert sys_path_line in source  # the copy must import this checkout's pipeline package
+    edited.write_text(edited.read_text().replace(sys_path_line, f"sys.path.insert(0, {str(ROOT)!r})"))
+
+    def trained(script: Path, name: str) -> dict:
+        # In this process (runpy), so the three runs pay for the imports once.
+        main = runpy.run_path(str(script), run_name="example")["main"]
+        summary = main(["--steps", "1", "--config", str(TINY), "--model.base_dir", str(tiny_base_model),
+                        "--runs_dir", str(tmp_path / "runs"), "--run_id", name, "--redis.url", redis_url,
+                        "--task.heldout_size", "20", "--save", str(tmp_path / name)])
+        assert summary["consistent"] and summary["counts"]["trained"] > 0, summary  # the step had signal
+        return load_file(tmp_path / name / "model.safetensors")
+
+    base = load_file(tiny_base_model / "model.safetensors")
+    first, again = trained(ROOT / "examples" / "grpo_loop.py", "a"), trained(ROOT / "examples" / "grpo_loop.py", "b")
+    other = trained(edited, "edited")
+    assert first.keys() == again.keys() == other.keys() == base.keys()
+    # The file as shipped trains the same weights twice (same seeds, same first batch) ...
+    assert all((first[k] == again[k]).all() for k in first)
+    assert any(not (first[k] == base[k]).all() for k in first)  # ... and it trained
+    # ... and the edited loss line trains different ones.
+    assert any(not (first[k] == other[k]).all() for k in first)

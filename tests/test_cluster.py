@@ -38,6 +38,9 @@ def test_up_starts_its_own_server_trains_and_writes_an_accounted_summary(tmp_pat
     assert summary["status"] == "finished" and summary["steps"] == 3
     assert summary["accounting"]["ok"] and summary["accounting"]["lost"] == 0
     assert "step    3/3" in out and "Accounting" in out, out[-2000:]
+    # Weaver reads every verifier: each ran, with its cost per completion.
+    assert all(c["completions"] > 0 and c["seconds_per_completion"] > 0 for c in summary["verifiers"].values())
+    assert "verifiers run, seconds per completion: `format`" in out
     assert {f.name for f in (run / "logs").glob("*.jsonl")} >= {"trainer.jsonl", "feeder.jsonl", "gen-0.jsonl",
                                                                 "gen-1.jsonl", "ver-0.jsonl", "ver-1.jsonl"}
     # Each worker's stdout/stderr, under the name the driver's messages give it (pipeline.run.launch.log_file).

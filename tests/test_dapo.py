@@ -24,6 +24,9 @@ def test_dynamic_sampling_refills_and_the_accounting_balances(tmp_path, tiny_bas
     summary = json.loads((run / "summary.json").read_text())
     acc = summary["accounting"]
     assert acc["ok"] and acc["lost"] == 0 and acc["unexpected"] == 0, acc
+    # The ground-truth reward reads no verifier's votes: none ran, and the summary says so.
+    assert summary["verifiers"] and all(c["completions"] == 0 for c in summary["verifiers"].values())
+    assert "verifiers not run" in (run / "summary.md").read_text()
     steps = {}
     for line in (run / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)

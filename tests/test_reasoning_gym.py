@@ -395,3 +395,39 @@ def test_ten_reasoning_gym_datasets_run_two_steps_each_through_the_real_pipeline
         assert by[STEPS][name] == summary["evals"][STEPS]
         assert f"held-out accuracy per dataset, first -> last evaluation: {name} " in \
             (tmp_path / "runs" / f"rg-{name}" / "summary.md").read_text()
+
+
+def test_a_reasoning_gym_run_gets_verifiers_that_read_its_prompts_unless_it_names_its_own():
+    from pipeline.config import DEFAULT_VERIFIERS
+
+    rg = {"task.kind": "reasoning_gym", "task.datasets": "chain_sum"}
+    cfg = load_config(overrides={**rg, "task.answer_extract": "last_number"})
+    assert cfg.verifier.verifiers == ("self_consistency:last_number", "states_answer:last_number",
+                                      "answer_only:last_number")
+    assert "verifier.verifiers" not in cfg.explicit
+    own = load_config(overrides={**rg, "verifier.verifiers": "states_answer"})
+    assert own.verifier.verifiers == ("states_answer",)
+    assert load_config().verifier.verifiers == DEFAULT_VERIFIERS  # the arithmetic task keeps its checks
+
+
+def test_the_check_before_launch_refuses_a_verifier_that_reads_none_of_the_tasks_prompts(tiny_base_model):
+    from pipeline.consumers.verifier import panel_problems
+    from pipeline.run.launch import preflight
+
+    fields = {"task.kind": "reasoning_gym", "task.datasets": "chain_sum", "task.heldout_size": 20,
+              "task.answer_extract": "last_number", "model.base_dir": str(tiny_base_model)}
+    cfg = load_config(overrides={**fields, "verifier.verifiers": "mod9,states_answer:last_number,code_exec",
+                                 "verifier.reward": "weaver"})
+    problems = panel_problems(cfg)
+    assert [p.split("'")[1] for p in problems] == ["mod9", "code_exec"], problems
+    assert all("on every one" in p for p in problems)
+    # The driver's check before launch runs it (on the arithmetic task here: the small model's
+    # tokenizer reads digits only, and the prompt checks encode reasoning-gym prompts first).
+    arith = load_config(overrides={"model.base_dir": str(tiny_base_model), "verifier.verifiers": "format,code_exec"})
+    with pytest.raises(ConfigError, match="'code_exec' does not apply to this task"):
+        preflight(arith)
+    # A reward that reads none of them runs none: nothing to refuse (unless monitored).
+    assert panel_problems(cfg.replace("verifier.reward", "ground_truth")) == []
+    assert len(panel_problems(cfg.replace("verifier.reward", "ground_truth").replace("verifier.monitor_share", 0.1))) == 2
+    assert panel_problems(cfg.replace("verifier.reward", "single:states_answer:last_number")) == []
+    assert panel_problems(load_config(overrides=fields)) == []  # the task's own default panel applies

@@ -173,3 +173,25 @@ def test_a_bad_term_of_a_combination_is_refused(spec):
 
     with pytest.raises(ValueError):
         parse_reward_mode(spec)
+
+
+@pytest.mark.parametrize("spec,reads", [
+    ("weaver", DEFAULT_VERIFIERS), ("weaver-hard", DEFAULT_VERIFIERS), ("average", DEFAULT_VERIFIERS),
+    ("single:mod9", ("mod9",)), ("ground_truth", ()), ("majority", ()),
+    ("0.8*ground_truth + 0.2*single:format", ("format",)), ("ground_truth|weaver", DEFAULT_VERIFIERS),
+    ("single:magnitude + single:format", ("format", "magnitude")),
+])
+def test_a_reward_mode_reads_only_the_votes_it_aggregates(spec, reads):
+    assert parse_reward_mode(spec).reads(DEFAULT_VERIFIERS) == tuple(reads)
+
+
+def test_a_reward_over_the_votes_it_reads_is_the_same_with_the_others_unscored(scored):
+    # What lets the verifier stage leave them unscored (NaN, an abstention).
+    for spec in ("single:mod9", "ground_truth", "majority", "0.8*ground_truth + 0.2*single:format"):
+        mode = parse_reward_mode(spec)
+        partial = scored.copy()
+        for j, name in enumerate(DEFAULT_VERIFIERS):
+            if name not in mode.reads(DEFAULT_VERIFIERS):
+                partial[:, j] = np.nan
+        kw = dict(names=DEFAULT_VERIFIERS, completions=COMPLETIONS, truth=TRUTH, reference="359", prompt=PROMPT)
+        assert np.array_equal(mode(votes=scored, **kw), mode(votes=partial, **kw)), spec

@@ -325,3 +325,49 @@ def test_the_verifier_stage_keeps_scoring_when_a_verifier_hangs_or_raises(tmp_pa
     assert stats["verifier_timeouts_total"] >= 1 and stats["verifier_errors_total"] == 3
     lines = (tmp_path / "logs" / "ver-0.jsonl").read_text()
     assert '"verifier_abstained"' in lines and "checker crashed" in lines and '"outcome": "timeout"' in lines
+
+
+def test_the_verifier_stage_runs_only_what_the_reward_reads_and_counts_each_ones_cost(
+        tmp_path, tiny_base_model, redis_client, redis_url):
+    from builders import make_rollout
+    from pipeline.bus.stats import read_stats
+    from pipeline.bus.streams import FIELD
+    from pipeline.config import load_config
+    from pipeline.consumers.verifier import monitored, run_verifier
+    from pipeline.keys import Keys
+    from pipeline.observe.logs import setup_logging
+    from pipeline.records import ScoredGroup
+    from pipeline.verifiers.base import verifier_costs
+
+    names = ["format", "mod9", "states_answer:last_number"]
+    ids = [f"p{i:08d}" for i in range(12)]
+    for reward, share, runs_all in (("single:mod9", 0.0, False), ("ground_truth", 0.5, None), ("weaver", 0.0, True)):
+        run_id = f"reads-{reward.replace(':', '-')}"
+        cfg = load_config(overrides={
+            "run_id": run_id, "runs_dir": str(tmp_path), "redis.url": redis_url,
+            "model.base_dir": str(tiny_base_model), "verifier.verifiers": ",".join(names), "verifier.reward": reward,
+            "verifier.monitor_share": share, "verifier.batch": 12, "verifier.min_fit_rows": 8})
+        keys = Keys(run_id)
+        for pid in ids:
+            redis_client.xadd(keys.shard(0).rollouts, {FIELD: make_rollout(prompt_id=pid).encode()})
+        log = setup_logging(tmp_path / run_id, stage="verifier", worker="ver-0")
+        assert run_verifier(cfg, redis_client, keys, "ver-0", log, max_batches=1) == 12
+        scored = [ScoredGroup.decode(f[FIELD]) for _, f in redis_client.xrange(keys.shard(0).scored)]
+        every = [not np.isnan(g.votes).all(axis=0)[2] for g in scored]  # the kind voted: every verifier ran
+        if runs_all is None:  # the monitored share: every verifier on the groups its hash picks, none elsewhere
+            assert every == [monitored(g.rollout.group_id, share) for g in scored] and 0 < sum(every) < 12
+            assert all(np.isnan(g.votes).all() for g, e in zip(scored, every) if not e)
+        else:
+            assert every == [runs_all] * 12
+        if reward == "single:mod9":
+            assert all(not np.isnan(g.votes[:, 1]).any() and np.isnan(g.votes[:, [0, 2]]).all() for g in scored)
+        costs = verifier_costs(read_stats(redis_client, keys), names)
+        ran = {n: c["completions"] for n, c in costs.items()}
+        g = scored[0].rollout.group_size
+        if reward == "single:mod9":
+            assert ran == {"format": 0, "mod9": 12 * g, "states_answer:last_number": 0}
+        elif reward == "ground_truth":
+            assert ran == {n: sum(every) * g for n in names}
+        else:
+            assert ran == {n: 12 * g for n in names}
+        assert all(c["seconds_per_completion"] > 0 for c in costs.values() if c["completions"])

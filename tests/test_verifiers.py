@@ -260,3 +260,16 @@ def test_scorer_validates_specs_and_timeouts_up_front():
         register("a:b")
     V.check_spec("reward_model:/some/dir")
     V.check_spec("lm_judge")
+
+
+def test_the_scorer_runs_only_the_verifiers_asked_for_and_counts_what_each_scored():
+    names = ["format", "mod9", "states_answer:last_number"]
+    scorer = V.Scorer(names, build=["format"])  # the kind is built when a group first asks for it
+    votes, outcome = scorer.score(ADD, ["359", "358"], only=("format",))
+    assert outcome == {"format": "ok", "mod9": "skipped", "states_answer:last_number": "skipped"}
+    assert not np.isnan(votes[:, 0]).any() and np.isnan(votes[:, 1:]).all()
+    assert [scorer.stats[n].completions for n in names] == [2, 0, 0]
+    votes, outcome = scorer.score(ADD, ["359", "358", "x"])  # every one
+    assert set(outcome.values()) == {"ok"} and votes[0, 1] == 1.0 and votes[0, 2] == 1.0
+    assert [scorer.stats[n].completions for n in names] == [5, 3, 3]
+    assert [scorer.stats[n].groups for n in names] == [2, 1, 1]

@@ -106,6 +106,9 @@ REWARD_MODES: dict[str, RewardFn] = {
 }
 """Parameterless modes by name; ``single:<verifier>`` is parameterised and handled by ``parse_reward_mode``."""
 
+VOTE_MODES = ("weaver", "weaver-hard", "average")
+"""Modes that read every verifier's votes (through the label model, or averaged)."""
+
 SINGLE_PREFIX = "single:"
 SINGLE_THRESHOLD = 0.5
 """A single verifier's score counts as a pass at or above this (fixed, so the baseline needs no label model)."""
@@ -163,6 +166,15 @@ class RewardMode:
     def uses_truth(self) -> bool:
         """Only ``ground_truth``, ``environment`` and labelled rewards read the reference."""
         return self.kind in ("ground_truth", "labelled", "environment")
+
+    def reads(self, names: Sequence[str]) -> tuple[str, ...]:
+        """The verifiers of ``names`` whose votes this mode reads: all of them for the modes that
+        aggregate every vote (:data:`VOTE_MODES`), one for ``single:``, none for the others (they
+        read the completions, a model of their own or the reference). The verifier stage runs
+        only these (and the others on ``verifier.monitor_share`` of the groups)."""
+        if self.kind in VOTE_MODES:
+            return tuple(names)
+        return tuple(n for n in names if n == self.verifier)
 
     def __call__(
         self,
@@ -253,6 +265,11 @@ class CombinedReward:
     @property
     def verifiers(self) -> tuple[str, ...]:
         return tuple(v for m in self._parts() for v in m.verifiers)
+
+    def reads(self, names: Sequence[str]) -> tuple[str, ...]:
+        """The verifiers of ``names`` any part reads (``RewardMode.reads``), in list order."""
+        wanted = {n for m in self._parts() for n in m.reads(names)}
+        return tuple(n for n in names if n in wanted)
 
     def __call__(self, *, votes, reference: str | None = None, **kw) -> np.ndarray:
         if self.fallback is not None:

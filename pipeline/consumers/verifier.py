@@ -9,16 +9,20 @@ logged beside the reward (and by the ``ground_truth`` reward mode for experiment
 A batch comes from rollouts shard k and goes to scored shard k.
 
 The loop (``Stage.run``): wait for room downstream → take rollout groups → score every
-completion with each weak verifier → add the votes to the label model's window and take
-its current version → aggregate votes into rewards → emit the scored groups and ack the
-rollouts in one MULTI → append the posteriors file.
+completion with each weak verifier whose votes the reward reads (all of them for Weaver; the
+rest only on ``verifier.monitor_share`` of the groups, their columns NaN elsewhere) → add
+the votes to the label model's window and take its current version → aggregate votes into
+rewards → emit the scored groups and ack the rollouts in one MULTI → append the posteriors
+file.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Collection, Sequence
 
 import msgpack
 import numpy as np
@@ -33,8 +37,8 @@ from pipeline.model.tokenizer import model_vocab_size
 from pipeline.records import RolloutGroup, ScoredGroup, check_group_size, check_token_ids, check_versions
 from pipeline.stage import Batch, Output, Stage
 from pipeline.tasks.registry import make_task
-from pipeline.verifiers.base import is_sound
-from pipeline.verifiers.registry import Scorer, check_spec
+from pipeline.verifiers.base import VERIFIER_COMPLETIONS, VERIFIER_SECONDS, is_sound
+from pipeline.verifiers.registry import Scorer, applicability_problems, check_spec
 
 FIRST_MODEL_WAIT_S = 60.0
 LOCK_TTL_MS = 30_000
@@ -118,9 +122,16 @@ class SharedLabelModel:
             time.sleep(0.05)  # another replica holds the lock for the first fit
 
 
-def make_scorer(v: VerifierConfig) -> Scorer:
-    """The weak verifiers ``verifier.verifiers`` names, under their deadlines."""
-    return Scorer(v.verifiers, timeouts=v.timeout_map(), default_timeout_s=v.timeout_s)
+def make_scorer(v: VerifierConfig, build: Sequence[str] | None = None) -> Scorer:
+    """The weak verifiers ``verifier.verifiers`` names, under their deadlines; of the kinds, only
+    those of ``build`` built now (None: all), the others when a group first asks for them."""
+    return Scorer(v.verifiers, timeouts=v.timeout_map(), default_timeout_s=v.timeout_s, build=build)
+
+
+def monitored(group_id: str, share: float) -> bool:
+    """Whether a group is one of the ``verifier.monitor_share`` on which every verifier runs:
+    picked by a hash of its id, so replicas and reruns agree."""
+    return share >= 1.0 or (share > 0.0 and zlib.crc32(group_id.encode()) < share * 2**32)
 
 
 def check_rollout(g: RolloutGroup, *, vocab_size: int, group_size: int | None = None,
@@ -152,6 +163,27 @@ def reward_mode(v: VerifierConfig) -> RewardMode:
     return mode
 
 
+def panel_problems(cfg: RunConfig, *, prompts: int = 8) -> list[str]:
+    """Before launch: the verifiers this run will run (those the reward reads; all of them with
+    ``verifier.monitor_share``) scored on ``prompts`` real training prompts of its task, rendered
+    as the generators render them (``registry.applicability_problems``): one that applies to
+    none is named. Nothing when the reward, a spec or the task is wrong (other checks name those)."""
+    from pipeline.tasks.prompting import prompt_format
+
+    v = cfg.verifier
+    try:
+        run = v.verifiers if v.monitor_share > 0 else parse_reward_mode(v.reward).reads(v.verifiers)
+        for spec in run:
+            check_spec(spec)
+        items = list(itertools.islice(make_task(cfg.task).training(cfg.feeder.seed), prompts)) if run else []
+        fmt = prompt_format(cfg.task, cfg.model.base_dir)
+    except (ValueError, ImportError, OSError):
+        return []
+    if not items:
+        return []
+    return applicability_problems(run, [fmt.render(i.prompt) for i in items], where=f"task {cfg.task.kind}'s")
+
+
 POSTERIORS_DIR = "posteriors"
 """Per run and verifier replica, ``posteriors/<worker>.jsonl``: one JSON line per scored group
 (prompt, completions, votes, Weaver posterior, hidden truth), the training data of ``pipeline
@@ -178,18 +210,21 @@ def append_posteriors(path, rows: list[dict]) -> None:
             f.write("".join(json.dumps(row) + "\n" for row in rows))
 
 
-def score_batch(scorer: Scorer, groups: list[RolloutGroup], log) -> tuple[list[np.ndarray], dict[str, int]]:
+def score_batch(scorer: Scorer, groups: list[RolloutGroup], log,
+                runs: Callable[[RolloutGroup], Collection[str] | None] = lambda g: None,
+                ) -> tuple[list[np.ndarray], dict[str, int]]:
     """Votes of each group, and how many (group, verifier) pairs abstained by error or timeout.
 
+    ``runs(group)``: the verifiers to run on it (None: all); the others' columns stay NaN.
     A verifier that fails or misses its deadline abstains for that group and is logged
     with its running counters; it never stops the stage.
     """
     votes, failed = [], {"error": 0, "timeout": 0}
     for g in groups:
-        vt, outcome = scorer.score(g.prompt, g.completions)
+        vt, outcome = scorer.score(g.prompt, g.completions, only=runs(g))
         votes.append(vt)
         for name, o in outcome.items():
-            if o != "ok":
+            if o in failed:
                 failed[o] += 1
                 st = scorer.stats[name]
                 log.warning("verifier_abstained", verifier=name, outcome=o, reason=st.last_error,
@@ -207,7 +242,9 @@ class Verifier:
         vocab_size = model_vocab_size(cfg.model.base_dir)
         self.task = make_task(cfg.task)
         self.shared = SharedLabelModel(r, keys, v, worker_id, log) if self.mode.needs_label_model else None
-        self.scorer = scorer if scorer is not None else make_scorer(v)
+        # Only the verifiers the reward reads run, and every one on the monitored share of groups.
+        self.reads = self.mode.reads(v.verifiers)
+        self.scorer = scorer if scorer is not None else make_scorer(v, None if v.monitor_share else self.reads)
         self.posteriors_path = cfg.run_dir / POSTERIORS_DIR / f"{worker_id}.jsonl"
         newest = NewestVersion(r, keys)
         self.stage = Stage(r, keys, cfg, name="verifier", worker_id=worker_id, log=log, source="rollouts",
@@ -216,12 +253,25 @@ class Verifier:
                                                          group_size=cfg.generator.group_size), prefetch=True)
         self.scored = 0
 
+    def runs(self, g: RolloutGroup) -> tuple[str, ...] | None:
+        """The verifiers to run on ``g``: those the reward reads, or every one (None) on a
+        monitored group (``verifier.monitor_share``)."""
+        v = self.cfg.verifier
+        if len(self.reads) == len(v.verifiers) or monitored(g.group_id, v.monitor_share):
+            return None
+        return self.reads
+
     def step(self, batch: Batch) -> Output:
         """Votes → label model → rewards for every group of the batch."""
         v = self.cfg.verifier
         t0 = time.perf_counter()
         groups = batch.records
-        votes, failed = score_batch(self.scorer, groups, self.log)
+        before = {n: (st.completions, st.seconds) for n, st in self.scorer.stats.items()}
+        votes, failed = score_batch(self.scorer, groups, self.log, self.runs)
+        costs = {}
+        for n, st in self.scorer.stats.items():
+            costs[VERIFIER_COMPLETIONS + n] = st.completions - before[n][0]
+            costs[VERIFIER_SECONDS + n] = st.seconds - before[n][1]
         truths = [self.task.correctness(g.reference, g.completions) for g in groups]
         lm = None
         if self.shared is not None:
@@ -251,7 +301,8 @@ class Verifier:
 
         return Output(written=written, after=after,
                       counters={"groups_scored_total": len(groups), "verifier_errors_total": failed["error"],
-                                "verifier_timeouts_total": failed["timeout"], "verify_seconds_total": seconds})
+                                "verifier_timeouts_total": failed["timeout"], "verify_seconds_total": seconds,
+                                **costs})
 
 
 def set_torch_threads(n: int) -> None:
@@ -273,7 +324,8 @@ def run_verifier(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batc
     """
     set_torch_threads(cfg.verifier.threads)
     ver = Verifier(cfg, r, keys, worker_id, log, scorer=scorer)
-    log.info("verifier_started", reward=cfg.verifier.reward, verifiers=cfg.verifier.verifiers)
+    log.info("verifier_started", reward=cfg.verifier.reward, verifiers=cfg.verifier.verifiers, reads=ver.reads,
+             monitor_share=cfg.verifier.monitor_share)
     ver.stage.run(ver.step, count=cfg.verifier.batch, idle=lambda: ver.stage.heartbeat("idle", groups=ver.scored),
                   max_batches=max_batches)
     log.info("verifier_stopped", groups=ver.scored)

@@ -42,6 +42,7 @@ from prometheus_client.utils import floatToGoString
 from pipeline.keys import Keys
 from pipeline.bus.stats import read_stats
 from pipeline.envs.base import ENV_STEP_BUCKET, ENV_STEP_BUCKETS
+from pipeline.verifiers.base import VERIFIER_COMPLETIONS, VERIFIER_SECONDS, verifier_costs
 from pipeline.bus.streams import group_lag
 
 DELIVERY_BUCKETS = (1, 2, 3, 5, 10)
@@ -347,8 +348,16 @@ def families(snap: dict) -> Iterator:
     dl.add_metric([], dead["length"])
     yield dl
     # Every {ns}:stats counter (dead_letters_total, dropped_stale_total, tokens_generated_total, ...),
-    # but the step latency buckets: those are one histogram.
-    stats = {k: v for k, v in snap["stats"].items() if not k.startswith(ENV_STEP_BUCKET)}
+    # but the step latency buckets (one histogram) and the per-verifier counters (labelled).
+    stats = {k: v for k, v in snap["stats"].items()
+             if not k.startswith((ENV_STEP_BUCKET, VERIFIER_SECONDS, VERIFIER_COMPLETIONS))}
+    costs = verifier_costs(snap["stats"])
+    for metric, field, doc in (("pipeline_verifier_seconds", "seconds", "Seconds the verifier stage spent on it."),
+                               ("pipeline_verifier_completions", "completions", "Completions it scored.")):
+        c = CounterMetricFamily(metric, f"Per weak verifier: {doc}", labels=["verifier"])
+        for name, row in costs.items():
+            c.add_metric([name], row[field])
+        yield c
     stats.setdefault("dead_letters_total", 0.0)
     stats.setdefault("dropped_stale_total", 0.0)
     for name, value in sorted(stats.items()):

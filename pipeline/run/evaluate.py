@@ -219,6 +219,11 @@ def evaluate(cfg: RunConfig, checkpoint: str | Path, *, n: int = DEFAULT_N, ks: 
     ks = check_settings(n=n, ks=ks, temperature=temperature, max_prompts=max_prompts, batch_size=batch_size,
                         max_new_tokens=max_new_tokens)
     checkpoint_kind(checkpoint)
+    import torch
+
+    # One thread unless configured: torch's default (every core) spins against whatever else
+    # runs there; on a busy 2-core machine SmolLM2's evaluation took minutes instead of seconds.
+    torch.set_num_threads(cfg.eval.threads)
     t0 = time.perf_counter()
     model, tokenizer, tokenizer_dir = load_policy(checkpoint, cfg.model.base_dir)
     t_load = time.perf_counter() - t0
@@ -253,7 +258,7 @@ def evaluate_model(cfg: RunConfig, model, tokenizer, tokenizer_dir: str | Path, 
     import numpy as np
     import torch
 
-    from pipeline.engines.torch import greedy_decode, sample_prompts
+    from pipeline.engines.torch import by_length, greedy_decode, sample_prompts
     from pipeline.tasks.prompting import build_prompt, prompt_format
 
     fmt = prompt_format(task_cfg, tokenizer_dir)
@@ -261,32 +266,40 @@ def evaluate_model(cfg: RunConfig, model, tokenizer, tokenizer_dir: str | Path, 
     total = len(items)
     report = progress or (lambda phase, done, count: None)
 
+    # Both passes run the batches the trainer's greedy_decode and sample_prompts run (each chunk's
+    # prompts of one length together, in the same order, so the same rng draws), one batch per
+    # call, so progress comes after each batch.
     t0 = time.perf_counter()
-    greedy: list[float] = []
-    completions: list[str] = []
-    step = _greedy_batch()
+    greedy: list[float] = [0.0] * total
+    completions: list[str] = [""] * total
+    step, done = _greedy_batch(), 0
     report("greedy", 0, total)
     for start in range(0, total, step):
-        chunk = items[start: start + step]
-        answers = greedy_decode(model, tokenizer, ids[start: start + step], max_new_tokens=budget)
-        greedy += [float(task.correctness(item.reference, [a])[0]) for item, a in zip(chunk, answers)]
-        completions += answers
-        report("greedy", len(greedy), total)
+        for idx in by_length(ids[start: start + step]).values():
+            rows = [start + i for i in idx]
+            answers = greedy_decode(model, tokenizer, [ids[i] for i in rows], max_new_tokens=budget)
+            for i, a in zip(rows, answers):
+                greedy[i], completions[i] = float(task.correctness(items[i].reference, [a])[0]), a
+            done += len(rows)
+            report("greedy", done, total)
     t_greedy = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     rng = torch.Generator().manual_seed(seed)
-    counts: list[int] = []
+    counts: list[int] = [0] * total
+    done = 0
     report("sampled", 0, total)
     for start in range(0, total, batch_size):
-        chunk = items[start: start + batch_size]
-        sampled = sample_prompts(model, ids[start: start + batch_size], n=n, max_new_tokens=budget,
-                                 temperature=temperature, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-                                 generator=rng)
-        for item, s in zip(chunk, sampled):
-            texts = [tokenizer.decode(s.tokens[j, : s.lengths[j]].tolist()) for j in range(n)]
-            counts.append(int(np.count_nonzero(task.correctness(item.reference, texts) > 0.5)))
-        report("sampled", len(counts), total)
+        for idx in by_length(ids[start: start + batch_size]).values():
+            rows = [start + i for i in idx]
+            sampled = sample_prompts(model, [ids[i] for i in rows], n=n, max_new_tokens=budget,
+                                     temperature=temperature, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+                                     generator=rng)
+            for i, s in zip(rows, sampled):
+                texts = [tokenizer.decode(s.tokens[j, : s.lengths[j]].tolist()) for j in range(n)]
+                counts[i] = int(np.count_nonzero(task.correctness(items[i].reference, texts) > 0.5))
+            done += len(rows)
+            report("sampled", done, total)
     t_sample = time.perf_counter() - t0
 
     out: dict[str, Any] = {

@@ -290,6 +290,10 @@ def preflight(cfg: RunConfig, *, chaos: bool = False) -> None:
     """
     problems = [*model_problems(cfg), *port_problems(cfg), *backend_problems(cfg), *registry_problems(cfg),
                 *task_problems(cfg), *eval_problems(cfg), *(chaos_problems(cfg) if chaos else [])]
+    if not problems:  # the verifiers that will run, scored on real prompts of the task
+        from pipeline.consumers.verifier import panel_problems
+
+        problems = panel_problems(cfg)
     if len(problems) == 1:
         raise ConfigError(problems[0])
     if problems:
@@ -989,7 +993,7 @@ def supervise(c: Cluster, start: float) -> str:
         c.record()
         if c.chaos:
             c.injector = start_injector(c)
-        last_print = 0.0
+        last_print, base_checked = 0.0, False
         # The trainer exiting 0 ends the run (finished, or stopped); any other exit of any
         # worker, the trainer included (it resumes from its checkpoint), is a restart.
         while c.procs["trainer"].poll() != 0:
@@ -1002,6 +1006,8 @@ def supervise(c: Cluster, start: float) -> str:
             if time.time() - last_print >= cfg.cluster.progress_every_s:
                 print(progress_line(c, start), flush=True)
                 last_print = time.time()
+                if not base_checked and c.quick is not None:
+                    base_checked = report_hopeless_base(c.quick, c.keys, cfg)
             time.sleep(0.2)
         if status == "finished" and c.procs["trainer"].returncode != 0:
             status = f"trainer exited with code {c.procs['trainer'].returncode}"
@@ -1020,6 +1026,32 @@ def supervise(c: Cluster, start: float) -> str:
             pass
         _stop_all(c.procs)
     return status
+
+
+def report_hopeless_base(r, keys, cfg: RunConfig) -> bool:
+    """Once the trainer has its base evaluation and its first batch: when the base model answered
+    no held-out problem right and no sampled completion of that batch is right either, print
+    so, with what to change (no group can carry a signal the truth agrees with). Returns whether
+    the check could be made (then it is not made again)."""
+    import redis
+
+    try:
+        tr = {k.decode(): v.decode() for k, v in r.hgetall(keys.trainer).items()}
+    except redis.RedisError:
+        return False
+    if int(tr.get("version", 0)) < 1 or "base_accuracy" not in tr:
+        return False
+    if float(tr["base_accuracy"]) == 0 and float(tr.get("sample_accuracy", 1)) == 0:
+        t, g = cfg.task, cfg.generator
+        print(f"pipeline: the base model answers nothing right: held-out greedy accuracy 0 on "
+              f"{t.heldout_size} problems and 0 of the first step's {cfg.trainer.groups_per_step} x {g.group_size} "
+              "sampled completions, so no group has a signal the truth agrees with and training cannot start "
+              "from here. Change: an easier task (task.dataset_params, task.datasets), a prompt the model "
+              "follows (task.system_prompt, task.template, task.chat_template), room to answer "
+              "(task.max_new_tokens), how answers are read (task.answer_extract), more tries per prompt "
+              "(generator.group_size, generator.temperature), or a stronger base (model.base_dir)",
+              file=sys.stderr, flush=True)
+    return True
 
 
 def progress_line(c: Cluster, start: float) -> str:
@@ -1236,6 +1268,19 @@ def _beside_lines(rows: list[dict]) -> list[str]:
     return out
 
 
+def _verifier_lines(costs: dict[str, dict]) -> list[str]:
+    """The summary's line of the weak verifiers: each one run, with its seconds per completion
+    (``verifiers.base.verifier_costs``), and those never run."""
+    ran = [f"`{n}` {c['seconds_per_completion']:.4g} s ({c['completions']:,} completions)"
+           for n, c in costs.items() if c["completions"]]
+    idle = [f"`{n}`" for n, c in costs.items() if not c["completions"]]
+    out = [f"- verifiers run, seconds per completion: {', '.join(ran) if ran else 'none'}"]
+    if idle:
+        out.append(f"- verifiers not run (the reward reads none of their votes; verifier.monitor_share runs "
+                   f"them on a share of the groups): {', '.join(idle)}")
+    return out
+
+
 def write_summary(cfg: RunConfig, r, keys, accounting: dict, base_info: dict, **extra) -> dict:
     """Write ``summary.json`` and ``summary.md`` from the run's metrics file and Redis counters."""
     from pipeline.bus.stats import read_stats
@@ -1291,6 +1336,9 @@ def write_summary(cfg: RunConfig, r, keys, accounting: dict, base_info: dict, **
     episodes = episode_summary(stats)
     if episodes:  # multi-turn episodes: the run-wide numbers (docs/observing.md, "Episodes")
         summary["episodes"] = episodes
+    from pipeline.verifiers.base import verifier_costs
+
+    summary["verifiers"] = verifier_costs(stats, cfg.verifier.verifiers)  # which ran, and their cost
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
     a = accounting
     md = [
@@ -1306,6 +1354,7 @@ def write_summary(cfg: RunConfig, r, keys, accounting: dict, base_info: dict, **
         *_resume_lines(summary.get("trainer_resume_seconds") or []),
         f"- weights per version: {summary['weights_payload_bytes']:,} bytes (weights.payload {summary['weights_payload']})",
         *_beside_lines(beside),
+        *_verifier_lines(summary["verifiers"]),
         "", "## Accounting", "",
         "| issued | trained | no signal | stale | dead-lettered | in flight at stop | lost | unexpected | duplicates skipped |",
         "|---|---|---|---|---|---|---|---|---|",

@@ -80,15 +80,18 @@ class Kind:
     """Name of the builder in ``module`` (several kinds may share a module)."""
     sound: bool = False
     """A correct answer always passes every verifier of this kind (see ``SOUND``)."""
+    model: bool = False
+    """It runs a model on any text (a judge, a reward model): it applies to every prompt, and the
+    check before launch does not load it to see (``registry.applicability_problems``)."""
 
 
 _EXTRACT_HELP = "a task.answer_extract spec (boxed, last_number, regex:<pattern>, full); default last_number"
 
 KINDS: dict[str, Kind] = {
     "math_equiv": Kind(module="pipeline.verifiers.kinds.math_equiv", arg="none", help="no argument"),
-    "reward_model": Kind(module="pipeline.verifiers.kinds.reward_model", arg="required",
+    "reward_model": Kind(module="pipeline.verifiers.kinds.reward_model", arg="required", model=True,
                          help="a local HF sequence-classification checkpoint directory (safetensors)"),
-    "lm_judge": Kind(module="pipeline.verifiers.kinds.lm_judge", arg="optional", check="check_arg",
+    "lm_judge": Kind(module="pipeline.verifiers.kinds.lm_judge", arg="optional", check="check_arg", model=True,
                      help="a causal-LM checkpoint directory (default artifacts/base-model) or a judge server's "
                           "tcp://<host>:<port>, then optionally @<style> for a chat model"),
     "code_exec": Kind(module="pipeline.verifiers.kinds.code_exec", arg="none", help="no argument"),
@@ -122,4 +125,25 @@ def frequency_scores(answers: Sequence[object | None]) -> np.ndarray:
     for i, ans in enumerate(answers):
         if ans is not None:
             out[i] = 1.0 if c_max == c_min else (counts[ans] - c_min) / (c_max - c_min)
+    return out
+
+
+VERIFIER_SECONDS = "verifier_seconds_total:"
+VERIFIER_COMPLETIONS = "verifier_completions_total:"
+"""Prefixes of the run's per-verifier counters (``{ns}:stats``, one field per verifier spec,
+e.g. ``verifier_seconds_total:mod9``): the seconds the verifier stage spent waiting for it
+and the completions it scored, added with each scored batch."""
+
+
+def verifier_costs(stats: dict[str, float], names: Sequence[str] = ()) -> dict[str, dict[str, float]]:
+    """What each verifier cost a run, from its counters: ``{spec: {completions, seconds,
+    seconds_per_completion}}``, in the order of ``names`` (a verifier of ``names`` that never
+    ran: 0 completions, ``seconds_per_completion`` None), then any other counted."""
+    done = {k[len(VERIFIER_COMPLETIONS):]: v for k, v in stats.items() if k.startswith(VERIFIER_COMPLETIONS)}
+    secs = {k[len(VERIFIER_SECONDS):]: v for k, v in stats.items() if k.startswith(VERIFIER_SECONDS)}
+    out = {}
+    for name in [*names, *(n for n in done if n not in names)]:
+        n, t = int(done.get(name, 0)), float(secs.get(name, 0.0))
+        out[name] = {"completions": n, "seconds": round(t, 4),
+                     "seconds_per_completion": round(t / n, 6) if n else None}
     return out

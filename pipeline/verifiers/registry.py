@@ -43,7 +43,7 @@ from __future__ import annotations
 import importlib
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -123,6 +123,8 @@ class VerifierStats:
 
     groups: int = 0
     """Groups it was asked to score."""
+    completions: int = 0
+    """Completions of those groups (``seconds`` / ``completions``: its cost per completion)."""
     abstained: int = 0
     """Groups where its whole column abstained because it failed (= errors + timeouts)."""
     errors: int = 0
@@ -140,13 +142,15 @@ class Scorer:
     """Runs a fixed list of verifier specs over rollout groups, each under its deadline.
 
     ``timeouts`` maps a spec to its own deadline in seconds; the others get
-    ``default_timeout_s``. Specs are validated (and kinds built) at construction, so a
-    typo fails at start-up, not per message.
+    ``default_timeout_s``. Specs are validated at construction, so a typo fails at start-up,
+    not per message; kinds are built then too, those of ``build`` only when it is given (the
+    others on their first group: a judge no group asks for is never loaded).
     """
 
     names: Sequence[str]
     timeouts: Mapping[str, float] = field(default_factory=dict)
     default_timeout_s: float = DEFAULT_TIMEOUT_S
+    build: Sequence[str] | None = None
     stats: dict[str, VerifierStats] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -159,22 +163,28 @@ class Scorer:
         for n, t in {**self.timeouts, "default": self.default_timeout_s}.items():
             if not (isinstance(t, (int, float)) and t > 0):
                 raise ValueError(f"timeout of {n!r} must be a positive number of seconds, got {t!r}")
-        self._fns = {n: resolve(n) for n in self.names}
+        self._fns = {n: resolve(n) for n in self.names if self.build is None or n in self.build}
         self._stuck: dict[str, list[threading.Thread]] = {n: [] for n in self.names}
         self.stats = {n: VerifierStats() for n in self.names}
 
     def timeout_of(self, name: str) -> float:
         return float(self.timeouts.get(name, self.default_timeout_s))
 
-    def score(self, prompt: str, completions: Sequence[str]) -> tuple[np.ndarray, dict[str, str]]:
+    def score(self, prompt: str, completions: Sequence[str], *,
+              only: Collection[str] | None = None) -> tuple[np.ndarray, dict[str, str]]:
         """Votes float32 [G, len(names)] (NaN = abstain) and each verifier's outcome:
-        ``ok``, ``error`` or ``timeout`` (the last two abstain for the whole group)."""
+        ``ok``, ``error`` or ``timeout`` (the last two abstain for the whole group), or
+        ``skipped`` for a verifier not in ``only`` (not run: its column NaN; None runs all)."""
         g = len(completions)
         votes = np.full((g, len(self.names)), np.nan, dtype=np.float32)
         outcome: dict[str, str] = {}
         for j, name in enumerate(self.names):
+            if only is not None and name not in only:
+                outcome[name] = "skipped"
+                continue
             st = self.stats[name]
             st.groups += 1
+            st.completions += g
             t0 = time.perf_counter()
             try:
                 col = self._call(name, prompt, completions)
@@ -202,6 +212,8 @@ class Scorer:
         return votes, outcome
 
     def _call(self, name: str, prompt: str, completions: Sequence[str]) -> np.ndarray:
+        if name not in self._fns:
+            self._fns[name] = resolve(name)
         fn, timeout = self._fns[name], self.timeout_of(name)
         if not runs_threaded(name):
             t0 = time.perf_counter()
@@ -250,3 +262,34 @@ def score_group(
     """
     votes, outcome = Scorer(names, timeouts=dict(timeouts or {})).score(prompt, completions)
     return votes, {n: int(o != "ok") for n, o in outcome.items()}
+
+
+PROBE_COMPLETIONS = ("7", "42", "315", "1640", "27813", "The answer is 7.", "\\boxed{3}")
+"""What ``applicability_problems`` scores each sampled prompt with: answers in the shapes the
+answer extractions read (bare numbers of several lengths, a sentence, a boxed answer). A
+verifier that applies to a prompt scores some of them (right or wrong); one that cannot read
+the prompt fails or abstains on all."""
+
+
+def applicability_problems(specs: Sequence[str], prompts: Sequence[str], *, where: str = "the task's") -> list[str]:
+    """The verifiers of ``specs`` that apply to none of ``prompts`` (real prompts of the run's
+    task): each scores every prompt with :data:`PROBE_COMPLETIONS`, and one that abstains on
+    all of them, or fails on all of them, is named with its last error. Kinds that run a model
+    on any text (``Kind.model``: judges, reward models) apply everywhere and are not loaded."""
+    problems = []
+    for spec in specs:
+        kind = KINDS.get(spec.partition(":")[0])
+        if spec not in VERIFIERS and kind is not None and kind.model:
+            continue
+        scorer = Scorer([spec])
+        voted = 0
+        for prompt in prompts:
+            votes, _ = scorer.score(prompt, list(PROBE_COMPLETIONS))
+            voted += int(np.isfinite(votes).any())
+        if not voted:
+            st = scorer.stats[spec]
+            why = f"it failed on every one ({st.last_error})" if st.errors else "it abstained on every one"
+            problems.append(f"verifier.verifiers: {spec!r} does not apply to this task: scored on {len(prompts)} of "
+                            f"{where} prompts (e.g. {prompts[0][:60]!r}), {why}; its votes would be NaN on every "
+                            "group. Remove it, or pick verifiers that read these prompts")
+    return problems
