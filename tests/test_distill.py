@@ -170,7 +170,8 @@ def test_the_verifier_stage_records_posteriors_and_can_reward_with_the_distilled
         run_id = "distil-" + reward.split(":")[0]
         cfg = load_config(overrides={"run_id": run_id, "runs_dir": str(tmp_path), "redis.url": redis_url,
                                      "model.base_dir": str(tiny_base_model), "verifier.reward": reward,
-                                     "verifier.batch": 4, "verifier.min_fit_rows": 8})
+                                     "verifier.batch": 4, "verifier.min_fit_rows": 8,
+                                     "generator.group_size": 4})
         keys = Keys(run_id)
         for i in range(3):
             redis_client.xadd(keys.shard(0).rollouts, {FIELD: make_rollout(prompt_id=f"p{i:08d}").encode()})

@@ -309,7 +309,7 @@ def test_the_verifier_stage_keeps_scoring_when_a_verifier_hangs_or_raises(tmp_pa
     cfg = load_config(overrides={
         "run_id": "kinds", "runs_dir": str(tmp_path), "redis.url": redis_url, "model.base_dir": str(tiny_base_model),
         "verifier.verifiers": "format,mod9,hangs,raises", "verifier.reward": "average",
-        "verifier.timeouts": "hangs=0.3", "verifier.batch": 4})
+        "verifier.timeouts": "hangs=0.3", "verifier.batch": 4, "generator.group_size": 4})
     keys = Keys(cfg.run_id)
     for i in range(3):
         redis_client.xadd(keys.shard(0).rollouts, {FIELD: make_rollout(prompt_id=f"p{i:08d}").encode()})
@@ -346,7 +346,8 @@ def test_the_verifier_stage_runs_only_what_the_reward_reads_and_counts_each_ones
         cfg = load_config(overrides={
             "run_id": run_id, "runs_dir": str(tmp_path), "redis.url": redis_url,
             "model.base_dir": str(tiny_base_model), "verifier.verifiers": ",".join(names), "verifier.reward": reward,
-            "verifier.monitor_share": share, "verifier.batch": 12, "verifier.min_fit_rows": 8})
+            "verifier.monitor_share": share, "verifier.batch": 12, "verifier.min_fit_rows": 8,
+            "generator.group_size": 4})
         keys = Keys(run_id)
         for pid in ids:
             redis_client.xadd(keys.shard(0).rollouts, {FIELD: make_rollout(prompt_id=pid).encode()})
