@@ -229,8 +229,25 @@ def load_gguf(path: Path):
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True,
                                                      dtype=torch.float32)
+    head = model.get_output_embeddings()
+    if head is not None and head.weight.is_meta and _ties_embeddings(path):
+        # A file without an output tensor ties its head to the embeddings; transformers has been
+        # seen to leave that head unmaterialised (on the meta device) instead of tying it.
+        model.config.tie_word_embeddings = True
+        head.weight = model.get_input_embeddings().weight
+    meta = [name for name, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise ImportModelError(f"{path} holds no weights for {', '.join(meta[:4])}"
+                               f"{f' and {len(meta) - 4} more' if len(meta) > 4 else ''}")
     model.eval()
     return model, tokenizer
+
+
+def _ties_embeddings(path: Path) -> bool:
+    """Whether the GGUF file ``path`` has no output tensor, so its head is its embeddings."""
+    from gguf import GGUFReader  # an optional extra (`real`), checked by require_optional
+
+    return all(t.name != "output.weight" for t in GGUFReader(path).tensors)
 
 
 def rebuild(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
