@@ -46,7 +46,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from common import progress, save_result
+from common import progress, save_result, slot_generate
 
 say = progress("bench-gen-real")
 
@@ -112,19 +112,8 @@ class Runner:
         return [int(x) for s in out for x in s.lengths]
 
     def slot_sampler(self, prompts: list[np.ndarray], n: int, max_new: int) -> list[int]:
-        from pipeline.engines.slots import SlotSampler
-
-        s = SlotSampler(self.model, slots=len(prompts) * n, temperature=1.0, eos_id=self.tok.eos_id,
-                        pad_id=self.tok.pad_id, generator=self.rng)
-        done = []
-        for i, p in enumerate(prompts):
-            f = s.add(i, p, n=n, max_new_tokens=max_new, version=0)
-            if f is not None:
-                done.append(f)
-        while s.active:
-            done += s.step(0)
-        if len(done) != len(prompts):
-            raise RuntimeError(f"the slot sampler returned {len(done)} of {len(prompts)} groups")
+        _, done = slot_generate(self.model, prompts, n=n, max_new=max_new, eos_id=self.tok.eos_id,
+                                pad_id=self.tok.pad_id, rng=self.rng)
         return [len(t) for f in done for t in f.tokens]
 
     def vllm_generate(self, prompts: list[np.ndarray], n: int, max_new: int) -> list[int]:

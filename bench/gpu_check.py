@@ -45,6 +45,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
+from common import slot_generate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -139,23 +140,6 @@ def hf_generate(model, prompts: list[np.ndarray], *, n: int, max_new: int, eos_i
     for row in out[:, ids.shape[1]:].tolist():
         total += row.index(eos_id) + 1 if eos_id in row else len(row)
     return total
-
-
-def slot_generate(model, prompts: list[np.ndarray], *, n: int, max_new: int, eos_id: int, pad_id: int, rng):
-    """Tokens the slot sampler samples, one slot per sequence; returns (tokens, finished groups)."""
-    from pipeline.engines.slots import SlotSampler
-
-    s = SlotSampler(model, slots=len(prompts) * n, temperature=1.0, eos_id=eos_id, pad_id=pad_id, generator=rng)
-    done = []
-    for i, p in enumerate(prompts):
-        f = s.add(i, p, n=n, max_new_tokens=max_new, version=0)
-        if f is not None:
-            done.append(f)
-    while s.active:
-        done += s.step(0)
-    if len(done) != len(prompts):
-        raise RuntimeError(f"the slot sampler returned {len(done)} of {len(prompts)} groups")
-    return sum(len(t) for f in done for t in f.tokens), done
 
 
 def scored_groups(prompts: list[np.ndarray], finished) -> list:
