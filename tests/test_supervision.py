@@ -197,22 +197,9 @@ def test_a_verifier_that_fails_on_start_is_reported_as_a_crash_loop_while_the_ru
 
 def test_up_after_a_sigkilled_driver_cleans_up_its_workers_server_and_weight_files(tmp_path, tiny_base_model):
     old = f"stale-{uuid.uuid4().hex[:6]}"
-    p = up(tmp_path, tiny_base_model, "--run-id", old, "--trainer.steps", "100000")
-    try:
-        _wait_for_step(tmp_path, old, p)
-        shm = Path("/dev/shm") / old
-        deadline = time.time() + 60
-        while not any(shm.glob("*.safetensors")):
-            assert time.time() < deadline, "the trainer published no weights in /dev/shm"
-            time.sleep(0.2)
-        info = _cluster(tmp_path)
-        p.send_signal(signal.SIGKILL)
-        p.wait(30)
-    finally:
-        if p.poll() is None:
-            p.kill()
+    info = _sigkilled_driver(tmp_path, tiny_base_model, old)
+    shm = Path("/dev/shm") / old
     pids = [*info["workers"].values(), *info["server_pids"]]
-    assert all(_alive(pid) for pid in pids), "a SIGKILLed driver leaves its workers and server running"
 
     q = up(tmp_path, tiny_base_model, "--run-id", f"next-{uuid.uuid4().hex[:6]}", "--trainer.steps", "3")
     text = q.communicate(timeout=300)[0].decode()
@@ -237,6 +224,24 @@ def _wait_for_weights(run_id: str, timeout: float = 60) -> None:
         time.sleep(0.2)
 
 
+def _sigkilled_driver(tmp_path: Path, base: Path, run_id: str) -> dict:
+    """Starts a long run, waits for its first step and its first weights in /dev/shm, SIGKILLs its
+    driver, and returns what runs/cluster.json recorded (its workers and server are still alive)."""
+    p = up(tmp_path, base, "--run-id", run_id, "--trainer.steps", "100000")
+    try:
+        _wait_for_step(tmp_path, run_id, p)
+        _wait_for_weights(run_id)
+        info = _cluster(tmp_path)
+        p.send_signal(signal.SIGKILL)
+        p.wait(30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert all(_alive(pid) for pid in [*info["workers"].values(), *info["server_pids"]]), \
+        "a SIGKILLed driver leaves its workers and server running"
+    return info
+
+
 def _down_leaves_nothing(tmp_path: Path, run_id: str, info: dict) -> float:
     """`pipeline down`, timed; then no recorded process, no weight file, no cluster.json."""
     t0 = time.time()
@@ -254,17 +259,7 @@ def _down_leaves_nothing(tmp_path: Path, run_id: str, info: dict) -> float:
 def test_down_after_a_sigkilled_driver_stops_workers_then_server_and_leaves_nothing_within_30_s(tmp_path,
                                                                                                  tiny_base_model):
     run_id = f"orphans-{uuid.uuid4().hex[:6]}"
-    p = up(tmp_path, tiny_base_model, "--run-id", run_id, "--trainer.steps", "100000")
-    try:
-        _wait_for_step(tmp_path, run_id, p)
-        _wait_for_weights(run_id)
-        info = _cluster(tmp_path)
-        p.send_signal(signal.SIGKILL)
-        p.wait(30)
-    finally:
-        if p.poll() is None:
-            p.kill()
-    assert all(_alive(pid) for pid in [*info["workers"].values(), *info["server_pids"]])
+    info = _sigkilled_driver(tmp_path, tiny_base_model, run_id)
     took = _down_leaves_nothing(tmp_path, run_id, info)
     assert took < 30, f"`pipeline down` took {took:.1f} s"
 
