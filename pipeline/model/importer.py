@@ -222,19 +222,17 @@ def load_gguf(path: Path):
     """``(model, tokenizer)`` of a GGUF file through transformers, the model in float32, eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.model.qwen import _no_hf_progress_bars
+    from pipeline.model.qwen import _no_hf_progress_bars, tie_if_configured
 
     require_optional()
     with _no_hf_progress_bars():
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True,
                                                      dtype=torch.float32)
-    head = model.get_output_embeddings()
-    if head is not None and head.weight.is_meta and _ties_embeddings(path):
-        # A file without an output tensor ties its head to the embeddings; transformers has been
-        # seen to leave that head unmaterialised (on the meta device) instead of tying it.
+    if _ties_embeddings(path):
+        # A file without an output tensor ties its head to the embeddings (tie_if_configured).
         model.config.tie_word_embeddings = True
-        head.weight = model.get_input_embeddings().weight
+        tie_if_configured(model)
     meta = [name for name, p in model.named_parameters() if p.is_meta]
     if meta:
         raise ImportModelError(f"{path} holds no weights for {', '.join(meta[:4])}"
@@ -257,6 +255,8 @@ def rebuild(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
 
     from transformers import AutoModelForCausalLM
 
+    from pipeline.model.qwen import tie_if_configured
+
     config = copy.deepcopy(model.config)
     for key in DROPPED_CONFIG_KEYS:
         if hasattr(config, key):
@@ -264,7 +264,7 @@ def rebuild(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
                 delattr(config, key)
             except AttributeError:
                 setattr(config, key, None)
-    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh = tie_if_configured(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
     # strict: every tensor of the GGUF model has its place; tied embeddings (lm_head.weight
     # is embed_tokens.weight) appear under both names and land in the one parameter.
     fresh.load_state_dict(model.state_dict(), strict=True)

@@ -196,8 +196,20 @@ def load_checkpoint(directory: str | os.PathLike[str]):
             dtype=torch.float32,
             attn_implementation=ATTN_IMPLEMENTATION,
         )
+    tie_if_configured(model)
     model.eval()
     return model, load_tokenizer(d)
+
+
+def tie_if_configured(model: torch.nn.Module) -> torch.nn.Module:
+    """Make the output head the input embedding when the config ties them. ``transformers``
+    normally does so itself, but within a process that has built other models it has been seen
+    to leave a tied head untied (unmaterialised, or freshly initialised) instead."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if getattr(model.config, "tie_word_embeddings", False) and head is not None and embed is not None \
+            and head.weight is not embed.weight:
+        head.weight = embed.weight
+    return model
 
 
 def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
