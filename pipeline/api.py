@@ -12,7 +12,7 @@ samples, scores, trains or moves bytes on its own (docs/api.md has the full page
         policy.sync()
         scored.put(verifiers.score(policy.generate(items)))
         batch = scored.get(4, consumer="me")
-        learner.step([g for _, g in batch]); scored.ack([e for e, _ in batch]); learner.publish()
+        learner.step(batch); learner.commit(); learner.publish()  # the trainer stage's step and commit
 
 - ``Run(cfg=None, *, config=None, overrides=None, build_base_model=True)``: a context manager.
   On enter: the base model (``pipeline.run.launch.ensure_base_model``, as ``pipeline up``), then
@@ -23,34 +23,45 @@ samples, scores, trains or moves bytes on its own (docs/api.md has the full page
   left running). Attributes: ``cfg``, ``keys``, ``r``, ``task``, ``server``; ``stopped()``
   (the run's ``{ns}:stop`` flag) and ``stop()`` (sets it).
 - ``run.queue(name)`` → ``Queue`` over stream ``prompts`` | ``rollouts`` | ``scored`` (its
-  consumer group is the stage's: generators, verifiers, trainer): ``put(records) -> int`` (each
-  record to the shard of its prompt, ``Keys.shard_of``), ``get(n, *, consumer, block_ms=None)
-  -> [(Entry, record)]`` (own pending entries first, then reclaimed, then new ones, through
-  ``bus.streams.sharded_reader``; undecodable entries are dead-lettered and acked),
-  ``ack(entries) -> int``, ``depth() -> int`` (unacked by the group).
+  consumer group is the stage's: generators, verifiers, trainer), read through a
+  ``stage.Stage`` of its own per consumer: ``put(records) -> int`` (each record to the shard of
+  its prompt, ``Keys.shard_of``), ``get(n, *, consumer, block_ms=None) -> [(Entry, record)]``
+  (``Stage.read``: own pending entries first, then reclaimed, then new ones; entries that do not
+  decode, or were delivered ``redis.max_deliveries`` times, are dead-lettered by ``Stage.emit``,
+  the stages' own transaction: the dead letter, its ack and its count in one call that a retry
+  after a lost reply does not apply twice), ``ack(entries) -> int``, ``depth() -> int``
+  (unacked by the group).
 - ``run.policy(worker_id="api-gen")`` → ``Policy``: ``generate(prompts) -> [RolloutGroup]``
   (prompts: ``tasks.base.Item`` or ``records.PromptTask``; ``generator.group_size``
   completions each, ``engines.make_generation_backend`` + ``producers.generator.to_groups``),
   ``sync() -> int`` (the newest published weights, ``producers.generator.swap_weights``),
   ``version``.
 - ``run.verifiers(worker_id="api-ver")`` → ``Verifiers``: ``score(groups) -> [ScoredGroup]``,
-  the verifier stage's own step (``consumers.verifier.Verifier``: weak verifiers of
+  the verifier stage's own step (``consumers.verifier.VerifierStage.step``: weak verifiers of
   ``verifier.verifiers``, the shared Weaver label model, the reward mode ``verifier.reward``).
-- ``run.learner()`` → ``Learner``: ``step(groups) -> dict`` (one optimizer step; groups with
-  ``version − min_version > trainer.max_staleness`` are dropped by ``consumers.trainer.classify``;
-  the row is the trainer's ``metrics.jsonl`` row), ``publish()`` (``Trainer.publish``: the weight
-  transport, ``{ns}:versions``, ``{ns}:trainer``), ``evaluate() -> float`` (``Trainer.evaluate``),
-  ``version``, ``engine``, ``save(directory)`` (the policy as a checkpoint, ``export_hf``).
+- ``run.learner()`` → ``Learner``, the trainer stage's own parts (``consumers.trainer.Trainer``):
+  ``step(groups) -> dict`` is ``Trainer.step`` (groups: ``Queue.get``'s (entry, group) pairs or
+  bare ScoredGroups; groups with ``version − min_version > trainer.max_staleness`` are dropped
+  and the invariant re-checked, ``consumers.trainer.sort_step``; one optimizer step; the row is
+  the trainer's ``metrics.jsonl`` row), ``commit() -> Path | None`` is ``Trainer.durable`` (a
+  checkpoint, then per shard one script with each step's ledger and training-log entries, the
+  acks of its entries and its counters), ``resume() -> Path | None`` is ``Trainer.resume``,
+  ``publish()`` (``Trainer.publish``: the weight transport, ``{ns}:versions``,
+  ``{ns}:trainer``), ``evaluate() -> float`` (``Trainer.evaluate``), ``version``, ``engine``,
+  ``save(directory)`` (the policy as a checkpoint, ``export_hf``).
   A step written by hand, with the algorithm in the loop (the torch engine;
-  examples/grpo_loop.py): ``batch(groups) -> TrainBatch`` (stale groups dropped, groups without
-  signal set aside, the rest padded: ``rewards`` per group, ``ids``, ``behav_logp``, ``mask``
-  [N, T]), ``logprobs(batch)`` ([N, T] with grad), then advantages and a loss from
-  ``pipeline.algo.losses`` or your own, and ``update(batch, loss, stats) -> dict`` (backward,
-  clip, AdamW, version + 1, the metrics row).
+  examples/grpo_loop.py): ``batch(groups) -> TrainBatch`` (sorted by ``Trainer.sort``: stale
+  groups dropped, groups without signal set aside, the rest padded: ``rewards`` per group,
+  ``ids``, ``behav_logp``, ``mask`` [N, T]), ``logprobs(batch)`` ([N, T] with grad), then
+  advantages and a loss from ``pipeline.algo.losses`` or your own, and ``update(batch, loss,
+  stats) -> dict`` (backward, clip, AdamW, then ``Trainer.record`` as after the stage's step:
+  the schedule, version + 1, the metrics row, the step kept for ``commit``).
 
 What this API leaves to you, and ``pipeline up`` does: admission (the staleness bound enforced
-before generation; here stale groups are only dropped at the step), the ledger and trainer
-checkpoints (a crash loses the loop's progress), process supervision.
+before generation; here stale groups are only dropped at the step), when to commit (the trainer
+commits every ``trainer.checkpoint_every`` steps; steps not committed are lost with the loop,
+and their entries stay pending), skipping a prompt the ledger already holds (the trainer acks
+such a duplicate unread; ``Learner.step`` trains what it is given), process supervision.
 """
 
 from __future__ import annotations
@@ -64,8 +75,20 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.bus.flow import stop_requested
+from pipeline.bus.streams import FIELD, Entry, unacked_all
 from pipeline.config import RunConfig, load_config
+from pipeline.consumers.verifier import VerifierStage
+from pipeline.engines import make_generation_backend
+from pipeline.keys import STREAM_NAMES
+from pipeline.observe.logs import setup_logging
+from pipeline.producers.generator import swap_weights, to_groups
 from pipeline.records import PromptTask, RolloutGroup, ScoredGroup
+from pipeline.run.launch import ensure_base_model, provision_cluster, run_config
+from pipeline.stage import Batch, Output, Stage
+from pipeline.tasks.prompting import build_prompt, prompt_format
+from pipeline.tasks.registry import make_task
+from pipeline.weights import fetcher_options, make_fetcher
 
 API_VERSION = 1
 
@@ -78,22 +101,25 @@ def _prompt_id(rec) -> str:
     return rec.rollout.prompt_id if isinstance(rec, ScoredGroup) else rec.prompt_id
 
 
+def _pairs(groups: Iterable) -> list[tuple]:
+    """(entry, group) pairs of what a loop hands a Learner: ``Queue.get``'s pairs as they are, a
+    bare group with entry None (nothing to ack at the commit)."""
+    return [x if isinstance(x, tuple) else (None, x) for x in groups]
+
+
 class Queue:
-    """One of the run's streams (all its shards), typed by its record class, read as the stage's group."""
+    """One of the run's streams (all its shards), typed by its record class, read as the stage's
+    group through a ``stage.Stage`` per consumer (its reader and its emit transaction)."""
 
     def __init__(self, run: "Run", name: str) -> None:
-        from pipeline.keys import STREAM_NAMES
-
         if name not in STREAM_NAMES:
             raise ValueError(f"queue: {name!r} is not one of {STREAM_NAMES}")
         self.run, self.name, self.record = run, name, _RECORDS[name]
         self.group = run.keys.shard(0).streams()[name][1]
-        self._readers: dict[str, Any] = {}
+        self._stages: dict[str, Stage] = {}
 
     def put(self, records: Iterable) -> int:
         """Append each record to its prompt's shard (as the stages route); returns how many."""
-        from pipeline.bus.streams import FIELD
-
         keys, pipe, n = self.run.keys, self.run.r.pipeline(transaction=False), 0
         for rec in records:
             if not isinstance(rec, self.record):
@@ -104,30 +130,33 @@ class Queue:
             pipe.execute()
         return n
 
-    def _reader(self, consumer: str):
-        from pipeline.bus.streams import sharded_reader
-
-        if consumer not in self._readers:
-            self._readers[consumer] = sharded_reader(self.run.r, self.run.keys, self.name, self.group, consumer,
-                                                     self.run.cfg.redis)
-        return self._readers[consumer]
+    def stage(self, consumer: str) -> Stage:
+        """The stage plumbing ``consumer`` reads through (made on first use): nothing admitted,
+        so a dead letter gives no admission slot back."""
+        if consumer not in self._stages:
+            run = self.run
+            self._stages[consumer] = Stage(run.r, run.keys, run.cfg, name=f"api-{self.name}", worker_id=consumer,
+                                           log=run.logger("queue", consumer), source=self.name, group=self.group,
+                                           decode=self.record.decode, admitted=False)
+        return self._stages[consumer]
 
     def get(self, n: int, *, consumer: str, block_ms: int | None = None) -> list[tuple[Any, Any]]:
         """Up to ``n`` (entry, record) pairs of one shard; [] when none came within ``block_ms``
-        (default ``redis.block_ms``). Entries stay pending for ``consumer`` until acked."""
-        from pipeline.bus.streams import decode_entries, dead_letter_fields
+        (default ``redis.block_ms``). Entries stay pending for ``consumer`` until acked (``ack``,
+        or ``Learner.commit`` for the groups a step consumed).
 
-        reader = self._reader(consumer)
-        entries = reader.read(n, self.run.cfg.redis.block_ms if block_ms is None else block_ms)
+        Defects (undecodable, delivered ``redis.max_deliveries`` times) go to the shard's dead
+        letters by ``Stage.emit``, as a stage's do: the dead letter, its ack and the
+        ``dead_letters_total`` count in one call, whose token makes a retry after a lost reply
+        change nothing."""
+        stage = self.stage(consumer)
+        entries = stage.read(n, block_ms)
         if not entries:
             return []
-        good, bad = decode_entries(entries, self.record.decode, reader=reader)
-        for e, reason in bad:  # as a stage does: to the shard's dead letters, acked
-            shard = self.run.keys.shard(e.shard)
-            fields = dead_letter_fields(stream=getattr(shard, self.name), entry=e, reason=reason, consumer=consumer)
-            self.run.r.xadd(shard.dead, dict(zip(fields[::2], fields[1::2])))
-        self.ack([e for e, _ in bad])
-        return good
+        batch = stage.take(entries)
+        if batch.bad:
+            stage.emit(Batch(shard=batch.shard, good=[], bad=batch.bad), Output())
+        return batch.good
 
     def ack(self, entries: Iterable) -> int:
         """Acknowledge entries (from ``get``) in their shards; returns how many were pending."""
@@ -139,8 +168,6 @@ class Queue:
 
     def depth(self) -> int:
         """Entries the group has not acked yet (never delivered plus pending), over all shards."""
-        from pipeline.bus.streams import unacked_all
-
         return unacked_all(self.run.r, self.run.keys.stream_keys(self.name), self.group)
 
 
@@ -148,10 +175,6 @@ class Policy:
     """The generation engine (``generator.backend``) and its weight fetcher."""
 
     def __init__(self, run: "Run", worker_id: str) -> None:
-        from pipeline.engines import make_generation_backend
-        from pipeline.tasks.prompting import prompt_format
-        from pipeline.weights import fetcher_options, make_fetcher
-
         cfg = run.cfg
         self.run, self.worker_id, self.log = run, worker_id, run.logger("generator", worker_id)
         self.backend = make_generation_backend(cfg, worker_id=worker_id)
@@ -162,23 +185,17 @@ class Policy:
 
     def sync(self) -> int:
         """Swap in the newest published weights if newer (a defect keeps the old); returns the version."""
-        from pipeline.producers.generator import swap_weights
-
         self.version = swap_weights(self.fetcher, self.backend, self.version, self.log)
         return self.version
 
     def prompt(self, item) -> PromptTask:
         """A ``tasks.base.Item`` as the feeder issues it (the one prompt builder)."""
-        from pipeline.tasks.prompting import build_prompt
-
         text, ids = build_prompt(self.format, self.backend.tokenizer, item.prompt)
         return PromptTask(prompt_id=f"p{self.worker_id}-{next(self._ids):08d}", prompt=text, prompt_ids=ids,
                           reference=item.reference, issued_at=time.time())
 
     def generate(self, prompts: Sequence) -> list[RolloutGroup]:
         """``generator.group_size`` completions of each prompt at ``generator.temperature``."""
-        from pipeline.producers.generator import to_groups
-
         tasks = [p if isinstance(p, PromptTask) else self.prompt(p) for p in prompts]
         if not tasks:
             return []
@@ -198,20 +215,15 @@ class Verifiers:
     """The verifier stage's scoring: weak verifiers → shared label model → reward mode."""
 
     def __init__(self, run: "Run", worker_id: str) -> None:
-        from pipeline.consumers.verifier import Verifier
-
         self.run = run
-        self.verifier = Verifier(run.cfg, run.r, run.keys, worker_id, run.logger("verifier", worker_id))
+        self.verifier = VerifierStage(run.cfg, run.r, run.keys, worker_id, run.logger("verifier", worker_id))
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(self.run.cfg.verifier.verifiers)
 
     def score(self, groups: Sequence[RolloutGroup]) -> list[ScoredGroup]:
-        """One ScoredGroup per group, by ``Verifier.step`` itself (posteriors file included)."""
-        from pipeline.bus.streams import Entry
-        from pipeline.stage import Batch
-
+        """One ScoredGroup per group, by ``VerifierStage.step`` itself (posteriors file included)."""
         if not groups:
             return []
         batch = Batch(shard=self.run.keys.shard(0), bad=[],
@@ -245,6 +257,11 @@ class TrainBatch:
     """1 on the tokens the loss counts [N, T]: sampled tokens (not padding, not an environment's)."""
     started: float
     """``time.perf_counter()`` when the batch was made: the step's time counts from it."""
+    entries: tuple = ()
+    """Each group's stream entry (None for a bare group), in the order of ``groups``: what
+    ``Learner.commit`` acks."""
+    kinds: tuple = ()
+    """Each group's outcome (``consumers.trainer.Outcome``), in the order of ``groups``."""
 
     @property
     def size(self) -> int:
@@ -253,9 +270,11 @@ class TrainBatch:
 
 
 class Learner:
-    """The trainer's engine, held-out set, publisher and metrics file (``consumers.trainer.Trainer``)."""
+    """The trainer stage's own parts (``consumers.trainer.Trainer``): its engine, held-out set,
+    publisher, metrics file, step, commit and resume."""
 
     def __init__(self, run: "Run") -> None:
+        # Deferred: the trainer loads torch, which a loop without a Learner never needs.
         from pipeline.consumers.trainer import Trainer
 
         self.run = run
@@ -266,62 +285,67 @@ class Learner:
     def version(self) -> int:
         return self.trainer.version
 
-    def step(self, groups: Sequence[ScoredGroup], *, wait_s: float = 0.0) -> dict:
-        """One optimizer step on the groups with signal, after dropping stale ones; version + 1.
+    def step(self, groups: Sequence, *, wait_s: float = 0.0) -> dict:
+        """The trainer stage's step (``Trainer.step``): stale groups dropped and the staleness
+        invariant re-checked, one optimizer step on the groups with signal, version + 1, the
+        step kept for :meth:`commit`.
 
-        Returns the trainer's metrics row (``groups_trained``, ``groups_nosignal``,
-        ``groups_stale``, ``reward_mean``, ``sample_accuracy``, loss statistics...).
+        ``groups``: ``Queue.get``'s (entry, group) pairs (their entries are acked at the
+        commit) or bare ScoredGroups. Returns the trainer's metrics row (``groups_trained``,
+        ``groups_nosignal``, ``groups_stale``, ``reward_mean``, ``sample_accuracy``, loss
+        statistics...), also written to ``metrics.jsonl``.
         """
-        from pipeline.consumers.trainer import Outcome, classify, report_progress, step_metrics
+        from pipeline.consumers.trainer import report_progress  # deferred with the trainer (torch)
 
-        t, tr = self.run.cfg.trainer, self.trainer
-        t0 = time.perf_counter()
-        batch = [(None, g) for g in groups]
-        kinds = classify(batch, version=tr.version, max_staleness=t.max_staleness)
-        fresh = [g for g, k in zip(groups, kinds) if k != Outcome.STALE]
-        signal = [g for g, k in zip(groups, kinds) if k == Outcome.TRAINED]
-        stats = tr.engine.train_step(signal) if signal else {}
-        tr.engine.lr_step()
-        tr.version += 1
-        row = step_metrics(batch, fresh, signal, version=tr.version, stats=stats, wait_s=wait_s,
-                           step_s=time.perf_counter() - t0)
-        row["groups_consumed"] = len(groups)
-        tr.metrics.write("step", **row)
-        report_progress(self.run.r, self.run.keys, version=tr.version, row=row)
+        row = self.trainer.step(_pairs(groups), wait_s=wait_s)
+        report_progress(self.run.r, self.run.keys, version=self.version, row=row)
         return row
+
+    def commit(self) -> Path | None:
+        """Make the steps since the last commit final, as the trainer stage does every
+        ``trainer.checkpoint_every`` steps (``Trainer.durable``): a checkpoint in
+        ``<run_dir>/checkpoints`` (model, optimizer, schedule, version, the uncommitted steps),
+        then per shard one script holding each step's ledger entries, training-log entries,
+        acks of the stream entries its groups came in and counters (a commit sent again
+        repeats nothing), then the acked entries trimmed. Returns the checkpoint."""
+        return self.trainer.durable()
+
+    def resume(self) -> Path | None:
+        """Restore the latest checkpoint of the run (a Learner's or the trainer stage's) and
+        re-apply its commit (``Trainer.resume``); the checkpoint, or None when there is none
+        (or ``trainer.resume`` is off)."""
+        return self.trainer.resume()
 
     # -------------------------------------------------------------- a step written by hand
 
-    def batch(self, groups: Sequence[ScoredGroup]) -> "TrainBatch":
-        """The groups of one step, ready for an advantage and a loss written in the loop: stale
-        groups dropped and groups without signal set aside (``consumers.trainer.classify``, as
-        :meth:`step`), the rest padded as the torch engine pads them (``engines.torch.pad_batch``)."""
-        import torch
+    def batch(self, groups: Sequence) -> "TrainBatch":
+        """The groups of one step, ready for an advantage and a loss written in the loop: sorted
+        as :meth:`step` sorts them (``Trainer.sort``: stale groups dropped, the invariant
+        re-checked, groups without signal set aside), the rest padded as the torch engine pads
+        them (``engines.torch.pad_batch``). ``groups`` as for :meth:`step`."""
+        import torch  # deferred: a heavy optional library, as the engine below
 
-        from pipeline.consumers.trainer import Outcome, classify
         from pipeline.engines.torch import pad_batch, sampled_mask
 
         t0 = time.perf_counter()
         self._torch_engine()
-        kinds = classify([(None, g) for g in groups], version=self.version,
-                         max_staleness=self.run.cfg.trainer.max_staleness)
-        fresh = [g for g, k in zip(groups, kinds) if k != Outcome.STALE]
-        signal = [g for g, k in zip(groups, kinds) if k == Outcome.TRAINED]
-        if not signal:
+        pairs = _pairs(groups)
+        s = self.trainer.sort(pairs)
+        common = dict(groups=tuple(g for _, g in pairs), entries=tuple(e for e, _ in pairs), kinds=tuple(s.kinds),
+                      fresh=s.fresh, signal=s.signal, started=t0)
+        if not s.signal:
             empty = torch.zeros((0, 0))
-            return TrainBatch(groups=tuple(groups), fresh=fresh, signal=signal, rewards=[], prompts=[],
-                              ids=empty.long(), behav_logp=empty, mask=empty, started=t0)
-        prompts, ids, behav, pad_mask = pad_batch(signal, self.engine.tokenizer.pad_id)
-        mask = pad_mask * sampled_mask(signal, tuple(pad_mask.shape))  # an episode's observation tokens out
-        rewards = [torch.tensor(np.asarray(g.rewards, dtype=np.float32)) for g in signal]
-        return TrainBatch(groups=tuple(groups), fresh=fresh, signal=signal, rewards=rewards, prompts=prompts,
-                          ids=ids, behav_logp=behav, mask=mask, started=t0)
+            return TrainBatch(rewards=[], prompts=[], ids=empty.long(), behav_logp=empty, mask=empty, **common)
+        prompts, ids, behav, pad_mask = pad_batch(s.signal, self.engine.tokenizer.pad_id)
+        mask = pad_mask * sampled_mask(s.signal, tuple(pad_mask.shape))  # an episode's observation tokens out
+        rewards = [torch.tensor(np.asarray(g.rewards, dtype=np.float32)) for g in s.signal]
+        return TrainBatch(rewards=rewards, prompts=prompts, ids=ids, behav_logp=behav, mask=mask, **common)
 
     def logprobs(self, batch: "TrainBatch"):
         """log π_θ of each completion token of ``batch`` under the current weights: [N, T], with
         grad, at ``generator.temperature`` (the policy the generators sample), by the function the
         torch engine's step uses (``model.qwen.ragged_completion_logprobs``)."""
-        from pipeline.model.qwen import ragged_completion_logprobs
+        from pipeline.model.qwen import ragged_completion_logprobs  # deferred: torch
 
         engine = self._torch_engine()
         engine.model.train()
@@ -332,11 +356,12 @@ class Learner:
                wait_s: float = 0.0) -> dict:
         """One optimizer step on ``loss`` (a scalar tensor from :meth:`logprobs`): backward, the
         gradient norm clipped to ``trainer.grad_clip``, AdamW; none when ``loss`` is None (no
-        group had signal). Then as :meth:`step`: the learning-rate schedule, version + 1, the
-        metrics row (``stats`` joins it) written and returned."""
-        import torch
+        group had signal). Then what follows the stage's step (``Trainer.record``): the
+        learning-rate schedule (after an update only), version + 1, the metrics row (``stats``
+        joins it) written and returned, the step kept for :meth:`commit`."""
+        import torch  # deferred: a heavy optional library
 
-        from pipeline.consumers.trainer import report_progress, step_metrics
+        from pipeline.consumers.trainer import Sorted, report_progress
 
         engine, tr = self._torch_engine(), self.trainer
         row_stats: dict = {}
@@ -349,18 +374,15 @@ class Learner:
             row_stats = {"loss": float(loss.detach()), "grad_norm": norm, "tokens": int(batch.mask.sum()),
                          **(stats or {})}
         engine.model.eval()
-        engine.lr_step()
-        tr.version += 1
-        pairs = [(None, g) for g in batch.groups]
-        row = step_metrics(pairs, batch.fresh, batch.signal, version=tr.version, stats=row_stats, wait_s=wait_s,
-                           step_s=time.perf_counter() - batch.started)
-        row["groups_consumed"] = len(batch.groups)
-        tr.metrics.write("step", **row)
+        pairs = list(zip(batch.entries or (None,) * len(batch.groups), batch.groups))
+        kinds = list(batch.kinds) or tr.sort(pairs).kinds
+        row = tr.record(pairs, Sorted(kinds=kinds, fresh=list(batch.fresh), signal=list(batch.signal)),
+                        stats=row_stats, updated=loss is not None, wait_s=wait_s, started=batch.started)
         report_progress(self.run.r, self.run.keys, version=tr.version, row=row)
         return row
 
     def _torch_engine(self):
-        from pipeline.engines.torch import TorchEngine
+        from pipeline.engines.torch import TorchEngine  # deferred: torch
 
         if not isinstance(self.engine, TorchEngine):
             raise ValueError(f"trainer.backend: a step written by hand (Learner.batch, logprobs, update) needs the "
@@ -404,9 +426,6 @@ class Run:
     # ------------------------------------------------------------------ lifetime
 
     def __enter__(self) -> "Run":
-        from pipeline.run.launch import ensure_base_model, provision_cluster, run_config
-        from pipeline.tasks.registry import make_task
-
         cfg = run_config(self.cfg)
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         if self.build_base_model:
@@ -439,8 +458,6 @@ class Run:
 
     def stopped(self) -> bool:
         """Whether a stop is requested for this run (``pipeline down``, ``stop()``)."""
-        from pipeline.bus.flow import stop_requested
-
         return stop_requested(self.r, self.keys)
 
     def stop(self) -> None:
@@ -450,8 +467,6 @@ class Run:
     def logger(self, stage: str, worker: str):
         """A structlog logger bound to ``stage`` and ``worker``, writing ``<run_dir>/logs/api.jsonl`` (``observe.logs``)."""
         if not self._loggers:
-            from pipeline.observe.logs import setup_logging
-
             self._loggers["api"] = setup_logging(self.cfg.run_dir / "logs", stage="api", worker="api")
         if worker not in self._loggers:
             self._loggers[worker] = self._loggers["api"].bind(stage=stage, worker=worker)

@@ -7,7 +7,8 @@ A stage reads one stream (every shard of it) as a consumer of its group and, per
 2. **decode and check**: each entry becomes a record, or a defect with its reason
    (undecodable, refused by the stage's own check, delivered too often);
 3. **process**: the stage's own step turns the records into outputs;
-4. **emit + ack**: ONE transaction (a Lua script), in the read shard's slot, writes the
+4. **emit + ack**: ONE transaction in the read shard's slot (the ``_EMIT`` Lua script; a
+   MULTI/EXEC instead when the records written come to ``MULTI_BYTES`` or more) writes the
    outputs downstream, acks their inputs, dead-letters the defects and adds the counters,
    so an output is never written without its input acked, nor an input acked without its
    output; it checks its idempotency token first (``bus.streams.TxnWriter``), so a call
@@ -156,8 +157,12 @@ class Stage:
     def __init__(self, r, keys: Keys, cfg, *, name: str, worker_id: str, log, source: str, group: str,
                  decode: Callable[[bytes], Any], check: Callable[[Any], None] | None = None,
                  sink: str | None = None, sink_group: str | None = None, claim: bool = True,
-                 prefetch: bool = False) -> None:
+                 prefetch: bool = False, admitted: bool = True) -> None:
         self.r, self.keys, self.cfg, self.log = r, keys, cfg, log
+        self.admitted = admitted
+        """Whether the inputs descend from admitted prompts (every stage's do), so that a
+        dead-lettered or handed-back one gives its admission slot back; a ``pipeline.api.Queue``
+        admits nothing and gives nothing back."""
         self.name, self.worker_id = name, worker_id
         self.source, self.group = source, group
         self.sink, self.sink_group = sink, sink_group
@@ -192,8 +197,9 @@ class Stage:
                              bound=self.cfg.redis.max_stream_lag, worker_id=self.worker_id, stage=self.name,
                              log=self.log)
 
-    def read(self, count: int) -> list[Entry]:
-        """Own pending entries, then reclaimed ones, then new ones (blocking ``redis.block_ms``).
+    def read(self, count: int, block_ms: int | None = None) -> list[Entry]:
+        """Own pending entries, then reclaimed ones, then new ones (blocking ``block_ms``, by
+        default ``redis.block_ms``).
 
         With ``prefetch``, a read that returns entries sends the next read of new entries right
         away, on a connection of its own, and the stage works on what it returned while the
@@ -206,7 +212,7 @@ class Stage:
             entries, self._prefetched = self._prefetched[:count], self._prefetched[count:]
         else:
             recovered = self.reader.recovered_total
-            entries = self.reader.read(count, self.cfg.redis.block_ms)
+            entries = self.reader.read(count, self.cfg.redis.block_ms if block_ms is None else block_ms)
             self._log_recovered(self.reader.recovered_total - recovered)
         if entries:
             self._read_ahead(count)
@@ -279,8 +285,11 @@ class Stage:
     def emit(self, batch: Batch, out: Output) -> None:
         """Write, ack, dead-letter and count in one transaction of the batch's shard; then trim now and then.
 
-        One EVALSHA: its token (``self.txn``) is taken before the first attempt, so redis-py
-        sending it again after a lost reply changes nothing and returns the first result.
+        One call: the ``_EMIT`` script (an EVALSHA), or, when the records written come to
+        ``MULTI_BYTES`` or more on one server, the same writes in a MULTI/EXEC
+        (``_emit_multi``). Its token (``self.txn``) is taken before the first attempt, so
+        redis-py sending it again after a lost reply changes nothing and returns the first
+        result. The dead-letter path of every stage and of ``pipeline.api.Queue.get``.
         """
         shard = batch.shard
         src = getattr(shard, self.source)
@@ -310,7 +319,8 @@ class Stage:
                               len(counters) // 3, *counters])
             if not applied:
                 self.log.info("emit_replay_skipped", shard=shard.index, seq=seq)
-            release_admissions(self.r, self.keys, int(releases), writer=self.txn)
+            if self.admitted:
+                release_admissions(self.r, self.keys, int(releases), writer=self.txn)
         if out.after is not None:
             out.after()
         self.batches += 1

@@ -290,6 +290,38 @@ def scenario_dead_letter(proxy, r0, shards):
             "admitted": int(r0.get(keys.admitted)), "calls": 2}
 
 
+def scenario_api_dead_letter(proxy, r0, shards):
+    """The same batch read through the Python API (``Queue.get``): its dead letter goes by the
+    stage's own emit (the dead letter and its ack in one call), and gives no slot back (the
+    API admits nothing)."""
+    import tempfile
+
+    from pipeline import api
+
+    overrides = {"run_id": f"api-dead-{shards}", "runs_dir": tempfile.mkdtemp(prefix="api-dead-"),
+                 "redis.url": proxy.url, "redis.shards": shards, "redis.claim_idle_ms": 0}
+    with api.Run(overrides=overrides, build_base_model=False) as run:
+        keys = run.keys
+        r0.set(keys.admitted, 10)
+        k = shards - 1
+        (pid,) = _shard_with(keys, k, 1)
+        src = keys.shard(k).prompts
+        r0.xadd(src, {"d": make_prompt(prompt_id=pid).encode()})
+        r0.xadd(src, {"d": b"\xc1 not msgpack"})
+        q = run.queue("prompts")
+        q.stage("api-0")  # made before the count: nothing it does on the way is a transaction
+        before = proxy.applied_attempts
+        proxy.drop_next()
+        got = q.get(10, consumer="api-0", block_ms=50)
+        # As after a restart: a new queue drains the consumer's pending entries first, the good
+        # one only (the dead-lettered one was acked with its dead letter).
+        again = run.queue("prompts").get(10, consumer="api-0", block_ms=50)
+        return {"dead": len(_all(r0, keys, "dead")), "dead_count": _stats(r0, keys).get("dead_letters_total"),
+                "good": [rec.prompt_id for _, rec in got], "again": [rec.prompt_id for _, rec in again],
+                "unacked": unacked(r0, src, GENERATORS_GROUP), "admitted": int(r0.get(keys.admitted)),
+                "calls": before + 1}
+
+
 def scenario_trainer_commit(proxy, r0, shards):
     """Two steps of two groups each (one per shard when sharded), committed with a reply dropped."""
     keys = Keys("commit", shards=shards)
@@ -446,6 +478,8 @@ EXACT = {
     scenario_generator_emit: {"outputs": 3, "distinct": 3, "unacked": 0, "count": 3.0, "seconds": 0.25},
     scenario_verifier_emit: {"outputs": 3, "distinct": 3, "unacked": 0, "count": 3.0, "seconds": 0.25},
     scenario_dead_letter: {"dead": 1, "dead_count": 1.0, "outputs": 1, "unacked": 0, "admitted": 9},
+    scenario_api_dead_letter: {"dead": 1, "dead_count": 1.0, "good": ["p00000000"], "again": ["p00000000"],
+                               "unacked": 1, "admitted": 10},
     scenario_trainer_commit: {"trainlog": 4, "distinct": 4, "trained": 4.0, "tokens": 80.0, "ledger": 4,
                               "unacked": 0},
     scenario_feeder_write: {"prompts": 4, "distinct": 4, "issued": 4.0},

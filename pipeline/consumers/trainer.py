@@ -27,19 +27,22 @@ commit every ``checkpoint_every`` steps → publish the weights → evaluate now
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 import numpy as np
-
-from enum import StrEnum
 
 from pipeline.algo.losses import NO_SIGNAL_STD
 from pipeline.bus.flow import release_once
 from pipeline.bus.streams import counter_args, failure_summary, parse_ref, txn_script
 from pipeline.config import RunConfig
 from pipeline.engines import TrainEngine, make_train_engine
+from pipeline.envs.evaluate import summarise
+from pipeline.envs.registry import make_env
 from pipeline.keys import TRAINER_GROUP, Keys
 from pipeline.observe.logs import MetricsFile
+from pipeline.observe.tracking import Trackers
 from pipeline.records import ScoredGroup, check_group_size, check_scores, check_token_ids, check_versions
 from pipeline.run import checkpoint
 from pipeline.run.checkpoint import StepRecord
@@ -120,6 +123,29 @@ def classify(batch: list[tuple], *, version: int, max_staleness: int) -> list[Ou
             else (Outcome.TRAINED if has_signal(g) else Outcome.NOSIGNAL) for _, g in batch]
 
 
+@dataclass(frozen=True)
+class Sorted:
+    """A step's groups by outcome (``sort_step``)."""
+
+    kinds: list[Outcome]
+    """Each consumed group's outcome, in batch order."""
+    fresh: list[ScoredGroup]
+    """The groups within the staleness bound (trained or without signal)."""
+    signal: list[ScoredGroup]
+    """The fresh groups whose rewards differ: the ones the step trains on."""
+
+
+def sort_step(batch: list[tuple], *, version: int, max_staleness: int) -> Sorted:
+    """Classify a step's (entry, group) pairs and re-check the staleness invariant on what is
+    to be trained: the one place the trainer stage and ``pipeline.api.Learner`` both sort a step."""
+    kinds = classify(batch, version=version, max_staleness=max_staleness)
+    fresh = [g for (_, g), k in zip(batch, kinds) if k != Outcome.STALE]
+    signal = [g for (_, g), k in zip(batch, kinds) if k == Outcome.TRAINED]
+    if any(version - g.rollout.min_version > max_staleness for g in signal):
+        raise RuntimeError(f"staleness invariant violated at version {version}")
+    return Sorted(kinds=kinds, fresh=fresh, signal=signal)
+
+
 def step_metrics(batch, fresh, signal, *, version: int, stats: dict, wait_s: float, step_s: float) -> dict:
     """One metrics.jsonl row: the step's counts, reward and hidden accuracy, staleness, timing, loss stats."""
     rewards = np.concatenate([g.rewards for g in fresh]) if fresh else np.zeros(0)
@@ -164,9 +190,10 @@ def episode_metrics(fresh) -> dict:
 
 
 def step_record(batch, kinds: list[Outcome], *, version: int, row: dict) -> StepRecord:
-    """What a step consumed, kept until a checkpoint holds the step and ``commit`` makes it final."""
+    """What a step consumed, kept until a checkpoint holds the step and ``commit`` makes it final
+    (an entry of None: a group handed to ``pipeline.api.Learner`` without a stream entry, nothing to ack)."""
     return StepRecord(
-        version=version, entry_ids=[e.ref for e, _ in batch],
+        version=version, entry_ids=[e.ref for e, _ in batch if e is not None],
         outcomes={g.rollout.prompt_id: f"{kind}:{version}" for (_, g), kind in zip(batch, kinds)},
         group_ids={g.rollout.prompt_id: g.rollout.group_id for _, g in batch},
         counts={"groups_trained_total": row["groups_trained"], "groups_nosignal_total": row["groups_nosignal"],
@@ -290,8 +317,6 @@ class Trainer:
         self.heldout = self.task.heldout()
         fmt = prompt_format(cfg.task, cfg.model.base_dir)
         self.heldout_ids = [build_prompt(fmt, self.engine.tokenizer, item.prompt)[1] for item in self.heldout]
-        from pipeline.observe.tracking import Trackers
-
         self.metrics = MetricsFile(run_dir / "metrics.jsonl" if run_dir else None,
                                    trackers=Trackers(cfg, run_dir, log) if cfg.tracking.backends else None)
         self.run_dir = run_dir
@@ -340,10 +365,13 @@ class Trainer:
                       committed_before=committed)
         return path
 
-    def durable(self) -> None:
-        """Checkpoint, then make the checkpointed steps final (the order that loses nothing), then trim."""
+    def durable(self) -> Path | None:
+        """Checkpoint, then make the checkpointed steps final (the order that loses nothing), then
+        trim; the checkpoint (None without a run directory). The trainer's commit, and
+        ``pipeline.api.Learner.commit``'s."""
+        path = None
         if self.ckpt_dir is not None:
-            checkpoint.save(self.ckpt_dir, write=self.engine.save_state, keep=self.cfg.trainer.keep_checkpoints,
+            path = checkpoint.save(self.ckpt_dir, write=self.engine.save_state, keep=self.cfg.trainer.keep_checkpoints,
                             state=checkpoint.TrainerState(
                                 version=self.version, evals=self.evals, uncommitted=list(self.uncommitted),
                                 labelmodel_versions=sorted(self.labelmodel_versions)))
@@ -351,6 +379,7 @@ class Trainer:
         self.uncommitted.clear()
         self.held.clear()
         self.stage.trim()
+        return path
 
     def evaluate(self) -> float:
         """Greedy accuracy of the current policy on the held-out set; with an environment
@@ -375,9 +404,6 @@ class Trainer:
     def _evaluate_episodes(self) -> dict:
         """The held-out prompts played greedily through the run's environment (built here at
         the first evaluation, closed with the trainer): success, tool-call rate, turns."""
-        from pipeline.envs.evaluate import summarise
-        from pipeline.envs.registry import make_env
-
         if self._env is None:
             self._env = make_env(self.cfg)
         played = self.engine.play(self.heldout_ids, [item.reference for item in self.heldout], self._env,
@@ -401,27 +427,33 @@ class Trainer:
         self.r.xadd(self.keys.versions, {"version": self.version}, maxlen=10_000, approximate=True)
         self.r.hset(self.keys.trainer, "version", self.version)
 
+    def sort(self, batch: list[tuple]) -> Sorted:
+        """The step's groups by outcome at the current version, the staleness invariant checked (``sort_step``)."""
+        return sort_step(batch, version=self.version, max_staleness=self.cfg.trainer.max_staleness)
+
     def step(self, batch: list[tuple], *, wait_s: float) -> dict:
         """Classify the batch, train on the groups with signal, and record the step (not yet committed)."""
-        t = self.cfg.trainer
         t_step = time.perf_counter()
-        kinds = classify(batch, version=self.version, max_staleness=t.max_staleness)
-        fresh = [g for (_, g), k in zip(batch, kinds) if k != Outcome.STALE]
-        signal = [g for (_, g), k in zip(batch, kinds) if k == Outcome.TRAINED]
-        if any(self.version - g.rollout.min_version > t.max_staleness for g in signal):
-            raise RuntimeError(f"staleness invariant violated at version {self.version}")
-        stats = self.engine.train_step(signal) if signal else {}
-        if signal:  # the lr warm-up counts optimizer updates; a step that trained nothing made none
+        s = self.sort(batch)
+        stats = self.engine.train_step(s.signal) if s.signal else {}
+        return self.record(batch, s, stats=stats, updated=bool(s.signal), wait_s=wait_s, started=t_step)
+
+    def record(self, batch: list[tuple], s: Sorted, *, stats: dict, updated: bool, wait_s: float,
+               started: float) -> dict:
+        """After a step's optimizer update (``updated``: one was made): the learning-rate schedule,
+        version + 1, the metrics row written, and the step kept for the next commit (``durable``).
+        ``step`` and a step written by hand (``pipeline.api.Learner.update``) end here."""
+        if updated:  # the lr warm-up counts optimizer updates; a step that trained nothing made none
             self.engine.lr_step()
         self.version += 1
-        row = step_metrics(batch, fresh, signal, version=self.version, stats=stats, wait_s=wait_s,
-                           step_s=time.perf_counter() - t_step)
+        row = step_metrics(batch, s.fresh, s.signal, version=self.version, stats=stats, wait_s=wait_s,
+                           step_s=time.perf_counter() - started)
         row["groups_consumed"] = len(batch)
-        if t.dynamic_sampling:
+        if self.cfg.trainer.dynamic_sampling:
             row["refills"] = self.refills
-        self.uncommitted.append(step_record(batch, kinds, version=self.version, row=row))
+        self.uncommitted.append(step_record(batch, s.kinds, version=self.version, row=row))
         self.held.update(g.rollout.prompt_id for _, g in batch)
-        self.labelmodel_versions.update(g.labelmodel_version for g in fresh)
+        self.labelmodel_versions.update(g.labelmodel_version for g in s.fresh)
         # The row first: a step redone after a crash rewrites its row (readers keep the last).
         self.metrics.write("step", **row)
         return row

@@ -12,8 +12,9 @@ The loop (``Stage.run``): wait for room downstream → take rollout groups → s
 completion with each weak verifier whose votes the reward reads (all of them for Weaver; the
 rest only on ``verifier.monitor_share`` of the groups, their columns NaN elsewhere) → add
 the votes to the label model's window and take its current version → aggregate votes into
-rewards → emit the scored groups and ack the rollouts in one MULTI → append the posteriors
-file.
+rewards → emit the scored groups and ack the rollouts in one transaction (``Stage.emit``: the
+emit Lua script, or a MULTI/EXEC when the records come to ``stage.MULTI_BYTES`` or more) →
+append the posteriors file.
 """
 
 from __future__ import annotations
@@ -232,7 +233,7 @@ def score_batch(scorer: Scorer, groups: list[RolloutGroup], log,
     return votes, failed
 
 
-class Verifier:
+class VerifierStage:
     """One verifier process: the weak verifiers, the reward mode, the shared label model and the stage plumbing."""
 
     def __init__(self, cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, scorer: Scorer | None = None) -> None:
@@ -323,7 +324,7 @@ def run_verifier(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_batc
     ``scorer`` replaces the one ``verifier.verifiers`` names (benchmarks wrap it in a fake device).
     """
     set_torch_threads(cfg.verifier.threads)
-    ver = Verifier(cfg, r, keys, worker_id, log, scorer=scorer)
+    ver = VerifierStage(cfg, r, keys, worker_id, log, scorer=scorer)
     log.info("verifier_started", reward=cfg.verifier.reward, verifiers=cfg.verifier.verifiers, reads=ver.reads,
              monitor_share=cfg.verifier.monitor_share)
     ver.stage.run(ver.step, count=cfg.verifier.batch, idle=lambda: ver.stage.heartbeat("idle", groups=ver.scored),

@@ -6,11 +6,12 @@ waits for:    admission (docs/design.md §3): groups admitted < (η + v + 1)·B;
 unblocked by: the trainer publishing version v+1 ({ns}:versions); the feeder adding prompts
 Weights swap only between generation batches, so no batch runs on half-written weights.
 A batch comes from one shard k and its groups go to rollouts shard k, so the xadd + xack +
-counters stay one single-slot MULTI (``pipeline.stage``).
+counters stay one single-slot transaction (``Stage.emit``: the emit Lua script, or a
+MULTI/EXEC when the groups come to ``stage.MULTI_BYTES`` or more).
 
 The loop (``Stage.run``): swap in the newest weights → wait for room downstream → take
 admitted prompts (own or reclaimed first, else as many new ones as admission grants) →
-sample G completions per prompt → emit the groups and ack the prompts in one MULTI.
+sample G completions per prompt → emit the groups and ack the prompts in that one transaction.
 """
 
 from __future__ import annotations
