@@ -1,4 +1,4 @@
-"""The one loop every stream stage runs: claim, process, emit + ack, trim.
+"""A stream stage's plumbing (claim, decode and check, emit + ack, trim) and the loop two stages run on it.
 
 A stage reads one stream (every shard of it) as a consumer of its group and, per read:
 
@@ -19,8 +19,19 @@ A stage reads one stream (every shard of it) as a consumer of its group and, per
 Before each read the stage waits while its output stream holds more than
 ``redis.max_stream_lag`` unacked entries (backpressure). A stage's client waits out a
 server outage of any length (``bus.connection.ride_outages``), logging when it starts and
-when it ends. Stage files (``producers/``, ``consumers/``) are a step function plugged into
-:meth:`Stage.run`.
+when it ends.
+
+Who runs what. The verifier and the batch generator (``generator.swap = "batch"``) are a step
+function plugged into :meth:`Stage.run`, this loop. Two stream stages drive the same plumbing
+(``read``, ``take``, ``emit``, ``trim``) from loops of their own, because a turn of theirs is
+not one read: the trainer (``consumers.trainer.Trainer.run``) gathers ``groups_per_step``
+groups over several reads and keeps them unacked until a checkpoint holds the step (its
+commit acks them, not the emit); the streaming generator (``producers.generator.Streamer.run``,
+``generator.swap = "step" | "drain"``) turns once per decode step over its slots, reads only
+when slots are free and emits each group as it finishes. The feeder and the eval worker read
+no stream and have no Stage: the feeder writes the task's problems (``producers.feeder``), the
+eval worker follows ``{ns}:versions`` (``consumers.evaluator``). ``pipeline.api.Queue`` reads
+through a Stage too (its dead letters go by ``emit``).
 """
 
 from __future__ import annotations
@@ -457,9 +468,12 @@ class Stage:
             max_batches: int | None = None) -> int:
         """Claim → process → emit + ack until stopped (or ``max_batches`` reads with entries); returns reads done.
 
-        ``read(count)`` replaces the plain read (the generator's admission); ``before``
-        runs at the top of every turn (the generator's weight swap); ``idle`` when a read
-        found nothing. ``step`` sees only batches with at least one good record.
+        The loop of the verifier and the batch generator (the module docstring says which
+        stages loop on their own and why). ``read(count)`` replaces the plain read (the
+        generator's admission); ``before`` runs at the top of every turn (the generator's
+        weight swap); ``idle`` when a read found nothing. ``step`` sees only batches with at
+        least one good record; a step that raises something not of the stage's own state
+        (``STAGE_ERRORS``) has its batch taken apart (``isolate``).
         """
         done = 0
         try:

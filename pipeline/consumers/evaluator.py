@@ -32,6 +32,9 @@ from pipeline.bus.flow import stop_requested
 from pipeline.bus.stats import heartbeat
 from pipeline.config import RunConfig
 from pipeline.keys import Keys
+from pipeline.observe.tracking import Trackers
+from pipeline.tasks.prompting import build_prompt, prompt_format
+from pipeline.tasks.registry import make_task
 from pipeline.weights import WeightsError, fetcher_options, make_fetcher
 
 EVALS_FILE = "evals.jsonl"
@@ -59,9 +62,6 @@ def set_problems(cfg: RunConfig, sets: dict, tokenizer) -> list[str]:
     """Why each eval set (``EvalConfig.task_sets``) cannot be evaluated by the model of
     ``model.base_dir``: its held-out set does not build, or its first prompt does not encode
     with ``tokenizer`` (what the worker checks when it starts, and ``pipeline up`` before launch)."""
-    from pipeline.tasks.prompting import build_prompt, prompt_format
-    from pipeline.tasks.registry import make_task
-
     problems = []
     for name, task_cfg in sets.items():
         try:
@@ -78,6 +78,7 @@ class Evaluator:
     """One eval worker: a policy model on the base, a weight fetcher, the results file."""
 
     def __init__(self, cfg: RunConfig, r, keys: Keys, worker_id: str, log) -> None:
+        # Deferred: torch and the model (the worker's heavy libraries), loaded when one starts.
         import torch
 
         from pipeline.model.qwen import load_checkpoint
@@ -90,7 +91,7 @@ class Evaluator:
         self.model.eval()
         self.adapters = None
         if cfg.weights.payload == "adapter":
-            from pipeline.engines.lora import AdapterMerger
+            from pipeline.engines.lora import AdapterMerger  # deferred: torch
 
             self.adapters = AdapterMerger.of_model(self.model, cfg.trainer.lora_alpha / cfg.trainer.lora_rank)
         self.sets = e.task_sets(cfg.task)
@@ -99,8 +100,6 @@ class Evaluator:
         self.trackers = None
         backends = [b for b in cfg.tracking.backends if b == "tensorboard"]  # W&B: the trainer's run alone
         if backends:
-            from pipeline.observe.tracking import Trackers
-
             self.trackers = Trackers(cfg.replace("tracking.backends", ",".join(backends)), cfg.run_dir, log)
         self.path = cfg.run_dir / EVALS_FILE
         self.last: int | None = None
@@ -130,7 +129,7 @@ class Evaluator:
     def load(self, version: int) -> int:
         """Fetch ``version`` into the model; returns the version loaded (WeightsError/ValueError
         when it cannot be had or does not fit: the caller tries a newer one later)."""
-        from pipeline.model.qwen import load_state_tensors
+        from pipeline.model.qwen import load_state_tensors  # deferred: torch
 
         got, tensors = self.fetcher.fetch(version, copy=False)
         if self.adapters is not None:
@@ -141,7 +140,7 @@ class Evaluator:
 
     def evaluate(self, version: int) -> list[dict[str, Any]]:
         """One row per eval set (``heldout`` first), each appended to the results file."""
-        from pipeline.run.evaluate import evaluate_model
+        from pipeline.run.evaluate import evaluate_model  # deferred: torch
 
         e = self.cfg.eval
         rows = []

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import sys
 import time
 import zlib
 from collections.abc import Callable, Collection, Sequence
@@ -37,6 +39,7 @@ from pipeline.keys import TRAINER_GROUP, VERIFIERS_GROUP, Keys
 from pipeline.model.tokenizer import model_vocab_size
 from pipeline.records import RolloutGroup, ScoredGroup, check_group_size, check_token_ids, check_versions
 from pipeline.stage import Batch, Output, Stage
+from pipeline.tasks.prompting import prompt_format
 from pipeline.tasks.registry import make_task
 from pipeline.verifiers.base import VERIFIER_COMPLETIONS, VERIFIER_SECONDS, is_sound
 from pipeline.verifiers.registry import Scorer, applicability_problems, check_spec
@@ -169,8 +172,6 @@ def panel_problems(cfg: RunConfig, *, prompts: int = 8) -> list[str]:
     ``verifier.monitor_share``) scored on ``prompts`` real training prompts of its task, rendered
     as the generators render them (``registry.applicability_problems``): one that applies to
     none is named. Nothing when the reward, a spec or the task is wrong (other checks name those)."""
-    from pipeline.tasks.prompting import prompt_format
-
     v = cfg.verifier
     try:
         run = v.verifiers if v.monitor_share > 0 else parse_reward_mode(v.reward).reads(v.verifiers)
@@ -309,9 +310,6 @@ class VerifierStage:
 def set_torch_threads(n: int) -> None:
     """torch's intra-op threads for the model-based verifier kinds: set now when torch is loaded,
     else through ``OMP_NUM_THREADS``, which torch reads when a kind first imports it."""
-    import os
-    import sys
-
     os.environ["OMP_NUM_THREADS"] = str(n)
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(n)

@@ -27,6 +27,8 @@ from pipeline.bus.connection import ride_outages
 from pipeline.bus.flow import stop_requested
 from pipeline.bus.stats import heartbeat, queue_depths, read_stats
 from pipeline.bus.streams import ensure_all_groups
+from pipeline.tasks.prompting import build_prompt, prompt_format
+from pipeline.tasks.registry import make_task
 
 IDLE_WAIT_S = 0.2
 """No blocking read exists for "the backlog shrank", so the feeder re-checks at this period."""
@@ -56,9 +58,6 @@ def write_prompts(script, keys: Keys, shard: int, end: int, records: list[bytes]
 
 def run_feeder(cfg: RunConfig, r, keys: Keys, log, *, tokenizer, max_rounds: int | None = None) -> int:
     """Issue prompts until stopped (or ``feeder.max_prompts``); returns prompts issued by this call."""
-    from pipeline.tasks.prompting import build_prompt, prompt_format
-    from pipeline.tasks.registry import make_task
-
     if cfg.redis.worker_retries < 0:
         ride_outages(r, log)
     ensure_all_groups(r, keys)
