@@ -404,7 +404,9 @@ class Run:
     # ------------------------------------------------------------------ lifetime
 
     def __enter__(self) -> "Run":
-        from pipeline.run.launch import ensure_base_model, provision_cluster, run_config
+        from pipeline.run.base_model import ensure_base_model
+        from pipeline.run.launch import provision_cluster
+        from pipeline.run.plan import run_config
         from pipeline.tasks.registry import make_task
 
         cfg = run_config(self.cfg)
