@@ -249,7 +249,7 @@ def registry_problems(cfg: RunConfig) -> list[str]:
         spec = getattr(cfg.trainer, name)
         if spec in choices(builtin):
             continue  # a built-in: nothing to import (and no torch to load before launch)
-        from pipeline.algo.losses import ADVANTAGES, LOSSES, resolve
+        from pipeline.algo.losses import ADVANTAGES, LOSSES, resolve  # torch: for user code alone
 
         try:
             resolve(ADVANTAGES if name == "advantage" else LOSSES, name, spec)
