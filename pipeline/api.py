@@ -84,7 +84,9 @@ from pipeline.keys import STREAM_NAMES
 from pipeline.observe.logs import setup_logging
 from pipeline.producers.generator import swap_weights, to_groups
 from pipeline.records import PromptTask, RolloutGroup, ScoredGroup
-from pipeline.run.launch import ensure_base_model, provision_cluster, run_config
+from pipeline.run.base_model import ensure_base_model
+from pipeline.run.launch import provision_cluster
+from pipeline.run.plan import run_config
 from pipeline.stage import Batch, Output, Stage
 from pipeline.tasks.prompting import build_prompt, prompt_format
 from pipeline.tasks.registry import make_task

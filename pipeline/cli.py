@@ -61,7 +61,7 @@ def _config(args: argparse.Namespace, cfg: RunConfig) -> int:
     from pipeline.config import documented_toml
 
     if args.check:
-        from pipeline.run.launch import check_run
+        from pipeline.run.preflight import check_run
 
         cfg = check_run(cfg, chaos=args.check == "chaos")
         print(f"pipeline config: passes every check of `pipeline {args.check}` (base model: {cfg.model.base_dir})")
@@ -90,13 +90,13 @@ def _inject(args: argparse.Namespace, cfg: RunConfig) -> int:
 
 
 def _down(args: argparse.Namespace, cfg: RunConfig) -> int:
-    from pipeline.run.launch import down
+    from pipeline.run.down import down
 
     return down(Path(args.runs_dir))
 
 
 def _pretrain(args: argparse.Namespace, cfg: RunConfig) -> int:
-    from pipeline.run.launch import ensure_base_model
+    from pipeline.run.base_model import ensure_base_model
 
     ensure_base_model(cfg, force=args.force)
     return 0
@@ -183,7 +183,7 @@ def _distill(args: argparse.Namespace, cfg: RunConfig) -> int:
 
 def _eval(args: argparse.Namespace, cfg: RunConfig) -> int:
     from pipeline.run.evaluate import run_eval
-    from pipeline.run.launch import resolve_base_dir
+    from pipeline.run.base_model import resolve_base_dir
 
     try:
         result = run_eval(cfg, checkpoint=args.checkpoint or resolve_base_dir(cfg).model.base_dir, n=args.n, ks=args.k,

@@ -79,7 +79,7 @@ def test_an_undecodable_entry_is_dead_lettered_and_acked(tmp_path, redis_url, re
     ("trainer.loss", "examples/my_loss.py:sequence_mean_ppo"),
 ])
 def test_each_plugin_example_passes_the_drivers_checks(field, spec, monkeypatch):
-    from pipeline.run.launch import registry_problems
+    from pipeline.run.preflight import registry_problems
 
     monkeypatch.chdir(ROOT)  # specs are relative to where `pipeline up` runs
     assert registry_problems(load_config(None, {field: spec})) == []

@@ -22,8 +22,8 @@ from pipeline.config import DEFAULT_BASE_DIR, ConfigError, load_config
 from pipeline.model.pretrain import RECIPE_FILE, SHIPPED, install_shipped, pretrain, recipe
 from pipeline.model.qwen import ModelShape, greedy_accuracy, load_checkpoint
 from pipeline.model.recipe import differences, leaked
-from pipeline.run.launch import (base_problems, base_recipe, ensure_base_model, evaluated_sets, model_problems,
-                                 preflight, resolve_base_dir)
+from pipeline.run.base_model import base_problems, base_recipe, ensure_base_model, evaluated_sets, resolve_base_dir
+from pipeline.run.preflight import model_problems, preflight
 from pipeline.tasks import arithmetic as task
 
 

@@ -26,7 +26,7 @@ from harness import env_servers_of, up
 from pipeline.config import ConfigError, load_config
 from pipeline.envs.servers import RECORD_DIR, read_records
 from pipeline.run.chaos import Fault, Injector, Plan, by_kind
-from pipeline.run.launch import chaos_problems
+from pipeline.run.preflight import chaos_problems
 from pipeline.run.procs import proc_start_time
 
 CALCULATOR = "openenv:pipeline.envs.calculator_server:app"

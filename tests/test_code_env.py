@@ -171,7 +171,7 @@ def test_textarena_without_the_package_is_refused_before_launch_naming_env_kind(
     its factory is built, which `pipeline up` does before it starts anything."""
     import importlib.util
 
-    from pipeline.run.launch import registry_problems
+    from pipeline.run.preflight import registry_problems
 
     if importlib.util.find_spec("textarena") is not None:
         pytest.skip("textarena is installed here (the openenv lane tests the games)")

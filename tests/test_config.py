@@ -183,7 +183,7 @@ def _built(base: Path, **record) -> Path:
     ("model.pretrain_lr", "1e-3"), ("model.seed", "5"), ("model.pretrain_stop_loss", "0"),
 ])
 def test_a_model_field_set_while_the_base_dir_holds_a_checkpoint_is_refused_by_name(tmp_path, field, value):
-    from pipeline.run.launch import check_settings
+    from pipeline.run.preflight import check_settings
 
     base = _built(tmp_path / "base")
     cfg = load_config(overrides={"model.base_dir": str(base), field: value})
@@ -197,7 +197,7 @@ def test_a_model_field_set_while_the_base_dir_holds_a_checkpoint_is_refused_by_n
 
 
 def test_a_toml_value_differing_from_the_default_counts_as_set(tmp_path):
-    from pipeline.run.launch import check_settings
+    from pipeline.run.preflight import check_settings
 
     base = _built(tmp_path / "base")
     path = tmp_path / "run.toml"

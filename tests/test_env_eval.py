@@ -185,7 +185,7 @@ def test_an_arithmetic_run_uses_a_checkpoint_built_another_way_as_it_is(tmp_path
     import shutil
 
     from pipeline.config import RunConfig
-    from pipeline.run.launch import ensure_base_model
+    from pipeline.run.base_model import ensure_base_model
 
     base = tmp_path / "base"
     shutil.copytree(SHIPPED, base)

@@ -22,7 +22,7 @@ from pipeline.keys import Keys
 from pipeline.model.qwen import load_checkpoint, load_state_tensors
 from pipeline.run.accounting import account
 from pipeline.run.evaluate import evaluate_model
-from pipeline.run.launch import worker_table
+from pipeline.run.plan import worker_table
 from pipeline.weights import make_publisher
 
 EVAL = {"eval.max_prompts": 12, "eval.n": 4, "eval.ks": "1,2,4", "eval.every_versions": 3, "eval.nice": 0,
@@ -166,7 +166,7 @@ def test_a_set_this_model_cannot_be_prompted_with_is_refused_naming_eval_sets(tm
     with pytest.raises(ValueError, match=r"^eval\.sets: the held-out set 'kind=math;dataset="):
         Evaluator(cfg, redis.Redis.from_url(redis_url), Keys(cfg.run_id), "eval-0", _Log())
     # pipeline up says so before it starts anything.
-    from pipeline.run.launch import preflight
+    from pipeline.run.preflight import preflight
 
     with pytest.raises(ConfigError, match=r"eval\.sets: the held-out set 'kind=math;dataset="):
         preflight(cfg.replace("cluster.evaluators", 1))

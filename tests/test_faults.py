@@ -613,7 +613,7 @@ def test_the_summary_counts_committed_steps_not_the_metrics_rows_of_steps_that_n
     never happened (the resumed trainer redoes it, or the run stops first)."""
     from pipeline.config import RunConfig
     from pipeline.run.accounting import account
-    from pipeline.run.launch import write_summary
+    from pipeline.run.summary import write_summary
 
     cfg = RunConfig().with_overrides({"run_id": "summary", "runs_dir": str(tmp_path)})
     cfg.run_dir.mkdir(parents=True)

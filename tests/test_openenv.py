@@ -391,7 +391,7 @@ def test_the_action_and_observation_fields_come_from_the_schema_or_are_refused()
 
 
 def test_an_app_that_does_not_start_is_refused_naming_env_kind_before_launch(tmp_path):
-    from pipeline.run.launch import registry_problems
+    from pipeline.run.preflight import registry_problems
 
     broken = tmp_path / "broken_app.py"
     broken.write_text("raise RuntimeError('this environment cannot start')\n")

@@ -134,7 +134,7 @@ def test_a_textarena_game_served_over_openenv_plays_as_in_process(tmp_path):
 
 
 def test_the_textarena_environment_in_process_and_games_it_cannot_play_are_refused_before_launch(tmp_path):
-    from pipeline.run.launch import registry_problems
+    from pipeline.run.preflight import registry_problems
 
     games = make_env(RunConfig().with_overrides({"generator.swap": "step", "env.kind": "textarena"}))
     ep = games(_task(prompt_id="p1"))

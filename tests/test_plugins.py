@@ -120,7 +120,7 @@ def test_a_bad_spec_is_refused_with_what_was_tried(user_dir, spec, message):
 
 
 def test_a_typo_in_any_spec_fails_before_launch_naming_the_field(user_dir):
-    from pipeline.run.launch import registry_problems
+    from pipeline.run.preflight import registry_problems
 
     cfg = load_config(overrides={"verifier.verifiers": "format,my_ext:ends_in_digt", "verifier.reward": "my_ext:exct",
                                  "trainer.advantage": "my_ext:centred", "trainer.loss": "my_ext:scaled_pp",

@@ -28,7 +28,8 @@ from harness import TINY
 
 from pipeline.cli import COMMANDS, main, parse
 from pipeline.config import ConfigError, field_names, load_config
-from pipeline.run.launch import check_run, log_file, preflight, worker_table
+from pipeline.run.plan import log_file, worker_table
+from pipeline.run.preflight import check_run, preflight
 
 ROOT = Path(__file__).resolve().parents[1]
 REFUSE_WITHIN_S = 2.0
@@ -338,7 +339,7 @@ def test_sigterm_to_the_driver_alone_stops_every_worker_and_the_server(tmp_path,
 def test_a_checkpoint_the_torchtitan_trainer_cannot_build_is_refused_before_launch_naming_what_differs(tmp_path):
     """The architecture check runs in the driver without torch or torchtitan (the lane's tests build
     and train the models themselves)."""
-    from pipeline.run.launch import model_problems
+    from pipeline.run.preflight import model_problems
 
     shipped = Path(__file__).resolve().parent.parent / "pipeline" / "model" / "arith_base"
     base = tmp_path / "base"

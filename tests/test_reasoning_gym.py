@@ -269,7 +269,7 @@ def test_without_a_chat_template_prompts_are_plain_and_on_is_refused_naming_the_
         prompt_format(cfg, rg_model)
     assert prompt_format(rg_task(datasets="gcd"), rg_model).render("Q?") == "Q?"
     assert prompt_format(rg_task(datasets="gcd", system_prompt="S."), rg_model).render("Q?") == "S.\n\nQ?"
-    from pipeline.run.launch import preflight
+    from pipeline.run.preflight import preflight
 
     with pytest.raises(ConfigError, match=r"task\.chat_template: 'on' needs a chat template"):
         preflight(load_config(overrides={"model.base_dir": str(rg_model), "task.kind": "reasoning_gym",
@@ -300,7 +300,7 @@ def test_the_arithmetic_default_builds_its_prompts_exactly_as_before():
      "task.dataset_params", "max_terms must be >= min_terms"),
 ])
 def test_unknown_datasets_and_bad_params_are_refused_before_launch_naming_the_field(rg_model, overrides, field, says):
-    from pipeline.run.launch import preflight
+    from pipeline.run.preflight import preflight
 
     cfg = load_config(overrides={"model.base_dir": str(rg_model), "task.kind": "reasoning_gym",
                                  "verifier.verifiers": "boxed,boxed_majority", **overrides})
@@ -360,7 +360,7 @@ def _run(tmp_path: Path, base: Path, url: str, name: str) -> dict:
 
     from pipeline.keys import Keys
     from pipeline.run.accounting import account
-    from pipeline.run.launch import write_summary
+    from pipeline.run.summary import write_summary
 
     cfg, path = tiny_config(tmp_path, base, url, f"rg-{name}", **{
         "task.kind": "reasoning_gym", "task.datasets": name, "task.template": TEMPLATE, "task.heldout_size": 6,
@@ -412,7 +412,7 @@ def test_a_reasoning_gym_run_gets_verifiers_that_read_its_prompts_unless_it_name
 
 def test_the_check_before_launch_refuses_a_verifier_that_reads_none_of_the_tasks_prompts(tiny_base_model):
     from pipeline.consumers.verifier import panel_problems
-    from pipeline.run.launch import preflight
+    from pipeline.run.preflight import preflight
 
     fields = {"task.kind": "reasoning_gym", "task.datasets": "chain_sum", "task.heldout_size": 20,
               "task.answer_extract": "last_number", "model.base_dir": str(tiny_base_model)}

@@ -94,7 +94,7 @@ def test_tensorboard_and_offline_wandb_hold_the_metrics_rows(tmp_path, tiny_base
 def test_a_tracker_whose_package_is_missing_is_refused_before_launch(monkeypatch):
     import importlib.util
 
-    from pipeline.run.launch import backend_problems
+    from pipeline.run.preflight import backend_problems
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
