@@ -50,8 +50,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import (DEFAULT_BASE_DIR, ConfigError, RunConfig, Situation, choices, eval_set_task, refuse_inert,
-                             to_toml)
+from pipeline.config import DEFAULT_BASE_DIR, ConfigError, RunConfig, choices, eval_set_task
+from pipeline.config_toml import to_toml
+from pipeline.inert import Situation, refuse_inert
 from pipeline.model.recipe import (RECIPE_FILE, SHIPPED, differences, heldout_sets, leaked, read_recipe, recipe,
                                    recipe_dir, shipped_recipe)
 from pipeline.run.procs import EXIT_ENTRIES_FAILED, proc_start_time, recorded_identity, send_signal, signal_recorded, \
@@ -494,7 +495,7 @@ def registry_problems(cfg: RunConfig) -> list[str]:
             if name not in v.verifiers:
                 problems.append(f"verifier.reward: {v.reward!r} must name a verifier of verifier.verifiers "
                                 f"{list(v.verifiers)}; add {name!r} to the list or pick another")
-    from pipeline.config import Advantage, Loss, TaskKind
+    from pipeline.catalog import ADVANTAGES as Advantage, LOSSES as Loss, TASKS as TaskKind
 
     if cfg.task.kind not in choices(TaskKind):
         from pipeline.tasks.registry import task_class
