@@ -72,9 +72,8 @@ class Registry:
                 return obj
             return deco
         known = self._entries.get(name)
-        if known is not None and isinstance(known.target, (str, tuple)) and not isinstance(target, (str, tuple)):
-            known.target = target  # a built-in's code, registered by its own module as it is imported
-            return target
+        if known is not None and known.target is not target:
+            raise ValueError(f"{self.field}: {name!r} is registered already (as {known.target!r})")
         self._entries[name] = Entry(name, target, check, inert, meta)
         return target
 
