@@ -20,6 +20,7 @@ say which fields cannot take effect with it (``pipeline.inert``).
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 from typing import Any
@@ -198,10 +199,25 @@ def _inert_ucx(cfg: Any) -> dict[str, str]:
 
 
 TRANSPORTS.register("shm", ("pipeline.weights.shm:ShmPublisher", "pipeline.weights.shm:ShmFetcher"), socket=False)
-TRANSPORTS.register("tcp", ("pipeline.weights.tcp:TcpPublisher", "pipeline.weights.tcp:TcpFetcher"), socket=True)
+TRANSPORTS.register("tcp", ("pipeline.weights.tcp:TcpPublisher", "pipeline.weights.tcp:TcpFetcher"), socket=True,
+                    needs=("zmq", "pyzmq", "`pip install pyzmq`"))
 TRANSPORTS.register("ucx", ("pipeline.weights.ucx:UcxPublisher", "pipeline.weights.ucx:UcxFetcher"), socket=True,
-                    inert=_inert_ucx)
-"""``socket``: it serves and fetches over a socket (reads ``weights.tcp_port``, ``fetch_timeout_s``)."""
+                    inert=_inert_ucx, needs=("ucxx", "ucxx", "the 'ucx' extra: `pip install -e .[ucx]`"))
+"""``socket``: it serves and fetches over a socket (reads ``weights.tcp_port``, ``fetch_timeout_s``);
+``needs``: the optional package it imports, as (module, package, how to install it)."""
+
+
+def missing_packages(cfg: Any) -> list[str]:
+    """The optional package each component ``cfg`` picks needs and this environment lacks (found,
+    not imported: no cost), each message naming the field, how to install it and the other choices."""
+    problems = []
+    for field, registry, value in (("weights.transport", TRANSPORTS, cfg.weights.transport),):
+        needs = registry.meta(value, "needs")
+        if needs and importlib.util.find_spec(needs[0]) is None:
+            others = "|".join(n for n in registry if n != value)
+            problems.append(f"{field}: {value!r} needs {needs[1]}, which is not installed in this environment "
+                            f"({needs[2]}); or choose {others}")
+    return problems
 
 
 # ----------------------------------------------------------------------------- environments

@@ -6,8 +6,8 @@ the field and what it allows. A loaded config cannot be changed: code that needs
 different one derives it (``cfg.replace("redis.url", url)``, ``cfg.with_overrides({...})``),
 validated again. A field with a fixed set of values is typed with a ``Literal``, which
 is the one list of what it allows; a field naming a component (``task.kind``,
-``trainer.loss``, ``weights.transport``, ``env.kind``, ...) is checked by that component's
-registry (``pipeline.catalog``). This module imports neither torch nor redis, so every CLI
+``trainer.advantage``, ``trainer.loss``, ``weights.transport``, ``env.kind``) is annotated with
+that component's registry (``pipeline.catalog``), which owns its names and their checks. This module imports neither torch nor redis, so every CLI
 can parse and check its config before paying for heavy imports.
 
 The sections live beside it: ``pipeline.config_infra`` (Redis, cluster, chaos, tracking,

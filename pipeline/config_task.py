@@ -69,7 +69,7 @@ class ModelConfig(Section):
 
 @dataclass(frozen=True, kw_only=True)
 class TaskConfig(Section):
-    kind: str = "arithmetic"
+    kind: catalog.TASKS = "arithmetic"
     """``arithmetic``: the embedded integer task (generated, fixed-width prompts, the
     arithmetic weak verifiers). ``math``: prompts and reference answers from a local
     JSONL or Parquet file (``dataset``), answers judged by ``math-verify`` (``math`` extra).

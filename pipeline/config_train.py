@@ -232,12 +232,12 @@ class TrainerConfig(Section):
     """PPO ratio clip range ε (lower side, and upper side unless clip_eps_high is set)."""
     clip_eps_high: float = 0.0
     """Upper clip range (DAPO-style); 0 means the same as clip_eps."""
-    advantage: str = "grpo"
+    advantage: catalog.ADVANTAGES = "grpo"
     """Advantage estimator: ``grpo`` (mean/std within group), ``drgrpo`` (no std division),
     ``reinforce_pp`` (REINFORCE++: group mean subtracted, normalised by the batch's std), or
     your own: ``module:function`` / ``path/to/file.py:function`` (``rewards [G] -> advantages
     [G]``, a torch tensor each) or a name in the ``rlpipe.advantages`` entry-point group."""
-    loss: str = "decoupled_ppo"
+    loss: catalog.LOSSES = "decoupled_ppo"
     """Policy loss: ``decoupled_ppo`` (AReaL), ``tis`` (truncated importance sampling), ``gspo``
     (sequence-level ratio, GSPO), or your
     own (``module:function``, ``path/to/file.py:function``, an ``rlpipe.losses`` entry point)
@@ -379,7 +379,7 @@ class TrainerConfig(Section):
 
 @dataclass(frozen=True, kw_only=True)
 class WeightsConfig(Section):
-    transport: str = "shm"
+    transport: catalog.TRANSPORTS = "shm"
     """How generators fetch new versions: ``shm`` (same host), ``tcp`` (ZeroMQ) or ``ucx``
     (ucxx; needs the ``ucx`` extra). See docs/weights.md."""
     keep_versions: int = 3
@@ -426,7 +426,7 @@ class EnvConfig(Section):
     ``step`` or ``drain`` (the slot sampler keeps an episode's sequence while its
     environment answers)."""
 
-    kind: str = ""
+    kind: catalog.ENVS = ""
     """The environment: empty for single-turn completions, ``calculator`` (a calculator
     tool for the arithmetic task), ``code`` (the code task's hidden tests run on each turn's
     code in the code_exec sandbox; the failures come back), ``textarena`` /

@@ -13,6 +13,10 @@ An entry may carry:
 - ``inert(cfg) -> {field: why}``: the fields that cannot take effect when the run uses it;
 - any other keyword (``meta``), read by the code that uses the registry.
 
+A config field that names a component is annotated with its registry
+(``kind: catalog.TASKS = "arithmetic"``): the value is a string, and ``choices`` of the
+annotation are the registered names.
+
 Registering: ``REG.register("name", "pkg.module:Class")``, or as a decorator
 (``@REG.register("name")`` above the definition), from the registry's own module or from a
 plugin module named in the config's ``plugins`` list (docs/extending.md).
@@ -63,6 +67,16 @@ class Registry:
         """What one entry is called in messages (``task``, ``loss``)."""
         self._entries: dict[str, Entry] = {}
 
+    __name__ = "str"
+    """A config field annotated with a registry holds a name (a string): ``_coerce`` calls the
+    annotation to convert a value, and says ``must be str`` when it cannot."""
+
+    def __call__(self, value: Any) -> str:
+        """A TOML or command-line value as a name; which names are allowed is the section's check."""
+        if not isinstance(value, str):
+            raise TypeError(f"{self.field}: a name, not {value!r}")
+        return value
+
     def register(self, name: str, target: Any = None, *, check: Callable[..., None] | None = None,
                  inert: Callable[[Any], dict[str, str]] | None = None, **meta: Any):
         """Register ``name``; without ``target``, a decorator registering what it decorates."""
@@ -76,6 +90,9 @@ class Registry:
             raise ValueError(f"{self.field}: {name!r} is registered already (as {known.target!r})")
         self._entries[name] = Entry(name, target, check, inert, meta)
         return target
+
+    def __repr__(self) -> str:
+        return f"Registry({self.field}: {', '.join(self.names())})"
 
     def names(self) -> tuple[str, ...]:
         """The registered names, in registration order."""

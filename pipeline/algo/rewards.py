@@ -50,6 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline import plugins
 from pipeline.algo.labelmodel import LabelModel
 from pipeline.tasks.arithmetic import extract_answer
 from pipeline.verifiers.base import KINDS, VERIFIERS
@@ -356,8 +357,6 @@ def parse_reward_mode(spec: str) -> "RewardMode | CombinedReward":
             raise ValueError(f"reward mode {spec!r}: {path!r} is not a distilled verifier directory (no config.json); "
                              "build one with `pipeline distill --run <run>`")
         return RewardMode(spec=s, kind="distilled", path=path)
-    from pipeline import plugins
-
     fn = plugins.find("reward", s)
     if fn is not None:
         plugins.require_callable(fn, s, "reward (prompts, completions, reference, **kw) -> list[float]")
