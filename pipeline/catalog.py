@@ -251,3 +251,23 @@ ENVS.register("textarena", "pipeline.envs.textarena:textarena", argument="<game 
 ENVS.register("openenv", "pipeline.envs.openenv:openenv", argument="<url or app>", check=_check_openenv)
 """``argument``: the kind is followed by ``:<argument>`` (``openenv:<url or app>``); ``bare``: or
 not (``textarena`` alone is a game of its choosing)."""
+
+
+# ----------------------------------------------------------------------------- before launch
+
+
+def component_problems(cfg: Any) -> list[str]:
+    """Every component the config names by a plugin spec (a task kind, an advantage, a loss) must
+    import and be callable, each message naming its field. A registered name is not imported
+    here (no torch to load before launch): it was checked when the config was loaded."""
+    problems = []
+    for field, registry, value in (("task.kind", TASKS, cfg.task.kind),
+                                   ("trainer.advantage", ADVANTAGES, cfg.trainer.advantage),
+                                   ("trainer.loss", LOSSES, cfg.trainer.loss)):
+        if value in registry:
+            continue
+        try:
+            registry.get(value)
+        except ValueError as e:
+            problems.append(f"{field}: {e}")
+    return problems

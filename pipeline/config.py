@@ -7,8 +7,9 @@ different one derives it (``cfg.replace("redis.url", url)``, ``cfg.with_override
 validated again. A field with a fixed set of values is typed with a ``Literal``, which
 is the one list of what it allows; a field naming a component (``task.kind``,
 ``trainer.advantage``, ``trainer.loss``, ``weights.transport``, ``env.kind``) is annotated with
-that component's registry (``pipeline.catalog``), which owns its names and their checks. This module imports neither torch nor redis, so every CLI
-can parse and check its config before paying for heavy imports.
+that component's registry (``pipeline.catalog``), which owns its names and their checks.
+This module imports neither torch nor redis, so every CLI can parse and check its config
+before paying for heavy imports.
 
 The sections live beside it: ``pipeline.config_infra`` (Redis, cluster, chaos, tracking,
 metrics), ``pipeline.config_task`` (model, task, feeder), ``pipeline.config_train``
