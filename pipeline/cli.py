@@ -58,7 +58,7 @@ class Command:
 
 
 def _config(args: argparse.Namespace, cfg: RunConfig) -> int:
-    from pipeline.config import documented_toml
+    from pipeline.config_toml import documented_toml
 
     if args.check:
         from pipeline.run.preflight import check_run

@@ -51,6 +51,23 @@ def is_spec(text: str) -> bool:
     return left.endswith(".py") or all(p.isidentifier() for p in left.split("."))
 
 
+def shaped(value: str, kind: str) -> bool:
+    """``module:attr``, ``file.py:attr`` or the name of an installed entry point of ``kind``'s group
+    (any group when ``kind`` is empty): what ``find`` resolves. Whether it loads is checked
+    before launch."""
+    if ":" not in value:
+        groups = [ENTRY_POINT_GROUPS[kind]] if kind else list(ENTRY_POINT_GROUPS.values())
+        return any(value in {ep.name for ep in importlib.metadata.entry_points(group=g)} for g in groups)
+    return is_spec(value)
+
+
+def import_modules(names: tuple[str, ...] | list[str]) -> None:
+    """Import each module of the config's ``plugins`` list (``module`` or ``path/to/file.py``),
+    once per process: what they register at import (``pipeline.catalog``) joins the registries."""
+    for name in names:
+        _module(name)
+
+
 def _module(left: str):
     if left.endswith(".py"):
         path = Path(left).resolve()

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import redis
 
-from pipeline.config import load_config, to_toml
+from pipeline.config import load_config
+from pipeline.config_toml import to_toml
 from pipeline.keys import Keys
 
 TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny.toml"

@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.config import ConfigError, Situation, load_config, refuse_inert
+from pipeline.config import ConfigError, load_config
+from pipeline.inert import Situation, refuse_inert
 from pipeline.envs.base import EnvError, Step
 from pipeline.envs.code import MAX_OBSERVATION, CodeEpisode
 from pipeline.envs.registry import make_env

@@ -12,7 +12,8 @@ import torch
 from builders import make_scored
 from safetensors.torch import load_file
 
-from pipeline.config import ConfigError, Situation, load_config, refuse_inert
+from pipeline.config import ConfigError, load_config
+from pipeline.inert import Situation, refuse_inert
 from pipeline.engines.torch import TorchEngine, pad_batch, train_step, warmup_schedule
 from pipeline.model.qwen import load_checkpoint, load_state_tensors, ragged_completion_logprobs
 from pipeline.run import checkpoint

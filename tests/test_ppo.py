@@ -9,7 +9,8 @@ import torch
 from builders import make_scored
 
 from pipeline.algo.losses import LossSettings, advantages, objective
-from pipeline.config import ConfigError, RunConfig, load_config, refuse_inert, Situation
+from pipeline.config import ConfigError, RunConfig, load_config
+from pipeline.inert import Situation, refuse_inert
 from pipeline.engines.torch import microbatches, pad_batch, train_step
 from pipeline.model.qwen import load_checkpoint, ragged_completion_logprobs
 

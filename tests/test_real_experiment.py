@@ -60,7 +60,8 @@ def test_a_post_hoc_variant_is_reported_apart_from_the_arms(tmp_path):
 def test_the_offline_refit_tells_an_estimated_pi_from_a_known_one(tmp_path):
     """A weaver run's votes where three judges err together: held at the known share, the refit
     rewards wrong answers far less than the label-free estimate does, and the report shows both."""
-    from pipeline.config import load_config, to_toml
+    from pipeline.config import load_config
+    from pipeline.config_toml import to_toml
 
     run = tmp_path / "runs" / "real-weaver-s0"
     (run / "posteriors").mkdir(parents=True)

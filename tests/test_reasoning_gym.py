@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import redis
 
-from pipeline.config import ConfigError, Situation, TaskConfig, load_config, refuse_inert
+from pipeline.config import ConfigError, TaskConfig, load_config
+from pipeline.inert import Situation, refuse_inert
 
 pytest.importorskip("reasoning_gym")
 

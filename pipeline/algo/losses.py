@@ -22,13 +22,16 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
+from pipeline.catalog import ADVANTAGES, LOSSES
+from pipeline.registry import Registry
+
 NO_SIGNAL_STD = 1e-6
 """A group whose rewards have a smaller standard deviation carries no GRPO signal."""
 
-ADVANTAGES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
-LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] = {}
-"""``(logp, prox_logp, behav_logp, adv, mask, settings) -> (loss, stats)``: the loss and every
-statistic are token means over ``mask`` (what :func:`objective` rescales to its normaliser)."""
+# The names: ADVANTAGES (``rewards [G] -> advantages [G]``; with ``batch``, ``[rewards [G_k] per
+# group] -> advantages [N]``) and LOSSES (``(logp, prox_logp, behav_logp, adv, mask, settings) ->
+# (loss, stats)``, the loss and every statistic token means over ``mask``, what :func:`objective`
+# rescales to its normaliser) are registries of pipeline.catalog, which names the functions below.
 TOKEN_TERMS: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] = {}
 """The built-in losses per token: ``(same arguments) -> (per-token loss [N, T], stats)``, the
 stats token means over ``mask``. :data:`LOSSES` holds their token means; the other
@@ -51,29 +54,13 @@ lowers a weight above ``is_cap`` to ``is_cap`` (truncated IS); ``mask`` sets it 
 IS: the token, for ``gspo`` the sequence, leaves the gradient)."""
 
 
-def resolve(table: dict, kind: str, name: str):
-    """A built-in of ``table``, or user code: ``module:function``, ``path/to/file.py:function`` or a
-    name in the ``rlpipe.advantages`` / ``rlpipe.losses`` entry-point group (``pipeline.plugins``)."""
-    if name in table:
-        return table[name]
-    from pipeline import plugins
-
-    fn = plugins.find(kind, name)
-    if fn is None:
-        raise ValueError(f"unknown {kind} {name!r}; known: {', '.join(sorted(table))}, or your own as "
-                         f"module:function, path/to/file.py:function, or a name in the "
-                         f"{plugins.ENTRY_POINT_GROUPS[kind]!r} entry-point group")
-    return plugins.require_callable(fn, name, kind)
+def resolve(registry: Registry, kind: str, name: str):
+    """A built-in of ``registry`` (``ADVANTAGES``, ``LOSSES``), or user code: ``module:function``,
+    ``path/to/file.py:function`` or a name in the ``rlpipe.advantages`` / ``rlpipe.losses``
+    entry-point group (``pipeline.plugins``); ``kind`` is kept for the callers that name it."""
+    return registry.get(name)
 
 
-def _register(table: dict, name: str):
-    def deco(fn):
-        table[name] = fn
-        return fn
-    return deco
-
-
-@_register(ADVANTAGES, "grpo")
 def grpo_advantage(rewards: torch.Tensor) -> torch.Tensor:
     """(r − mean) / (std + 1e-6) within one group; rewards [G] -> advantages [G].
 
@@ -86,17 +73,11 @@ def grpo_advantage(rewards: torch.Tensor) -> torch.Tensor:
     return (rewards - rewards.mean()) / (std + 1e-6)
 
 
-@_register(ADVANTAGES, "drgrpo")
 def drgrpo_advantage(rewards: torch.Tensor) -> torch.Tensor:
     """r − mean, without the std division that overweights near-uniform groups (Dr. GRPO)."""
     return rewards - rewards.mean()
 
 
-BATCH_ADVANTAGES: dict[str, Callable[[list[torch.Tensor]], torch.Tensor]] = {}
-"""Advantages that see the whole batch: ``[rewards [G_k] per group] -> advantages [N]``."""
-
-
-@_register(BATCH_ADVANTAGES, "reinforce_pp")
 def reinforce_pp_advantage(rewards_per_group: list[torch.Tensor]) -> torch.Tensor:
     """REINFORCE++ with a group baseline (Hu et al. 2025): r − mean of its group, then the
     whole batch normalised by the batch's std of those differences (global, not per group)."""
@@ -109,7 +90,7 @@ def reinforce_pp_advantage(rewards_per_group: list[torch.Tensor]) -> torch.Tenso
 
 def advantages(rewards_per_group: Iterable[Any], kind: str) -> torch.Tensor:
     """Per-completion advantages [N] of consecutive groups: each group's from its own rewards
-    (:data:`ADVANTAGES`), or the batch's at once (:data:`BATCH_ADVANTAGES`).
+    (``ADVANTAGES``), or the batch's at once (those registered with ``batch``).
 
     ``rewards_per_group``: one 1-D array or tensor per group (a :class:`ScoredGroup`'s
     ``rewards``), in completion order; ``kind``: a name in either table, or user code.
@@ -118,8 +99,8 @@ def advantages(rewards_per_group: Iterable[Any], kind: str) -> torch.Tensor:
               for r in rewards_per_group]
     if not groups:
         raise ValueError("advantages needs at least one group")
-    if kind in BATCH_ADVANTAGES:
-        out = BATCH_ADVANTAGES[kind](groups)
+    if ADVANTAGES.meta(kind, "batch"):
+        out = ADVANTAGES.get(kind)(groups)
     else:
         fn = resolve(ADVANTAGES, "advantage", kind)
         out = torch.cat([fn(r) for r in groups])
@@ -153,8 +134,7 @@ class LossSettings:
     config's 0 means ``task.max_new_tokens``, see :meth:`from_config`)."""
 
     def __post_init__(self) -> None:
-        if self.advantage not in BATCH_ADVANTAGES:
-            resolve(ADVANTAGES, "advantage", self.advantage)
+        resolve(ADVANTAGES, "advantage", self.advantage)
         resolve(LOSSES, "loss", self.loss)
         if self.is_mode not in IS_MODES:
             raise ValueError(f"is_mode: must be {'|'.join(IS_MODES)}; got {self.is_mode!r}")
@@ -208,14 +188,14 @@ def _diagnostics(prox_logp, behav_logp, mask, weight, s: LossSettings, capped: t
 
 
 def _token_loss(name: str):
-    """Register a per-token loss in :data:`TOKEN_TERMS` and its token mean in :data:`LOSSES`."""
+    """Record a per-token loss in :data:`TOKEN_TERMS` under ``name``; the function is then its token
+    mean, what ``LOSSES`` (pipeline.catalog) names."""
     def deco(terms):
         @functools.wraps(terms)
         def token_mean(logp, prox_logp, behav_logp, adv, mask, s: LossSettings):
             per_token, stats = terms(logp, prox_logp, behav_logp, adv, mask, s)
             return _masked_mean(per_token, mask), stats
         TOKEN_TERMS[name] = terms
-        LOSSES[name] = token_mean
         return token_mean
     return deco
 

@@ -50,8 +50,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline import plugins
 from pipeline.algo.labelmodel import LabelModel
-from pipeline.config import LABEL_MODEL_REWARDS
 from pipeline.tasks.arithmetic import extract_answer
 from pipeline.verifiers.base import KINDS, VERIFIERS
 from pipeline.verifiers.registry import check_spec
@@ -105,6 +105,9 @@ REWARD_MODES: dict[str, RewardFn] = {
     "ground_truth": _ground_truth,
 }
 """Parameterless modes by name; ``single:<verifier>`` is parameterised and handled by ``parse_reward_mode``."""
+
+LABEL_MODEL_REWARDS = ("weaver", "weaver-hard")
+"""Reward modes that aggregate the votes with the label model."""
 
 VOTE_MODES = ("weaver", "weaver-hard", "average")
 """Modes that read every verifier's votes (through the label model, or averaged)."""
@@ -294,6 +297,32 @@ def _weighted(term: str) -> tuple[float, str]:
     return 1.0, term.strip()
 
 
+def reward_terms(spec: str) -> list[str]:
+    """The modes a reward spec combines, each without its weight or argument (``0.2*single:format +
+    weaver|ground_truth`` -> ``["single", "weaver", "ground_truth"]``): the spec's grammar, without
+    checking it (``parse_reward_mode`` does)."""
+    terms = [_weighted(t)[1] for part in spec.split("|") for t in part.split("+")]
+    return [t.partition(":")[0] for t in terms]
+
+
+def uses_label_model(spec: str) -> bool:
+    """Whether a reward spec fits the label model (one of its terms is ``weaver`` or ``weaver-hard``)."""
+    return any(t in LABEL_MODEL_REWARDS for t in reward_terms(spec))
+
+
+def reward_problems(verifier_cfg) -> list[str]:
+    """What is wrong with ``verifier.reward`` in a ``VerifierConfig``, each message naming the field:
+    a spec that does not parse (its plugins imported), or a verifier it reads that is not in
+    ``verifier.verifiers``. The check before launch."""
+    try:
+        mode = parse_reward_mode(verifier_cfg.reward)
+    except ValueError as e:
+        return [f"verifier.reward: {e}"]
+    return [f"verifier.reward: {verifier_cfg.reward!r} must name a verifier of verifier.verifiers "
+            f"{list(verifier_cfg.verifiers)}; add {name!r} to the list or pick another"
+            for name in mode.verifiers if name not in verifier_cfg.verifiers]
+
+
 def parse_reward_mode(spec: str) -> "RewardMode | CombinedReward":
     """Validate a reward spec and return its mode; ValueError lists the allowed specs.
 
@@ -328,8 +357,6 @@ def parse_reward_mode(spec: str) -> "RewardMode | CombinedReward":
             raise ValueError(f"reward mode {spec!r}: {path!r} is not a distilled verifier directory (no config.json); "
                              "build one with `pipeline distill --run <run>`")
         return RewardMode(spec=s, kind="distilled", path=path)
-    from pipeline import plugins
-
     fn = plugins.find("reward", s)
     if fn is not None:
         plugins.require_callable(fn, s, "reward (prompts, completions, reference, **kw) -> list[float]")

@@ -1,4 +1,4 @@
-"""Environments by name: what ``env.kind`` may say.
+"""Environments by name: what ``env.kind`` may say, from ``pipeline.catalog.ENVS``.
 
 ``calculator`` (pipeline.envs.calculator), ``code`` (hidden tests in the code_exec sandbox,
 pipeline.envs.code), ``textarena`` / ``textarena:<game id>`` (a single-player TextArena game,
@@ -6,12 +6,15 @@ pipeline.envs.textarena; the ``textarena`` extra), ``openenv:<url or app>`` (an 
 pipeline.envs.openenv; docs/environments.md), or your own as ``module:function`` /
 ``path/to/file.py:function`` / an ``rlpipe.envs`` entry point (pipeline.plugins): a
 callable taking the run config and returning the factory ``make(task) -> Episode``
-(pipeline.envs.base).
+(pipeline.envs.base). An environment's module is imported only when a run picks it.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from pipeline.catalog import ENVS, env_name
+from pipeline.plugins import PluginError, require_callable
 
 if TYPE_CHECKING:
     from pipeline.config import RunConfig
@@ -23,27 +26,15 @@ def make_env(cfg: RunConfig) -> EnvFactory | None:
     kind = cfg.env.kind
     if not kind:
         return None
-    if kind == "calculator":
-        from pipeline.envs.calculator import calculator
-
-        return calculator(cfg)
-    if kind == "code":
-        from pipeline.envs.code import code
-
-        return code(cfg)
-    if kind == "textarena" or kind.startswith("textarena:"):  # textarena is imported there, only then
-        from pipeline.envs.textarena import textarena
-
-        return textarena(cfg)
-    if kind.startswith("openenv:"):  # OpenEnv servers (pipeline.envs.openenv; openenv-core is imported there)
-        from pipeline.envs.openenv import openenv
-
-        return openenv(cfg)
-    from pipeline.plugins import PluginError, find, require_callable
-
-    obj = find("env", kind)
-    if obj is None:
-        raise PluginError(f"env.kind: unknown environment {kind!r}; allowed: calculator, code, textarena, "
-                          f"textarena:<game id>, openenv:<url or app>, "
-                          f"module:function, path/to/file.py:function, or an rlpipe.envs entry point")
-    return require_callable(obj, kind, "environment")(cfg)
+    try:
+        factory = ENVS.get(env_name(kind))
+    except PluginError:
+        raise
+    except ValueError:
+        known = []
+        for n in ENVS:
+            arg = ENVS.meta(n, "argument")
+            known += ([n] if not arg or ENVS.meta(n, "bare") else []) + ([f"{n}:{arg}"] if arg else [])
+        raise PluginError(f"env.kind: unknown environment {kind!r}; allowed: {', '.join(known)}, module:function, "
+                          "path/to/file.py:function, or an rlpipe.envs entry point") from None
+    return require_callable(factory, kind, "environment")(cfg)

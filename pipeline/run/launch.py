@@ -34,7 +34,8 @@ from pipeline.bus.connection import connect
 from pipeline.bus.server import provision
 from pipeline.bus.stats import queue_depths, read_stats
 from pipeline.bus.streams import ensure_all_groups
-from pipeline.config import RunConfig, to_toml
+from pipeline.config import RunConfig
+from pipeline.config_toml import to_toml
 from pipeline.keys import Keys
 from pipeline.observe.metrics import write_ports
 from pipeline.observe.report import write_report

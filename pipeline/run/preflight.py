@@ -14,8 +14,10 @@ import socket
 import typing
 from pathlib import Path
 
-from pipeline.algo.rewards import parse_reward_mode
-from pipeline.config import Advantage, ConfigError, Loss, RunConfig, Situation, TaskKind, choices, refuse_inert
+from pipeline.algo.rewards import reward_problems
+from pipeline.catalog import component_problems, missing_packages
+from pipeline.config import ConfigError, RunConfig, choices
+from pipeline.inert import Situation, refuse_inert
 from pipeline.consumers.evaluator import set_problems
 from pipeline.consumers.verifier import panel_problems
 from pipeline.engines.titan_arch import checkpoint_problems as titan_problems
@@ -27,7 +29,7 @@ from pipeline.run.base_model import base_problems, builds_base_model, built_base
 from pipeline.run.plan import worker_table
 from pipeline.tasks.prompting import build_prompt, prompt_format
 from pipeline.tasks.reasoning_gym import check_datasets, sample_prompts
-from pipeline.tasks.registry import make_task, task_class
+from pipeline.tasks.registry import make_task
 from pipeline.verifiers.registry import check_spec
 
 
@@ -190,10 +192,9 @@ OPTIONAL_PACKAGES: dict[tuple[str, str], tuple[str, str, str]] = {
                                                     "requirements/gpu.txt"),
     ("trainer.backend", "torchtitan"): ("torchtitan", "torchtitan", "`pip install -r requirements/titan-cpu.txt` "
                                                                     "(CPU) or requirements/gpu.txt"),
-    ("weights.transport", "ucx"): ("ucxx", "ucxx", "the 'ucx' extra: `pip install -e .[ucx]`"),
-    ("weights.transport", "tcp"): ("zmq", "pyzmq", "`pip install pyzmq`"),
 }
-"""(field, value) -> (module it imports, package, how to install it), for the choices that need one."""
+"""(field, value) -> (module it imports, package, how to install it), for the engine backends that
+need one; a weight transport's package is its registry entry's (``catalog.missing_packages``)."""
 
 
 def backend_problems(cfg: RunConfig) -> list[str]:
@@ -204,6 +205,7 @@ def backend_problems(cfg: RunConfig) -> list[str]:
             others = "|".join(x for x in _allowed(name) if x != value)
             problems.append(f"{name}: {value!r} needs {package}, which is not installed in this environment "
                             f"({how}); or choose {others}")
+    problems += missing_packages(cfg)
     if cfg.trainer.lora_rank > 0 and importlib.util.find_spec("peft") is None:
         problems.append("trainer.lora_rank: LoRA needs peft, which is not installed in this environment (the "
                         "'lora' extra: `pip install -e .[lora]`; `make setup` installs it); or set it to 0")
@@ -229,32 +231,8 @@ def registry_problems(cfg: RunConfig) -> list[str]:
             check_spec(spec)
         except ValueError as e:
             problems.append(f"verifier.verifiers: {e}")
-    try:
-        mode = parse_reward_mode(v.reward)
-    except ValueError as e:
-        problems.append(f"verifier.reward: {e}")
-    else:
-        for name in mode.verifiers:
-            if name not in v.verifiers:
-                problems.append(f"verifier.reward: {v.reward!r} must name a verifier of verifier.verifiers "
-                                f"{list(v.verifiers)}; add {name!r} to the list or pick another")
-
-    if cfg.task.kind not in choices(TaskKind):
-        try:
-            task_class(cfg.task.kind)
-        except ValueError as e:
-            problems.append(f"task.kind: {e}".replace("task.kind: task.kind: ", "task.kind: "))
-
-    for name, builtin in (("advantage", Advantage), ("loss", Loss)):
-        spec = getattr(cfg.trainer, name)
-        if spec in choices(builtin):
-            continue  # a built-in: nothing to import (and no torch to load before launch)
-        from pipeline.algo.losses import ADVANTAGES, LOSSES, resolve  # torch: for user code alone
-
-        try:
-            resolve(ADVANTAGES if name == "advantage" else LOSSES, name, spec)
-        except ValueError as e:
-            problems.append(f"trainer.{name}: {e}")
+    problems += reward_problems(v)
+    problems += component_problems(cfg)
     if cfg.env.kind:  # the environment's factory is built as every generator builds it
         try:
             make_env(cfg)

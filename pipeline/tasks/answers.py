@@ -24,7 +24,7 @@ import functools
 import re
 from collections.abc import Callable
 
-from pipeline.config import answer_extract_problem
+from pipeline.catalog import answer_extract_problem
 
 _NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+")
 

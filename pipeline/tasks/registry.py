@@ -1,4 +1,4 @@
-"""Tasks by name: ``task.kind`` picks one.
+"""Tasks by name: ``task.kind`` picks one from ``pipeline.catalog.TASKS``.
 
 ``arithmetic``  the embedded task (``pipeline.tasks.arithmetic``): generated fixed-width
                 integer problems, an endless training stream that never repeats a held-out one.
@@ -11,44 +11,37 @@
                 code passes every hidden test in the code_exec sandbox.
 
 A task kind is one class with the ``Task`` contract (``pipeline.tasks.base``) and one
-line in ``TASKS``.
+``TASKS.register`` line in ``pipeline.catalog`` (with the checks of the fields it reads and
+the fields it leaves without effect).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from collections.abc import Callable
-
-from pipeline.tasks.arithmetic import ArithmeticTask
+from pipeline import plugins
+from pipeline.catalog import TASKS
 from pipeline.tasks.base import Item, Task
-from pipeline.tasks.code import CodeTask
-from pipeline.tasks.math import MathTask
-from pipeline.tasks.reasoning_gym import ReasoningGymTask
 
 if TYPE_CHECKING:
     from pipeline.config import TaskConfig
-
-TASKS: dict[str, Callable[[TaskConfig], Task]] = {"arithmetic": ArithmeticTask, "math": MathTask,
-                                                  "reasoning_gym": ReasoningGymTask, "code": CodeTask}
-"""Task kinds by ``task.kind``."""
 
 __all__ = ["TASKS", "Item", "Task", "make_task"]
 
 
 def make_task(cfg: TaskConfig) -> Task:
     """The task ``cfg.kind`` names."""
-    kind = TASKS.get(cfg.kind) or task_class(cfg.kind)
-    return kind(cfg)
+    return task_class(cfg.kind)(cfg)
 
 
 def task_class(spec: str):
-    """A task kind of the user's: ``module:Class``, ``path/to/file.py:Class`` or a name in the
-    ``rlpipe.tasks`` entry-point group (``pipeline.plugins``), built as ``Class(task_config)``."""
-    from pipeline import plugins
-
-    found = plugins.find("task", spec)
-    if found is None:
-        raise ValueError(f"task.kind: unknown task {spec!r}; allowed: {sorted(TASKS)}, or your own as module:Class, "
-                         "path/to/file.py:Class or a name in the 'rlpipe.tasks' entry-point group")
+    """The class of a task kind: a registered one, or the user's ``module:Class``,
+    ``path/to/file.py:Class`` or a name in the ``rlpipe.tasks`` entry-point group
+    (``pipeline.plugins``), built as ``Class(task_config)``."""
+    try:
+        found = TASKS.get(spec)
+    except plugins.PluginError:
+        raise
+    except ValueError as e:
+        raise ValueError(f"task.kind: {e}") from None
     return plugins.require_callable(found, spec, "task (TaskConfig) -> Task")

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pipeline import plugins
 from pipeline.config import DEFAULT_VERIFIERS  # noqa: F401  the ensemble unless configured otherwise
 # The built-in verifiers register themselves on import.
 from pipeline.verifiers import arithmetic as _arithmetic  # noqa: F401
@@ -65,8 +66,6 @@ def check_spec(spec: str) -> None:
     name, sep, arg = spec.partition(":")
     kind = KINDS.get(name)
     if kind is None:
-        from pipeline import plugins
-
         found = plugins.find("verifier", spec)  # module:attr, file.py:attr, or an entry point
         if found is not None:
             plugins.require_callable(found, spec, "verifier (prompt, completions) -> scores [G]")
@@ -99,8 +98,6 @@ def resolve(spec: str) -> Verifier:
         if spec not in _BUILT:
             name, _, arg = spec.partition(":")
             if name not in KINDS:
-                from pipeline import plugins
-
                 _BUILT[spec] = plugins.find("verifier", spec)
             else:
                 module = importlib.import_module(KINDS[name].module)

@@ -27,9 +27,11 @@ one atomic HSET announces it, and a version's announcement is deleted before its
 payload is. A reader that loses a race (its version dropped mid-transfer) gets a
 ``WeightsError`` and retries with the newest version; it never gets bad tensors.
 
-Transports are picked by name in one factory (``make_publisher``/``make_fetcher``);
-adding one means subclassing ``WeightPublisher`` (``_allocate``, ``_store``, ``_retain``,
-``_shutdown``) and ``WeightFetcher`` (``_transfer``) and naming it in ``TRANSPORTS``.
+Transports are picked by name from the ``TRANSPORTS`` registry (``pipeline.catalog``) by
+``make_publisher``/``make_fetcher``; adding one means subclassing ``WeightPublisher``
+(``_allocate``, ``_store``, ``_retain``, ``_shutdown``) and ``WeightFetcher`` (``_transfer``) in
+a module of its own and one ``TRANSPORTS.register`` line naming the pair. A transport's
+module is imported only when a run picks it (choosing shm or tcp never imports ucxx).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import redis
 
+from pipeline.catalog import TRANSPORTS
 from pipeline.weights.announce import Announcer, WeightWatch
 from pipeline.weights.manifest import (
     DEFAULT_BUCKET_BYTES,
@@ -75,8 +78,6 @@ __all__ = [
     "publisher_options",
 ]
 
-TRANSPORTS = ("shm", "tcp", "ucx")
-"""Transport names ``make_publisher``/``make_fetcher`` accept."""
 
 _VERSION_FIELD = "version"
 _MANIFEST_FIELD = "manifest"
@@ -345,44 +346,25 @@ def host_buffer(nbytes: int) -> np.ndarray:
     return np.empty(nbytes, dtype=np.uint8)
 
 
+def _transport(transport: str) -> tuple[type[WeightPublisher], type[WeightFetcher]]:
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown weights transport {transport!r}; allowed: {', '.join(TRANSPORTS)}")
+    return TRANSPORTS.get(transport)
+
+
 def make_publisher(
     transport: str, redis_client: redis.Redis, key: str, *, ns: str, **opts: Any
 ) -> WeightPublisher:
-    """Publisher for ``transport`` (one of ``TRANSPORTS``); ``opts`` go to its constructor.
+    """Publisher for ``transport`` (a name in ``TRANSPORTS``); ``opts`` go to its constructor.
 
     ``ns`` (the run id) scopes transport resources, e.g. the shm directory.
     """
-    # Imports are local so that choosing shm or tcp never imports ucxx.
-    if transport == "shm":
-        from pipeline.weights.shm import ShmPublisher
-
-        return ShmPublisher(redis_client, key, ns=ns, **opts)
-    if transport == "tcp":
-        from pipeline.weights.tcp import TcpPublisher
-
-        return TcpPublisher(redis_client, key, ns=ns, **opts)
-    if transport == "ucx":
-        from pipeline.weights.ucx import UcxPublisher
-
-        return UcxPublisher(redis_client, key, ns=ns, **opts)
-    raise ValueError(f"unknown weights transport {transport!r}; allowed: {', '.join(TRANSPORTS)}")
+    return _transport(transport)[0](redis_client, key, ns=ns, **opts)
 
 
 def make_fetcher(transport: str, redis_client: redis.Redis, key: str, **opts: Any) -> WeightFetcher:
-    """Fetcher for ``transport`` (one of ``TRANSPORTS``); ``opts`` go to its constructor."""
-    if transport == "shm":
-        from pipeline.weights.shm import ShmFetcher
-
-        return ShmFetcher(redis_client, key, **opts)
-    if transport == "tcp":
-        from pipeline.weights.tcp import TcpFetcher
-
-        return TcpFetcher(redis_client, key, **opts)
-    if transport == "ucx":
-        from pipeline.weights.ucx import UcxFetcher
-
-        return UcxFetcher(redis_client, key, **opts)
-    raise ValueError(f"unknown weights transport {transport!r}; allowed: {', '.join(TRANSPORTS)}")
+    """Fetcher for ``transport`` (a name in ``TRANSPORTS``); ``opts`` go to its constructor."""
+    return _transport(transport)[1](redis_client, key, **opts)
 
 
 def publisher_options(weights_cfg: Any) -> dict[str, Any]:
@@ -391,7 +373,7 @@ def publisher_options(weights_cfg: Any) -> dict[str, Any]:
     advertise = weights_cfg.advertise_host or None
     opts: dict[str, Any] = {"announce_host": weights_cfg.tcp_host, "announce_port": weights_cfg.announce_port,
                             "announce_advertise_host": advertise}
-    if weights_cfg.transport in ("tcp", "ucx"):
+    if TRANSPORTS.meta(weights_cfg.transport, "socket"):
         opts.update(host=weights_cfg.tcp_host, port=weights_cfg.tcp_port, advertise_host=advertise)
     if weights_cfg.transport == "ucx" and weights_cfg.ucx_tls:
         opts["tls"] = weights_cfg.ucx_tls
@@ -401,7 +383,7 @@ def publisher_options(weights_cfg: Any) -> dict[str, Any]:
 def fetcher_options(weights_cfg: Any) -> dict[str, Any]:
     """``make_fetcher`` options from a ``WeightsConfig``."""
     opts: dict[str, Any] = {}
-    if weights_cfg.transport in ("tcp", "ucx"):
+    if TRANSPORTS.meta(weights_cfg.transport, "socket"):
         opts["timeout_s"] = weights_cfg.fetch_timeout_s
     if weights_cfg.transport == "ucx" and weights_cfg.ucx_tls:
         opts["tls"] = weights_cfg.ucx_tls

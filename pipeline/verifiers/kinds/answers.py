@@ -30,7 +30,7 @@ CHECKS = ("self_consistency", "states_answer", "answer_only")
 
 def check_arg(arg: str | None) -> None:
     """The spec check: a valid ``task.answer_extract`` spec (touches no file)."""
-    from pipeline.config import answer_extract_problem
+    from pipeline.catalog import answer_extract_problem
 
     if arg and (why := answer_extract_problem(arg)) is not None:
         raise ValueError(f"the answer extraction must be {why}; got {arg!r}")
