@@ -32,7 +32,10 @@ from pipeline.run.plan import log_file, worker_table
 from pipeline.run.preflight import check_run, preflight
 
 ROOT = Path(__file__).resolve().parents[1]
-REFUSE_WITHIN_S = 2.0
+REFUSE_WITHIN_S = 10.0
+"""A refusal comes before anything slow starts (the server, a base model, the workers): well under
+the time a run takes to start, with room for a loaded host. The checks after it prove that nothing
+started."""
 
 
 def _args(tmp_path: Path, base: Path, *extra: str, command: str = "up") -> list[str]:
