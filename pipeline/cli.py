@@ -182,7 +182,7 @@ def _distill(args: argparse.Namespace, cfg: RunConfig) -> int:
 
 
 def _eval(args: argparse.Namespace, cfg: RunConfig) -> int:
-    from pipeline.run.evaluate import run_eval
+    from pipeline.observe.evaluate import run_eval
     from pipeline.run.launch import resolve_base_dir
 
     try:
@@ -351,7 +351,7 @@ def _distill_args(sp: argparse.ArgumentParser) -> None:
 
 
 def _eval_args(sp: argparse.ArgumentParser) -> None:
-    from pipeline.run.evaluate import DEFAULT_BATCH_SIZE, DEFAULT_KS, DEFAULT_N
+    from pipeline.observe.evaluate import DEFAULT_BATCH_SIZE, DEFAULT_KS, DEFAULT_N
 
     sp.add_argument("--checkpoint", metavar="DIR", default="",
                     help="HF checkpoint directory (runs/<id>/checkpoints/final, artifacts/base-model) or a trainer "

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from pipeline.config import documented_toml, load_config
-from pipeline.run.evaluate import (check_settings, checkpoint_kind, evaluate, limit_items, parse_ks, pass_at_k,
+from pipeline.observe.evaluate import (check_settings, checkpoint_kind, evaluate, limit_items, parse_ks, pass_at_k,
                                    run_of)
 from pipeline.tasks.base import Item
 

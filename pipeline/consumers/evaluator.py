@@ -6,7 +6,7 @@ checks; with ``weights.payload = "adapter"`` it merges the adapters onto its bas
 evaluates the first version it finds, then the newest one once it is at least
 ``eval.every_versions`` past the last it evaluated: versions in between are skipped, so it
 never falls behind by more than one evaluation however slow it is. Each evaluation is
-``pipeline.run.evaluate.evaluate_model`` (what ``pipeline eval`` runs on a checkpoint) on
+``pipeline.observe.evaluate.evaluate_model`` (what ``pipeline eval`` runs on a checkpoint) on
 ``eval.max_prompts`` prompts of the task's held-out set, never a training item: greedy
 accuracy, pass@k for each of ``eval.ks`` from ``eval.n`` samples at ``eval.temperature``
 (seeded by ``eval.seed``, the same for every version), mean@n, and the same per source of a
@@ -141,7 +141,7 @@ class Evaluator:
 
     def evaluate(self, version: int) -> list[dict[str, Any]]:
         """One row per eval set (``heldout`` first), each appended to the results file."""
-        from pipeline.run.evaluate import evaluate_model
+        from pipeline.observe.evaluate import evaluate_model
 
         e = self.cfg.eval
         rows = []

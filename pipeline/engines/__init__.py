@@ -118,7 +118,7 @@ class TrainEngine(Protocol):
     def play(self, prompts: list[np.ndarray], references: list[str], factory, *, max_turns: int,
              max_new_tokens: int, texts: list[str] | None = None) -> list:
         """The held-out prompts as greedy episodes through ``factory``'s environment, one
-        ``pipeline.envs.evaluate.Played`` each (a run with ``env.kind``)."""
+        ``pipeline.engines.episodes.Played`` each (a run with ``env.kind``)."""
         ...
 
     def save_state(self, directory: Path) -> dict:

@@ -34,7 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pipeline.config import TrainerConfig
-from pipeline.run import checkpoint
+from pipeline.engines.torch_state import optimizer_tensors, restore_optimizer
 
 ADAPTER = "default"
 """The one adapter's name inside PEFT's layers."""
@@ -188,7 +188,7 @@ class LoraState:
         ``directory``; returns the JSON extras (optimizer param groups, LoRA settings, base files)."""
         save_file({k: v.to("cpu", copy=True).contiguous() for k, v in self.adapter_tensors().items()},
                   str(directory / ADAPTER_FILE))
-        opt_tensors, groups = checkpoint._optimizer_tensors(opt)
+        opt_tensors, groups = optimizer_tensors(opt)
         opt_tensors["rng.torch"] = torch.get_rng_state()
         save_file(opt_tensors, str(directory / OPTIMIZER_FILE))
         return {"param_groups": groups, "lora": self.settings, "lora_base": base_fingerprint(self.base_dir)}
@@ -212,7 +212,7 @@ class LoraState:
             for name, p in params.items():
                 p.copy_(tensors[name])
         opt_tensors = load_file(str(directory / OPTIMIZER_FILE))
-        checkpoint._restore_optimizer(opt, opt_tensors, extras["param_groups"])
+        restore_optimizer(opt, opt_tensors, extras["param_groups"])
         torch.set_rng_state(opt_tensors["rng.torch"])
 
 

@@ -536,7 +536,7 @@ class TitanEngine:
 
     def play(self, prompts: list[np.ndarray], references: list[str], factory, *, max_turns: int,
              max_new_tokens: int, texts: list[str] | None = None) -> list:
-        from pipeline.envs.evaluate import play
+        from pipeline.engines.episodes import play
 
         self._driver("greedy")
         return play(self._local_model(), self.tokenizer, prompts, references, factory, max_turns=max_turns,

@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.run import checkpoint
 from pipeline.engines import Sampled
 from pipeline.engines.slots import SlotSampler
+from pipeline.engines.torch_state import read_torch_state, write_torch_state
 from pipeline.config import RunConfig
 from pipeline.algo.losses import LossSettings, advantages, objective, overlong_penalty, sequence_count, truncated
 from pipeline.model.qwen import (load_checkpoint, load_state_tensors, ragged_completion_logprobs, sample,
@@ -345,8 +345,8 @@ class TorchEngine:
 
     def play(self, prompts: list[np.ndarray], references: list[str], factory, *, max_turns: int,
              max_new_tokens: int, texts: list[str] | None = None) -> list:
-        """Greedy held-out episodes through ``factory``'s environment (pipeline.envs.evaluate)."""
-        from pipeline.envs.evaluate import play
+        """Greedy held-out episodes through ``factory``'s environment (pipeline.engines.episodes)."""
+        from pipeline.engines.episodes import play
 
         return play(self.model, self.tokenizer, prompts, references, factory, max_turns=max_turns,
                     max_new_tokens=max_new_tokens, texts=texts)
@@ -354,7 +354,7 @@ class TorchEngine:
     def save_state(self, directory: Path) -> dict:
         if self.lora is not None:
             return {"sched": self.sched.state_dict(), **self.lora.save(directory, self.opt)}
-        groups = checkpoint.write_torch_state(directory, self.model, self.opt)
+        groups = write_torch_state(directory, self.model, self.opt)
         return {"sched": self.sched.state_dict(), "param_groups": groups}
 
     def load_state(self, directory: Path, extras: dict) -> None:
@@ -365,7 +365,7 @@ class TorchEngine:
                              f"({extras['lora']}) and this config trains every weight (lora_rank 0); "
                              "a checkpoint resumes only under the settings that wrote it")
         else:
-            checkpoint.read_torch_state(directory, self.model, self.opt, extras["param_groups"])
+            read_torch_state(directory, self.model, self.opt, extras["param_groups"])
         self.sched.load_state_dict(extras["sched"])
 
     def export_hf(self, directory: Path) -> None:

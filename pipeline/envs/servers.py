@@ -10,7 +10,7 @@ parent-death signal is tied to a thread that lives as long as the pool.
 
 Given a ``record_dir`` (a generator's pool: ``<run_dir>/env-servers/``), the pool keeps a small
 JSON file there, ``<pid>-<n>.json``, naming its own pid and every server's pid, each with its
-start time (``pipeline.run.procs``), port and whether it is up, and the restart count. It is
+start time (``pipeline.common.procs``), port and whether it is up, and the restart count. It is
 rewritten atomically whenever a server starts, comes up or exits, and removed when the pool
 closes; a pool's first write removes the records of pools whose process is gone. ``pipeline inject`` (chaos kind ``env``) reads it to find a server to kill; the start
 times make sure a restarted server is never hit by a fault meant for its predecessor.
@@ -153,7 +153,7 @@ class Record:
     def write(self, pool: "ServerPool") -> None:
         if self.path is None:
             return
-        from pipeline.run.procs import proc_start_time
+        from pipeline.common.procs import proc_start_time
 
         me = os.getpid()
         starts = {str(me): proc_start_time(me)}
@@ -203,7 +203,7 @@ class Record:
 def prune_records(directory: Path) -> None:
     """Remove the records in ``directory`` of pools whose process is gone (a SIGKILLed
     generator cannot remove its own)."""
-    from pipeline.run.procs import recorded_identity
+    from pipeline.common.procs import recorded_identity
 
     for f in Path(directory).glob("*.json"):
         try:

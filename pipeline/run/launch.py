@@ -54,7 +54,7 @@ from pipeline.config import (DEFAULT_BASE_DIR, ConfigError, RunConfig, Situation
                              to_toml)
 from pipeline.model.recipe import (RECIPE_FILE, SHIPPED, differences, heldout_sets, leaked, read_recipe, recipe,
                                    recipe_dir, shipped_recipe)
-from pipeline.run.procs import EXIT_ENTRIES_FAILED, proc_start_time, recorded_identity, send_signal, signal_recorded, \
+from pipeline.common.procs import EXIT_ENTRIES_FAILED, proc_start_time, recorded_identity, send_signal, signal_recorded, \
     wait_gone
 
 RESTART_BUDGET_WINDOW_S = 3600.0
