@@ -25,6 +25,7 @@ Heavy engines are imported only when chosen, so the default install never needs 
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -147,8 +148,6 @@ class Engine:
     """What to install when its import fails."""
 
     def load(self, field: str, kind: str):
-        import importlib
-
         try:
             return getattr(importlib.import_module(self.module), self.name)
         except ImportError as e:

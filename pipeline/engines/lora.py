@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 
 from pipeline.config import TrainerConfig
 from pipeline.engines.torch_state import optimizer_tensors, restore_optimizer
+from pipeline.model.qwen import safetensors_files
 
 ADAPTER = "default"
 """The one adapter's name inside PEFT's layers."""
@@ -64,8 +65,6 @@ def _matches(module_name: str, target: str) -> bool:
 
 def base_fingerprint(base_dir: str | Path) -> dict[str, int]:
     """The base checkpoint's weight files and their sizes: adapters resume only on the base they trained on."""
-    from pipeline.model.qwen import safetensors_files
-
     return {f.name: f.stat().st_size for f in safetensors_files(base_dir)}
 
 

@@ -43,6 +43,7 @@ CUDA it is NCCL.
 from __future__ import annotations
 
 import datetime
+import importlib
 import json
 import os
 import signal
@@ -54,12 +55,17 @@ import msgpack
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 from pipeline.config import RunConfig
 from pipeline.engines.titan_arch import (  # noqa: F401  re-exported
     ARCHES, COMMON_REQUIRED, LLAMA3_ROPE_FIELDS, TitanArch, checkpoint_problems, rope_parameters)
 from pipeline.algo.losses import LossSettings, advantages, objective
-from pipeline.model.qwen import safetensors_files, token_logprobs
+from pipeline.engines.episodes import play
+from pipeline.engines.sharded_ckpt import load_sharded, save_sharded
+from pipeline.engines.torch import greedy_decode, warmup_schedule
+from pipeline.model.qwen import load_checkpoint, load_state_tensors, safetensors_files, save_checkpoint, token_logprobs
+from pipeline.model.tokenizer import load_tokenizer
 from pipeline.records import ScoredGroup
 
 OP_TRAIN, OP_LR_STEP, OP_WEIGHTS, OP_SAVE, OP_LOAD, OP_STOP = 1, 2, 3, 4, 5, 6
@@ -110,8 +116,6 @@ def _rope_config(cfg: dict, arch: TitanArch, head_dim: int):
 def titan_model_config(cfg: dict):
     """torchtitan's model config for an HF ``config.json`` that :func:`checkpoint_problems` accepts:
     the ``ARCHES`` entry of its ``model_type``, dense, SDPA attention, separate q/k/v projections."""
-    import importlib
-
     from torchtitan.models.common import Embedding, Linear
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
@@ -153,8 +157,6 @@ def titan_model_config(cfg: dict):
 
 def read_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
     """Every tensor of an HF checkpoint directory (``model.safetensors`` or its sharded index)."""
-    from safetensors.torch import load_file
-
     files = safetensors_files(directory)
     out: dict[str, torch.Tensor] = {}
     for f in files:
@@ -165,8 +167,6 @@ def read_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
 def build_titan_model(base_dir: Path):
     """(model, model config, state-dict adapter): the torchtitan model of the checkpoint's
     ``model_type`` (``ARCHES``) with its weights, float32."""
-    import importlib
-
     cfg = _hf_config(base_dir)
     arch = ARCHES[cfg["model_type"]]
     mcfg = titan_model_config(cfg)
@@ -266,9 +266,6 @@ class TitanEngine:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule
         from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
-
-        from pipeline.engines.torch import warmup_schedule
-        from pipeline.model.tokenizer import load_tokenizer
 
         t = cfg.trainer
         self.cfg = cfg
@@ -455,16 +452,12 @@ class TitanEngine:
         return state
 
     def _save(self, directory: Path) -> None:
-        from pipeline.engines.sharded_ckpt import save_sharded
-
         # Every rank writes its own rows as safetensors (pipeline.engines.sharded_ckpt).
         save_sharded(directory / SHARDS_DIR, self._tensor_state(), rank=self.rank, world=self.world)
         torch.distributed.barrier()
 
     def _load(self, directory: Path, sched: dict, lrs: list[float] | None = None) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-
-        from pipeline.engines.sharded_ckpt import load_sharded
 
         flat = StateDictOptions(flatten_optimizer_state_dict=True)
         # The hyper-parameter entries (param_groups.<fqn>.lr, betas, ...) as they are now.
@@ -518,8 +511,6 @@ class TitanEngine:
 
     def _local_model(self):
         """A plain ``transformers`` copy of the current weights on rank 0, for decoding and export."""
-        from pipeline.model.qwen import load_checkpoint, load_state_tensors
-
         weights = self.weights()
         if self._local is None:
             self._local = load_checkpoint(self.base_dir)[0].eval()
@@ -529,15 +520,11 @@ class TitanEngine:
         return self._local
 
     def greedy(self, prompts: list[np.ndarray], *, max_new_tokens: int) -> list[str]:
-        from pipeline.engines.torch import greedy_decode
-
         self._driver("greedy")
         return greedy_decode(self._local_model(), self.tokenizer, prompts, max_new_tokens=max_new_tokens)
 
     def play(self, prompts: list[np.ndarray], references: list[str], factory, *, max_turns: int,
              max_new_tokens: int, texts: list[str] | None = None) -> list:
-        from pipeline.engines.episodes import play
-
         self._driver("greedy")
         return play(self._local_model(), self.tokenizer, prompts, references, factory, max_turns=max_turns,
                     max_new_tokens=max_new_tokens, texts=texts)
@@ -562,8 +549,6 @@ class TitanEngine:
         self._busy = False
 
     def export_hf(self, directory: Path) -> None:
-        from pipeline.model.qwen import save_checkpoint
-
         self._driver("export_hf")
         save_checkpoint(self._local_model(), self.tokenizer, directory, tokenizer_dir=self.base_dir)
 

@@ -24,6 +24,8 @@ from pipeline.engines.slots import SlotSampler
 from pipeline.engines.torch_state import read_torch_state, write_torch_state
 from pipeline.config import RunConfig
 from pipeline.algo.losses import LossSettings, advantages, objective, overlong_penalty, sequence_count, truncated
+from pipeline.engines.episodes import play
+from pipeline.engines.lora import AdapterMerger, LoraState
 from pipeline.model.qwen import (load_checkpoint, load_state_tensors, ragged_completion_logprobs, sample,
                                  save_checkpoint)
 from pipeline.records import ScoredGroup
@@ -89,8 +91,6 @@ class TorchGenerator:
         self.model.to(self.device).eval()
         self.adapters = None
         if cfg.weights.payload == "adapter":  # versions carry LoRA adapters: merged here, onto the base
-            from pipeline.engines.lora import AdapterMerger
-
             self.adapters = AdapterMerger.of_model(self.model, cfg.trainer.lora_alpha / cfg.trainer.lora_rank)
         self.vocab_size = int(self.model.config.vocab_size)
         self.rng = torch.Generator(self.device).manual_seed(g.seed * 1_000_003 + zlib.crc32(worker_id.encode()))
@@ -305,8 +305,6 @@ class TorchEngine:
         self.vocab_size = int(self.model.config.vocab_size)
         self.lora = None
         if t.lora_rank > 0:
-            from pipeline.engines.lora import LoraState
-
             self.lora = LoraState(self.model, t, base_dir=cfg.model.base_dir)
             self.ref_model = self.lora.base_view() if t.kl_coef > 0 else None
             params = [p for p in self.model.parameters() if p.requires_grad]
@@ -346,8 +344,6 @@ class TorchEngine:
     def play(self, prompts: list[np.ndarray], references: list[str], factory, *, max_turns: int,
              max_new_tokens: int, texts: list[str] | None = None) -> list:
         """Greedy held-out episodes through ``factory``'s environment (pipeline.engines.episodes)."""
-        from pipeline.engines.episodes import play
-
         return play(self.model, self.tokenizer, prompts, references, factory, max_turns=max_turns,
                     max_new_tokens=max_new_tokens, texts=texts)
 

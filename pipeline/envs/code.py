@@ -24,6 +24,7 @@ is empty: the prompt states the problem.
 from __future__ import annotations
 
 import re
+import signal
 
 from pipeline.common.sandbox import SandboxLimits, extract_code, run_tests
 from pipeline.envs.base import EnvError, Step
@@ -78,8 +79,6 @@ def feedback(tests: list[str], result, wall_s: float) -> str:
     else:  # killed before the harness reported: the CPU or memory limit, or the process ended itself
         how = f"exit status {result.returncode}"
         if result.returncode < 0:
-            import signal
-
             try:
                 name = signal.Signals(-result.returncode).name
             except ValueError:

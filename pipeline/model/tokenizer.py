@@ -156,10 +156,8 @@ class HFTokenizer:
     """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
-        from tokenizers import Tokenizer as _Tokenizer
-
         d = Path(directory)
-        self._tok = _Tokenizer.from_file(str(d / "tokenizer.json"))
+        self._tok = HFTokenizerFile.from_file(str(d / "tokenizer.json"))
         tc = read_json(d / "tokenizer_config.json")
         eos = self._id_of(token_name(tc.get("eos_token")))
         if eos is None:

@@ -59,9 +59,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.bus.connection import connect
 from pipeline.config import ChaosConfig, RunConfig, load_config
 from pipeline.envs.servers import read_records
 from pipeline.common.procs import recorded_identity, send_signal
+from pipeline.keys import Keys
 
 STAGE_OF = {"gen": "generator", "ver": "verifier", "trainer": "trainer", "feeder": "feeder", "eval": "evaluator"}
 
@@ -198,9 +200,6 @@ class Injector:
 
     def version(self) -> int:
         """The trainer's policy version, from the server; the last one read while it is down."""
-        from pipeline.bus.connection import connect
-        from pipeline.keys import Keys
-
         try:
             if self._r is None:
                 self._r = connect(self.info["url"], name=f"{self.info['run_id']}:inject", retries=0,

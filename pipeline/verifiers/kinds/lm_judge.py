@@ -98,6 +98,8 @@ from typing import Protocol
 
 import numpy as np
 
+from pipeline.model.tokenizer import is_char_tokenizer
+from pipeline.tasks.math import boxed_answer
 from pipeline.verifiers.judge_client import JudgeClient, check_endpoint
 from pipeline.verifiers.judge_styles import (  # noqa: F401  re-exported: the styles are part of the kind
     KINDS, PLACEHOLDERS, STYLES, Style, check_style, get_style, is_style_file, make_style, style_file)
@@ -266,8 +268,6 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
 def final_answer(completion: str) -> str | None:
     r"""The completion's final answer for the ``compare`` style: the last ``\boxed{}``, else the
     last number in it; None when it states neither."""
-    from pipeline.tasks.math import boxed_answer
-
     boxed = boxed_answer(completion)
     if boxed is not None:
         return boxed
@@ -594,8 +594,6 @@ _ENGINES_LOCK = threading.Lock()
 def engine(directory: str | Path) -> ChatJudge | TorchCharBackend:
     """The process's judge for a checkpoint directory, loaded on first use and shared by every
     spec that names it: a ``TorchCharBackend`` for a character policy, else a ``ChatJudge``."""
-    from pipeline.model.tokenizer import is_char_tokenizer
-
     d = Path(directory)
     key = str(d.resolve())
     with _ENGINES_LOCK:
@@ -626,8 +624,6 @@ def build(arg: str | None, *, backend: JudgeBackend | None = None) -> object:
     if backend is not None:
         return lambda prompt, completions: judge(backend, prompt, completions)
     if is_endpoint(target):
-        from pipeline.verifiers.judge_client import JudgeClient
-
         client = JudgeClient(target)
 
         def lm_judge_remote(prompt: str, completions: Sequence[str]) -> np.ndarray:
