@@ -47,7 +47,6 @@ import importlib
 import json
 import os
 import signal
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -56,6 +55,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+from torchtitan.distributed.utils import clip_grad_norm_
+from torchtitan.models.common import Embedding, Linear, rope as titan_rope
+from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
+from torchtitan.models.common.nn_modules import RMSNorm
 
 from pipeline.config import RunConfig
 from pipeline.engines.titan_arch import (  # noqa: F401  re-exported
@@ -96,8 +105,6 @@ def _hf_config(directory: Path) -> dict:
 def _rope_config(cfg: dict, arch: TitanArch, head_dim: int):
     """The RoPE config of ``arch``'s layout with the checkpoint's theta and scaling (the
     frequencies transformers' ``default`` / ``llama3`` initialisers compute)."""
-    from torchtitan.models.common import rope as titan_rope
-
     rope = rope_parameters(cfg)
     kw = {}
     if rope["rope_type"] == "llama3":
@@ -116,11 +123,6 @@ def _rope_config(cfg: dict, arch: TitanArch, head_dim: int):
 def titan_model_config(cfg: dict):
     """torchtitan's model config for an HF ``config.json`` that :func:`checkpoint_problems` accepts:
     the ``ARCHES`` entry of its ``model_type``, dense, SDPA attention, separate q/k/v projections."""
-    from torchtitan.models.common import Embedding, Linear
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
-    from torchtitan.models.common.nn_modules import RMSNorm
-
     arch = ARCHES[cfg["model_type"]]
     package = importlib.import_module(f"torchtitan.models.{arch.package}")
     model_cls, block_cls = getattr(package, arch.model), getattr(package, arch.block)
@@ -263,10 +265,6 @@ class TitanEngine:
     """
 
     def __init__(self, cfg: RunConfig) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import FSDPModule
-        from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
-
         t = cfg.trainer
         self.cfg = cfg
         self.base_dir = Path(cfg.model.base_dir)
@@ -402,7 +400,6 @@ class TitanEngine:
                                 tokens=global_tokens)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        from torchtitan.distributed.utils import clip_grad_norm_
         grad_norm = clip_grad_norm_(list(self.model.parameters()), t.grad_clip)
         self.opt.step()
         self.model.eval()
@@ -418,8 +415,6 @@ class TitanEngine:
         return {"loss": stats["loss"], "grad_norm": float(grad_norm), **stats}
 
     def _gather(self) -> dict[str, torch.Tensor] | None:
-        from torch.distributed.tensor import DTensor
-
         full = {}
         for name, value in self.model.state_dict().items():
             if name in self.aliases:
@@ -441,8 +436,6 @@ class TitanEngine:
         ``optim.state.<fqn>.<exp_avg|exp_avg_sq|step>`` and ``rng``. The optimizer's
         hyper-parameters are not tensors; they come from the config, the learning rate from
         the schedule state in ``state.json``."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
         msd, osd = get_state_dict(self.model, self.opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
         # A tied head is the embedding's tensor under a second name: stored once (safetensors
         # refuses two names for one tensor), re-aliased on load. The optimizer state names it once.
@@ -457,8 +450,6 @@ class TitanEngine:
         torch.distributed.barrier()
 
     def _load(self, directory: Path, sched: dict, lrs: list[float] | None = None) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-
         flat = StateDictOptions(flatten_optimizer_state_dict=True)
         # The hyper-parameter entries (param_groups.<fqn>.lr, betas, ...) as they are now.
         hyper = {k: v for k, v in get_state_dict(self.model, self.opt, options=flat)[1].items()
