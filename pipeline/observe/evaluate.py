@@ -37,17 +37,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-
 import structlog
-
 from rich.console import Console
-
 from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
 
 from pipeline.observe.logs import setup_logging
-
 from pipeline.tasks.prompting import build_prompt, prompt_format
-
 from pipeline.tasks.registry import make_task
 
 if TYPE_CHECKING:
