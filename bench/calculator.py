@@ -11,7 +11,7 @@ Then, once per seed, `pipeline up` trains it with the calculator environment
 (``env.kind = "calculator"``) and the environment's reward (1 when the final answer is
 right), the seed set in ``trainer.seed``, ``feeder.seed`` and ``generator.seed``. The
 trainer evaluates the held-out problems as greedy episodes through the calculator
-(pipeline.envs.evaluate): ``heldout_accuracy`` is task success, ``heldout_tool_call_rate``
+(pipeline.engines.episodes): ``heldout_accuracy`` is task success, ``heldout_tool_call_rate``
 the share of episodes with a call. The base is also measured unaided (single-turn greedy
 answers, no tool).
 
@@ -78,7 +78,7 @@ def measure_base(base: Path, *, heldout_size: int) -> dict:
 
     from pipeline.engines.torch import greedy_decode
     from pipeline.envs.calculator import calculator
-    from pipeline.envs.evaluate import play, summarise
+    from pipeline.engines.episodes import play, summarise
     from pipeline.model.qwen import load_checkpoint
     from pipeline.tasks.arithmetic import ArithmeticTask
 

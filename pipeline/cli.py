@@ -35,11 +35,44 @@ import json
 import os
 import signal
 import sys
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.config import ConfigError, RunConfig, load_config
+import redis
+
+from pipeline.bus.connection import connect
+from pipeline.bus.flow import request_local_stop
+from pipeline.bus.stats import queue_depths, read_stats
+from pipeline.config import ConfigError, RunConfig, field_names, load_config
+from pipeline.config_toml import documented_toml
+from pipeline.consumers.evaluator import run_evaluator
+from pipeline.consumers.verifier import run_verifier
+from pipeline.keys import Keys
+from pipeline.model.init_model import corpus, init_model, synthetic_math_rows, warm_up, write_rows
+from pipeline.model.tokenizer import load_tokenizer
+from pipeline.observe.dashboard import serve_dashboard
+from pipeline.observe.evaluate import DEFAULT_BATCH_SIZE, DEFAULT_KS, DEFAULT_N, run_eval
+from pipeline.observe.logs import setup_logging
+from pipeline.observe.metrics import run_exporter, start_worker_metrics
+from pipeline.observe.report import write_report
+from pipeline.observe.top import run_top
+from pipeline.producers.feeder import run_feeder
+from pipeline.producers.generator import run_generator
+from pipeline.run.accounting import account
+from pipeline.run.chaos import Injector
+from pipeline.run.base_model import ensure_base_model, resolve_base_dir
+from pipeline.run.down import down
+from pipeline.run.launch import up
+from pipeline.run.preflight import check_run
+from pipeline.tasks.math import read_rows, split
+from pipeline.verifiers import judge_server
+
+
+# Every subcommand's module is imported above, except those that import torch and transformers at
+# their top (model.importer, algo.distill, consumers.trainer, engines.titan): their handlers import
+# them, so `pipeline --help`, `pipeline up` and the light stages start without loading torch.
 
 
 @dataclass(frozen=True)
@@ -58,11 +91,7 @@ class Command:
 
 
 def _config(args: argparse.Namespace, cfg: RunConfig) -> int:
-    from pipeline.config_toml import documented_toml
-
     if args.check:
-        from pipeline.run.preflight import check_run
-
         cfg = check_run(cfg, chaos=args.check == "chaos")
         print(f"pipeline config: passes every check of `pipeline {args.check}` (base model: {cfg.model.base_dir})")
         return 0
@@ -77,42 +106,29 @@ def _config_args(sp: argparse.ArgumentParser) -> None:
 
 
 def _up(args: argparse.Namespace, cfg: RunConfig) -> int:
-    from pipeline.run.launch import up
-
     return up(cfg, chaos=args.command == "chaos")
 
 
 def _inject(args: argparse.Namespace, cfg: RunConfig) -> int:
-    from pipeline.run.chaos import Injector
-
     signal.signal(signal.SIGTERM, _interrupt)  # a clean end: every paused worker resumed
     return Injector(cfg).run()
 
 
 def _down(args: argparse.Namespace, cfg: RunConfig) -> int:
-    from pipeline.run.down import down
-
     return down(Path(args.runs_dir))
 
 
 def _pretrain(args: argparse.Namespace, cfg: RunConfig) -> int:
-    from pipeline.run.base_model import ensure_base_model
-
     ensure_base_model(cfg, force=args.force)
     return 0
 
 
 def _make_math_data(args: argparse.Namespace, cfg: RunConfig) -> int:
-    from pipeline.model.init_model import synthetic_math_rows, write_rows
-
     print(write_rows(synthetic_math_rows(args.n, seed=args.seed), args.out))
     return 0
 
 
 def _init_model(args: argparse.Namespace, cfg: RunConfig) -> int:
-    from pipeline.model.init_model import corpus, init_model
-    from pipeline.tasks.math import read_rows, split
-
     t = cfg.task
     data = args.data or t.dataset
     if not data:
@@ -135,8 +151,6 @@ def _init_model(args: argparse.Namespace, cfg: RunConfig) -> int:
                          seed=args.seed)
     summary.update({"rows": len(rows), "training_rows": len(train), "heldout_rows_excluded": len(held_idx)})
     if args.warmup_steps:
-        from pipeline.model.init_model import warm_up
-
         def progress(step: int, steps: int, loss: float) -> None:
             if step == 1 or step % 25 == 0 or step == steps:
                 print(f"warm-up step {step}/{steps} loss {loss:.4f}", flush=True)
@@ -162,8 +176,6 @@ def _import_model(args: argparse.Namespace, cfg: RunConfig) -> int:
 
 
 def _report(args: argparse.Namespace, cfg: RunConfig) -> int:
-    from pipeline.observe.report import write_report
-
     print(write_report(Path(args.run_path))["markdown"])
     return 0
 
@@ -182,9 +194,6 @@ def _distill(args: argparse.Namespace, cfg: RunConfig) -> int:
 
 
 def _eval(args: argparse.Namespace, cfg: RunConfig) -> int:
-    from pipeline.run.evaluate import run_eval
-    from pipeline.run.base_model import resolve_base_dir
-
     try:
         result = run_eval(cfg, checkpoint=args.checkpoint or resolve_base_dir(cfg).model.base_dir, n=args.n, ks=args.k,
                           temperature=args.temperature, max_prompts=args.max_prompts, seed=args.seed,
@@ -220,24 +229,14 @@ def follow_cluster(cfg: RunConfig) -> tuple[RunConfig, str]:
 
 
 def _view(args: argparse.Namespace, cfg: RunConfig) -> int:
-    from pipeline.bus.connection import connect
-    from pipeline.keys import Keys
-
     cfg, url = follow_cluster(cfg)
     r, keys = connect(url, name=f"{cfg.run_id}:{args.command}", redis_cfg=cfg.redis), Keys.of(cfg.run_id, cfg.redis)
     if args.command == "top":
-        from pipeline.observe.top import run_top
-
         return run_top(r, keys, run_dir=cfg.run_dir, once=args.once, interval=args.interval)
-    from pipeline.observe.dashboard import serve_dashboard
-
     return serve_dashboard(r, keys, run_dir=cfg.run_dir, host=args.host, port=args.port, interval=args.interval)
 
 
 def _inspect(args: argparse.Namespace, cfg: RunConfig) -> int:
-    from pipeline.bus.stats import queue_depths, read_stats
-    from pipeline.run.accounting import account
-
     cfg, url = follow_cluster(cfg)
     r, keys, _ = _worker_context(cfg.replace("redis.url", url), args.command, args.command)
     if args.command == "account":
@@ -251,8 +250,6 @@ def _inspect(args: argparse.Namespace, cfg: RunConfig) -> int:
 
 
 def _exporter(args: argparse.Namespace, cfg: RunConfig) -> int:
-    from pipeline.observe.metrics import run_exporter
-
     _sigterm_exits()
     r, keys, log = _worker_context(cfg, "exporter", "exporter")
     run_exporter(cfg, r, keys, log, run_dir=cfg.run_dir)
@@ -260,9 +257,6 @@ def _exporter(args: argparse.Namespace, cfg: RunConfig) -> int:
 
 
 def _feed(args: argparse.Namespace, cfg: RunConfig) -> int:
-    from pipeline.model.tokenizer import load_tokenizer
-    from pipeline.producers.feeder import run_feeder
-
     _sigterm_exits()
     r, keys, log = _worker_context(cfg, "feeder", "feeder")
     run_feeder(cfg, r, keys, log, tokenizer=load_tokenizer(cfg.model.base_dir))
@@ -270,8 +264,6 @@ def _feed(args: argparse.Namespace, cfg: RunConfig) -> int:
 
 
 def _generate(args: argparse.Namespace, cfg: RunConfig) -> int:
-    from pipeline.producers.generator import run_generator
-
     _sigterm_exits()
     r, keys, log = _worker_context(cfg, "generator", args.worker_id)
     run_generator(cfg, r, keys, args.worker_id, log, max_batches=args.max_batches)
@@ -279,8 +271,6 @@ def _generate(args: argparse.Namespace, cfg: RunConfig) -> int:
 
 
 def _verify(args: argparse.Namespace, cfg: RunConfig) -> int:
-    from pipeline.consumers.verifier import run_verifier
-
     _sigterm_exits()
     r, keys, log = _worker_context(cfg, "verifier", args.worker_id)
     run_verifier(cfg, r, keys, args.worker_id, log, max_batches=args.max_batches)
@@ -288,8 +278,6 @@ def _verify(args: argparse.Namespace, cfg: RunConfig) -> int:
 
 
 def _evaluate(args: argparse.Namespace, cfg: RunConfig) -> int:
-    from pipeline.consumers.evaluator import run_evaluator
-
     _sigterm_exits()
     r, keys, log = _worker_context(cfg, "evaluator", args.worker_id)
     run_evaluator(cfg, r, keys, args.worker_id, log, max_evals=args.max_batches)
@@ -351,8 +339,6 @@ def _distill_args(sp: argparse.ArgumentParser) -> None:
 
 
 def _eval_args(sp: argparse.ArgumentParser) -> None:
-    from pipeline.run.evaluate import DEFAULT_BATCH_SIZE, DEFAULT_KS, DEFAULT_N
-
     sp.add_argument("--checkpoint", metavar="DIR", default="",
                     help="HF checkpoint directory (runs/<id>/checkpoints/final, artifacts/base-model) or a trainer "
                          "checkpoint (runs/<id>/checkpoints/step-NNNNNN); default: model.base_dir")
@@ -384,15 +370,11 @@ def _init_model_args(sp: argparse.ArgumentParser) -> None:
 
 
 def _judge_serve_args(sp: argparse.ArgumentParser) -> None:
-    from pipeline.verifiers.judge_server import add_arguments
-
-    add_arguments(sp)
+    judge_server.add_arguments(sp)
 
 
 def _judge_serve(args: argparse.Namespace, cfg: RunConfig) -> int:
-    from pipeline.verifiers.judge_server import run
-
-    return run(args)
+    return judge_server.run(args)
 
 
 def _import_model_args(sp: argparse.ArgumentParser) -> None:
@@ -469,10 +451,6 @@ STAGES = {name: COMMANDS[name].help for name in ("feed", "generate", "verify", "
 @functools.cache
 def _fields_epilog() -> str:
     """The config fields, table by table, for a command's --help."""
-    import textwrap
-
-    from pipeline.config import field_names
-
     tables: dict[str, list[str]] = {}
     for name in field_names():
         table, _, leaf = name.rpartition(".")
@@ -547,10 +525,6 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, RunConfig]:
 
 
 def _worker_context(cfg: RunConfig, stage: str, worker: str):
-    from pipeline.keys import Keys
-    from pipeline.observe.logs import setup_logging
-    from pipeline.bus.connection import connect
-
     if not cfg.run_id:
         raise ConfigError("run_id: required for stage commands (--run-id NAME)")
     url = cfg.redis.url or os.environ.get("REDIS_URL", "")
@@ -558,8 +532,6 @@ def _worker_context(cfg: RunConfig, stage: str, worker: str):
         raise ConfigError("redis.url: empty and $REDIS_URL is unset; pass --redis-url or use `pipeline up`")
     log = setup_logging(cfg.run_dir / "logs", stage=stage, worker=worker)
     if stage in ("feeder", "generator", "verifier", "trainer"):
-        from pipeline.observe.metrics import start_worker_metrics
-
         log = start_worker_metrics(cfg, stage, worker, log)  # /metrics on its port, fed by its log lines
     kw = {}
     if stage in ("feeder", "generator", "verifier", "trainer", "exporter", "evaluator"):  # long-running
@@ -575,8 +547,6 @@ def _sigterm_exits() -> None:
     """The first SIGTERM lets the stage finish its current batch (or step), make it durable
     and exit; a second one, or Ctrl-C, exits at once, leaving work in hand unacked so it is
     redelivered (to this consumer on restart, or reclaimed by another)."""
-    from pipeline.bus.flow import request_local_stop
-
     def first(signum, frame) -> None:
         request_local_stop()
         signal.signal(signal.SIGTERM, _interrupt)
@@ -595,8 +565,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # noqa: BLE001 - the top of the process: report clearly, exit non-zero
-        import redis
-
         if isinstance(e, redis.ConnectionError):
             print(f"pipeline: {e}", file=sys.stderr)
             return 3

@@ -16,7 +16,7 @@ from pipeline.bus.stats import read_stats
 from pipeline.bus.streams import Entry, unacked_all
 from pipeline.consumers.trainer import Outcome, Trainer
 from pipeline.keys import TRAINER_GROUP
-from pipeline.run import checkpoint
+from pipeline.common import checkpoint
 from pipeline.run.accounting import trainlog_counts
 
 PATHS = ["stage", "api"]

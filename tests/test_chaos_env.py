@@ -27,7 +27,7 @@ from pipeline.config import ConfigError, load_config
 from pipeline.envs.servers import RECORD_DIR, read_records
 from pipeline.run.chaos import Fault, Injector, Plan, by_kind
 from pipeline.run.preflight import chaos_problems
-from pipeline.run.procs import proc_start_time
+from pipeline.common.procs import proc_start_time
 
 CALCULATOR = "openenv:pipeline.envs.calculator_server:app"
 SCHEDULE = ["env:gen-0", "env:gen-1", "env:gen-0", "env:gen-1"]

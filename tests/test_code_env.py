@@ -25,7 +25,7 @@ from pipeline.envs.registry import make_env
 from pipeline.records import PromptTask
 from pipeline.tasks import code as ct
 from pipeline.tasks.registry import make_task
-from pipeline.verifiers.kinds.code_exec import SandboxLimits
+from pipeline.common.sandbox import SandboxLimits
 
 FAST = SandboxLimits(wall_s=3.0, cpu_s=1)
 """Tighter than the default limits, so the hanging cases end sooner."""

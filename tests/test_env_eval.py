@@ -1,4 +1,4 @@
-"""Held-out episodes (pipeline.envs.evaluate) and the tool-use cold start (pipeline.model.tool_warmup).
+"""Held-out episodes (pipeline.engines.episodes) and the tool-use cold start (pipeline.model.tool_warmup).
 
 The episodes are played by the real shipped base model and the real calculator; the
 multi-turn mechanics (turn ends, observation ids, the turn and token budgets, a failing
@@ -15,7 +15,7 @@ import torch
 
 from pipeline.envs.base import Step
 from pipeline.envs.calculator import calculator
-from pipeline.envs.evaluate import play, summarise
+from pipeline.engines.episodes import play, summarise
 from pipeline.model.pretrain import SHIPPED
 from pipeline.model.qwen import ModelShape, load_checkpoint
 from pipeline.model.tool_warmup import transcript, warm_up_tool_use

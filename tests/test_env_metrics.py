@@ -191,7 +191,7 @@ def test_the_held_out_evaluation_plays_episodes_through_the_environment(calculat
 
     from pipeline.config import TaskConfig
     from pipeline.envs.calculator import calculator
-    from pipeline.envs.evaluate import play, summarise
+    from pipeline.engines.episodes import play, summarise
     from pipeline.model.qwen import load_checkpoint
     from pipeline.tasks.arithmetic import ArithmeticTask
 

@@ -17,7 +17,7 @@ import pytest
 
 from pipeline.config import load_config
 from pipeline.config_toml import documented_toml
-from pipeline.run.evaluate import (check_settings, checkpoint_kind, evaluate, limit_items, parse_ks, pass_at_k,
+from pipeline.observe.evaluate import (check_settings, checkpoint_kind, evaluate, limit_items, parse_ks, pass_at_k,
                                    run_of)
 from pipeline.tasks.base import Item
 

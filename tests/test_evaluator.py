@@ -21,7 +21,7 @@ from pipeline.consumers.evaluator import Evaluator, read_evals
 from pipeline.keys import Keys
 from pipeline.model.qwen import load_checkpoint, load_state_tensors
 from pipeline.run.accounting import account
-from pipeline.run.evaluate import evaluate_model
+from pipeline.observe.evaluate import evaluate_model
 from pipeline.run.plan import worker_table
 from pipeline.weights import make_publisher
 

@@ -34,7 +34,7 @@ from pipeline.bus.streams import TxnWriter, ensure_all_groups, unacked
 from pipeline.config import RunConfig
 from pipeline.keys import GENERATORS_GROUP, TRAINER_GROUP, VERIFIERS_GROUP, Keys
 from pipeline.records import PromptTask, RolloutGroup
-from pipeline.run.checkpoint import StepRecord
+from pipeline.common.checkpoint import StepRecord
 from pipeline.stage import Output, Stage
 
 _COMMITS = (b"$4\r\nEXEC\r\n", b"$7\r\nEVALSHA\r\n")

@@ -290,7 +290,7 @@ def test_a_producer_waits_while_the_stream_is_past_its_bound(redis_client):
 def test_a_checkpoint_resumes_training_exactly_where_it_stopped(tmp_path, tiny_base_model):
     import torch
 
-    from pipeline.run import checkpoint
+    from pipeline.common import checkpoint
     from pipeline.engines.torch import TorchEngine
     from pipeline.config import load_config
 
@@ -322,7 +322,7 @@ def test_a_checkpoint_resumes_training_exactly_where_it_stopped(tmp_path, tiny_b
 
 
 def test_a_checkpoint_without_engine_state_is_refused_with_the_reason(tmp_path):
-    from pipeline.run import checkpoint
+    from pipeline.common import checkpoint
 
     ck = tmp_path / "step-000002"
     ck.mkdir()
@@ -392,7 +392,7 @@ def test_a_trainer_step_that_fails_on_its_groups_exits_4_and_their_delivery_coun
     """No check foresaw the failure: the trainer exits with EXIT_ENTRIES_FAILED (the driver restarts
     it at once, never as a crash loop), and its next start dead-letters the groups delivered more
     than redis.max_deliveries times, then trains on."""
-    from pipeline.run.procs import EXIT_ENTRIES_FAILED
+    from pipeline.common.procs import EXIT_ENTRIES_FAILED
 
     (tmp_path / "failing_loss.py").write_text(FAILING_LOSS)
     cfg, path = _config(tmp_path, tiny_base_model, redis_url, "stepfails",

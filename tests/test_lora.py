@@ -16,7 +16,7 @@ from pipeline.config import ConfigError, load_config
 from pipeline.inert import Situation, refuse_inert
 from pipeline.engines.torch import TorchEngine, pad_batch, train_step, warmup_schedule
 from pipeline.model.qwen import load_checkpoint, load_state_tensors, ragged_completion_logprobs
-from pipeline.run import checkpoint
+from pipeline.common import checkpoint
 
 TARGET = "model.layers.0.self_attn.q_proj"
 

@@ -17,7 +17,7 @@ import pytest
 from redis.cluster import key_slot
 
 from harness import up
-from pipeline.run.checkpoint import StepRecord
+from pipeline.common.checkpoint import StepRecord
 from pipeline.config import RedisConfig, RunConfig
 from pipeline.keys import TRAINER_GROUP, Keys
 from pipeline.bus.server import _launch, start_local_cluster

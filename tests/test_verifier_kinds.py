@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from pipeline.verifiers import registry as V
+from pipeline.common import sandbox as SB
 from pipeline.verifiers.kinds import code_exec as CE
 from pipeline.verifiers.kinds.lm_judge import judge, p_yes
 from pipeline.verifiers.base import VERIFIERS
@@ -166,7 +167,7 @@ def test_lm_judge_without_a_checkpoint_abstains_with_the_reason(tmp_path):
 
 
 # ------------------------------------------------------------------- code_exec
-FAST = CE.SandboxLimits(wall_s=3.0, cpu_s=2)
+FAST = SB.SandboxLimits(wall_s=3.0, cpu_s=2)
 
 
 def _live_in_group(pgid: int, *, within_s: float = 3.0) -> list[int]:
@@ -196,26 +197,26 @@ def _group_members(pgid: int) -> list[int]:
 
 def test_code_exec_scores_the_share_of_asserts_passed():
     code = "def double(x):\n    return 2 * x\n"
-    r = CE.run_tests(code, ["assert double(2) == 4", "assert double(0) == 0", "assert double(3) == 7"], limits=FAST)
+    r = SB.run_tests(code, ["assert double(2) == 4", "assert double(0) == 0", "assert double(3) == 7"], limits=FAST)
     assert (r.passed, r.total, r.timed_out) == (2, 3, False) and r.score == pytest.approx(2 / 3)
     assert "assert double(3) == 7" in r.stderr
 
 
 def test_code_exec_gives_zero_to_a_program_that_does_not_run():
-    r = CE.run_tests("def double(x) return 2x", ["assert double(2) == 4"], limits=FAST)
+    r = SB.run_tests("def double(x) return 2x", ["assert double(2) == 4"], limits=FAST)
     assert r.passed == 0 and r.score == 0.0 and "SyntaxError" in r.stderr
 
 
 def test_code_exec_kills_an_infinite_loop_at_the_wall_clock_and_abstains():
     t0 = time.perf_counter()
-    r = CE.run_tests("while True:\n    pass\n", ["assert True"], limits=CE.SandboxLimits(wall_s=1.0, cpu_s=10))
+    r = SB.run_tests("while True:\n    pass\n", ["assert True"], limits=SB.SandboxLimits(wall_s=1.0, cpu_s=10))
     assert r.timed_out and math.isnan(r.score)
     assert time.perf_counter() - t0 < 5.0
     assert _live_in_group(r.pid) == []
 
 
 def test_code_exec_limits_a_memory_hog_and_a_fork_bomb_and_leaves_nothing_running():
-    hog = CE.run_tests("x = bytearray(2 << 30)\n", ["assert len(x) > 0"], limits=FAST)
+    hog = SB.run_tests("x = bytearray(2 << 30)\n", ["assert len(x) > 0"], limits=FAST)
     assert not hog.timed_out and hog.score == 0.0 and "MemoryError" in hog.stderr
     bomb = (
         "import os, time\n"
@@ -230,9 +231,9 @@ def test_code_exec_limits_a_memory_hog_and_a_fork_bomb_and_leaves_nothing_runnin
         "        os._exit(0)\n"
         "    n += 1\n"
     )
-    limits = CE.SandboxLimits(wall_s=10.0, nproc=16)
-    r = CE.run_tests(bomb, [f"assert n < {limits.nproc}"], limits=limits)
-    _, as_nobody, _ = CE.sandbox_python()
+    limits = SB.SandboxLimits(wall_s=10.0, nproc=16)
+    r = SB.run_tests(bomb, [f"assert n < {limits.nproc}"], limits=limits)
+    _, as_nobody, _ = SB.sandbox_python()
     if as_nobody or os.getuid() != 0:
         assert r.score == 1.0, r  # RLIMIT_NPROC stopped the forking
     else:
@@ -245,12 +246,12 @@ def test_code_exec_limits_a_memory_hog_and_a_fork_bomb_and_leaves_nothing_runnin
 
 def test_code_exec_reports_whether_network_isolation_is_used():
     available = subprocess.run(["unshare", "-rn", "true"], capture_output=True).returncode == 0 \
-        if CE._UNSHARE else False
-    r = CE.run_tests("x = 1", ["assert x == 1"], limits=FAST)
+        if SB._UNSHARE else False
+    r = SB.run_tests("x = 1", ["assert x == 1"], limits=FAST)
     assert r.network_isolated is available and r.score == 1.0
     if not available:
         assert "network isolation unavailable" in r.note
-    off = CE.run_tests("x = 1", ["assert x == 1"], limits=FAST, isolate_network=False)
+    off = SB.run_tests("x = 1", ["assert x == 1"], limits=FAST, isolate_network=False)
     assert off.network_isolated is False and "not requested" in off.note
 
 
@@ -262,14 +263,14 @@ def test_code_exec_cannot_reach_a_socket_on_loopback_when_isolated():
     port = server.getsockname()[1]
     code = f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\nok = True\n"
     try:
-        isolated = CE.run_tests(code, ["assert ok"], limits=FAST)
+        isolated = SB.run_tests(code, ["assert ok"], limits=FAST)
         if not isolated.network_isolated:
             pytest.skip(isolated.note)
         assert isolated.score == 0.0 and ("unreachable" in isolated.stderr or "refused" in isolated.stderr)
         with pytest.raises(TimeoutError):
             server.accept()  # nothing ever connected
         # The same program without the namespace does connect: the isolation is what stops it.
-        open_net = CE.run_tests(code, ["assert ok"], limits=FAST, isolate_network=False)
+        open_net = SB.run_tests(code, ["assert ok"], limits=FAST, isolate_network=False)
         assert open_net.score == 1.0
         server.accept()[0].close()
     finally:

@@ -35,10 +35,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
 
+from pipeline.algo.labelmodel import fit_label_model
+from pipeline.config import load_config
+from pipeline.model.qwen import ModelShape, build_model, encode_prompts, load_checkpoint, sample
 from pipeline.model.tokenizer import CharTokenizer
+from pipeline.tasks import arithmetic as task
+from pipeline.tasks.arithmetic import correctness
+from pipeline.verifiers.registry import score_group
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -90,11 +97,6 @@ def base_rollouts(cfg, *, prompts: int, seed: int, model_dir: str | None = None)
     ``cfg.verifier.verifiers`` (NaN = abstain) and ``truth`` float32 [n, G] (hidden).
     Problems never repeat a held-out one.
     """
-    from pipeline.tasks import arithmetic as task
-    from pipeline.model.qwen import encode_prompts, load_checkpoint, sample
-    from pipeline.tasks.arithmetic import correctness
-    from pipeline.verifiers.registry import score_group
-
     t = cfg.task
     ops = tuple(t.ops)
     heldout = set(task.heldout_problems(n=t.heldout_size, seed=t.heldout_seed, digits=t.digits, ops=ops))
@@ -141,8 +143,6 @@ def load_posteriors(path: str | Path) -> tuple[list[Group], list[str]]:
     get one from a label model fitted here on all the recorded votes, which is what the
     ensemble would have said. Raises ValueError naming the line of a malformed record.
     """
-    from pipeline.algo.labelmodel import fit_label_model
-
     path = Path(path)
     files = posterior_files(path) if path.is_dir() else [path] if path.is_file() else []
     if not files:
@@ -305,8 +305,6 @@ def encode_rows(tok: CharTokenizer, prompts: Sequence[str], completions: Sequenc
 
 
 def _language_model(cfg: DistillConfig, base_dir: str | Path | None, vocab_size: int) -> nn.Module:
-    from pipeline.model.qwen import ModelShape, build_model, load_checkpoint
-
     if cfg.init == "base":
         if base_dir is None:
             raise ValueError("distill.init 'base' needs the base model directory")
@@ -337,8 +335,6 @@ class DistilledVerifier:
 
     def save(self, directory: str | Path, *, extra: dict | None = None) -> Path:
         """``model.safetensors`` (LM + head) and ``config.json`` (LM config, settings) + tokenizer files."""
-        from safetensors.torch import save_file
-
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().contiguous().clone() for k, v in self.model.state_dict().items()}
@@ -352,7 +348,6 @@ class DistilledVerifier:
     @classmethod
     def load(cls, directory: str | Path) -> DistilledVerifier:
         """Load what ``save`` wrote (safetensors only, never pickle)."""
-        from safetensors.torch import load_file
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
         d = Path(directory)
@@ -428,9 +423,6 @@ def _timed_rate(fn, rows: int, *, min_seconds: float = 1.0) -> float:
 def measure(verifier: DistilledVerifier, heldout: Sequence[Group], train_groups: Sequence[Group],
             names: list[str]) -> dict:
     """Selection accuracy on held-out groups (distilled vs ensemble) and scoring throughput (rows/s)."""
-    from pipeline.algo.labelmodel import fit_label_model
-    from pipeline.verifiers.registry import score_group
-
     sizes = {len(g.completions) for g in heldout}
     if len(sizes) != 1:
         raise ValueError(f"held-out groups differ in size {sorted(sizes)}")
@@ -493,8 +485,6 @@ def resolve_run(run: str, runs_dir: str | Path = "runs") -> Path:
 
 def distill_run(run_dir: str | Path, cfg: DistillConfig, *, out: str | Path | None = None, progress=print) -> dict:
     """Train a distilled verifier on a run's posteriors, measure it, save it; returns the report."""
-    from pipeline.config import load_config
-
     cfg.validate()
     run_dir = Path(run_dir)
     run_cfg = load_config(str(run_dir / "config.toml"), {}) if (run_dir / "config.toml").is_file() else None

@@ -23,6 +23,7 @@ import time
 from urllib.parse import urlparse
 
 import redis
+import structlog
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.cluster import RedisCluster
 from redis.exceptions import ClusterDownError, RedisClusterException, SlotNotCoveredError
@@ -72,8 +73,6 @@ class _Outage:
         """The log to tell; a finite-budget client without one stays silent (its caller reports the failure)."""
         if self.log is not None or self.retries is not None:
             return self.log
-        import structlog
-
         return structlog.get_logger()
 
     def failed(self, error: Exception) -> None:

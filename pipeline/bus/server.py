@@ -18,6 +18,7 @@ and AOF and serves its slots again.
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import signal
@@ -29,6 +30,8 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import redis
+
+from pipeline.bus.connection import connect
 
 MIN_REDIS_MAJOR = 7
 
@@ -203,8 +206,6 @@ def provision(data_dir: Path, *, url: str = "", appendfsync: str = "everysec", r
     three-master cluster when ``redis_cfg.cluster``)."""
     url = url or os.environ.get("REDIS_URL", "")
     if url:
-        from pipeline.bus.connection import connect
-
         try:
             connect(url, name="provision", redis_cfg=redis_cfg).close()
         except redis.RedisError as e:
@@ -220,8 +221,6 @@ CLUSTER_SLOTS = 16384
 
 def free_cluster_port() -> int:
     """A free loopback port P <= 55535 whose cluster bus port P + 10000 is free too."""
-    import random
-
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(20000, 45000)

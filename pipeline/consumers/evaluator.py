@@ -6,7 +6,7 @@ checks; with ``weights.payload = "adapter"`` it merges the adapters onto its bas
 evaluates the first version it finds, then the newest one once it is at least
 ``eval.every_versions`` past the last it evaluated: versions in between are skipped, so it
 never falls behind by more than one evaluation however slow it is. Each evaluation is
-``pipeline.run.evaluate.evaluate_model`` (what ``pipeline eval`` runs on a checkpoint) on
+``pipeline.observe.evaluate.evaluate_model`` (what ``pipeline eval`` runs on a checkpoint) on
 ``eval.max_prompts`` prompts of the task's held-out set, never a training item: greedy
 accuracy, pass@k for each of ``eval.ks`` from ``eval.n`` samples at ``eval.temperature``
 (seeded by ``eval.seed``, the same for every version), mean@n, and the same per source of a
@@ -32,6 +32,7 @@ from pipeline.bus.flow import stop_requested
 from pipeline.bus.stats import heartbeat
 from pipeline.config import RunConfig
 from pipeline.keys import Keys
+from pipeline.observe.evaluate import evaluate_model
 from pipeline.observe.tracking import Trackers
 from pipeline.tasks.prompting import build_prompt, prompt_format
 from pipeline.tasks.registry import make_task
@@ -140,8 +141,6 @@ class Evaluator:
 
     def evaluate(self, version: int) -> list[dict[str, Any]]:
         """One row per eval set (``heldout`` first), each appended to the results file."""
-        from pipeline.run.evaluate import evaluate_model  # deferred: torch
-
         e = self.cfg.eval
         rows = []
         for name, task in self.sets.items():

@@ -1,7 +1,7 @@
 """Trainer: GRPO on bounded-staleness batches of scored groups; publishes each new version.
 
 consumes:     ScoredGroup records from {ns}:scored (group "trainer"), acked once a checkpoint
-              holds the step that consumed them (pipeline.run.checkpoint)
+              holds the step that consumed them (pipeline.common.checkpoint)
 produces:     policy version v+1 after each step ({ns}:weights, {ns}:versions); the ledger
               entry and training-log entry of every consumed prompt ({ns}:ledger,
               {ns}:trainlog); metrics.jsonl; checkpoints; a final HF checkpoint
@@ -38,15 +38,15 @@ from pipeline.bus.flow import release_once
 from pipeline.bus.streams import counter_args, failure_summary, parse_ref, txn_script
 from pipeline.config import RunConfig
 from pipeline.engines import TrainEngine, make_train_engine
-from pipeline.envs.evaluate import summarise
+from pipeline.engines.episodes import summarise
 from pipeline.envs.registry import make_env
 from pipeline.keys import TRAINER_GROUP, Keys
 from pipeline.observe.logs import MetricsFile
 from pipeline.observe.tracking import Trackers
 from pipeline.records import ScoredGroup, check_group_size, check_scores, check_token_ids, check_versions
-from pipeline.run import checkpoint
-from pipeline.run.checkpoint import StepRecord
-from pipeline.run.procs import EXIT_ENTRIES_FAILED, process_age_s
+from pipeline.common import checkpoint
+from pipeline.common.checkpoint import StepRecord
+from pipeline.common.procs import EXIT_ENTRIES_FAILED, process_age_s
 from pipeline.stage import STAGE_ERRORS, Output, Stage
 from pipeline.tasks.prompting import build_prompt, prompt_format
 from pipeline.tasks.registry import make_task
@@ -383,7 +383,7 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Greedy accuracy of the current policy on the held-out set; with an environment
-        (``env.kind``), the held-out episodes' success (pipeline.envs.evaluate)."""
+        (``env.kind``), the held-out episodes' success (pipeline.engines.episodes)."""
         t0 = time.perf_counter()
         if self.cfg.env.kind:
             extra = self._evaluate_episodes()
@@ -557,7 +557,7 @@ def run_trainer(cfg: RunConfig, r, keys: Keys, log, *, run_dir: Path | None = No
     driver rank and the engine runs each operation on every rank); it is closed on return,
     with the publisher's transport resources (shm files, a tcp server thread), however the
     loop ends, an interrupt included. A step that fails on its groups exits the process with
-    ``EXIT_ENTRIES_FAILED`` (``pipeline.run.procs``), which the driver restarts at once.
+    ``EXIT_ENTRIES_FAILED`` (``pipeline.common.procs``), which the driver restarts at once.
     """
     trainer = Trainer(cfg, r, keys, log, run_dir=run_dir, engine=engine)
     try:

@@ -25,6 +25,7 @@ Heavy engines are imported only when chosen, so the default install never needs 
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -118,7 +119,7 @@ class TrainEngine(Protocol):
     def play(self, prompts: list[np.ndarray], references: list[str], factory, *, max_turns: int,
              max_new_tokens: int, texts: list[str] | None = None) -> list:
         """The held-out prompts as greedy episodes through ``factory``'s environment, one
-        ``pipeline.envs.evaluate.Played`` each (a run with ``env.kind``)."""
+        ``pipeline.engines.episodes.Played`` each (a run with ``env.kind``)."""
         ...
 
     def save_state(self, directory: Path) -> dict:
@@ -147,8 +148,6 @@ class Engine:
     """What to install when its import fails."""
 
     def load(self, field: str, kind: str):
-        import importlib
-
         try:
             return getattr(importlib.import_module(self.module), self.name)
         except ImportError as e:

@@ -34,7 +34,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pipeline.config import TrainerConfig
-from pipeline.run import checkpoint
+from pipeline.engines.torch_state import optimizer_tensors, restore_optimizer
+from pipeline.model.qwen import safetensors_files
 
 ADAPTER = "default"
 """The one adapter's name inside PEFT's layers."""
@@ -64,8 +65,6 @@ def _matches(module_name: str, target: str) -> bool:
 
 def base_fingerprint(base_dir: str | Path) -> dict[str, int]:
     """The base checkpoint's weight files and their sizes: adapters resume only on the base they trained on."""
-    from pipeline.model.qwen import safetensors_files
-
     return {f.name: f.stat().st_size for f in safetensors_files(base_dir)}
 
 
@@ -188,7 +187,7 @@ class LoraState:
         ``directory``; returns the JSON extras (optimizer param groups, LoRA settings, base files)."""
         save_file({k: v.to("cpu", copy=True).contiguous() for k, v in self.adapter_tensors().items()},
                   str(directory / ADAPTER_FILE))
-        opt_tensors, groups = checkpoint._optimizer_tensors(opt)
+        opt_tensors, groups = optimizer_tensors(opt)
         opt_tensors["rng.torch"] = torch.get_rng_state()
         save_file(opt_tensors, str(directory / OPTIMIZER_FILE))
         return {"param_groups": groups, "lora": self.settings, "lora_base": base_fingerprint(self.base_dir)}
@@ -212,7 +211,7 @@ class LoraState:
             for name, p in params.items():
                 p.copy_(tensors[name])
         opt_tensors = load_file(str(directory / OPTIMIZER_FILE))
-        checkpoint._restore_optimizer(opt, opt_tensors, extras["param_groups"])
+        restore_optimizer(opt, opt_tensors, extras["param_groups"])
         torch.set_rng_state(opt_tensors["rng.torch"])
 
 

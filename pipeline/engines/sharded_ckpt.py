@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 META_KEY = "rlpipe.shards"
 
@@ -30,8 +31,6 @@ def _row_range(rows: int, world: int, rank: int) -> tuple[int, int]:
 
 
 def _layout(t: torch.Tensor) -> str:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
     if not isinstance(t, DTensor):
         return "full"
     if len(t.placements) != 1:

@@ -43,10 +43,10 @@ CUDA it is NCCL.
 from __future__ import annotations
 
 import datetime
+import importlib
 import json
 import os
 import signal
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -54,12 +54,27 @@ import msgpack
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+from torchtitan.distributed.utils import clip_grad_norm_
+from torchtitan.models.common import Embedding, Linear, rope as titan_rope
+from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
+from torchtitan.models.common.nn_modules import RMSNorm
 
 from pipeline.config import RunConfig
 from pipeline.engines.titan_arch import (  # noqa: F401  re-exported
     ARCHES, COMMON_REQUIRED, LLAMA3_ROPE_FIELDS, TitanArch, checkpoint_problems, rope_parameters)
 from pipeline.algo.losses import LossSettings, advantages, objective
-from pipeline.model.qwen import safetensors_files, token_logprobs
+from pipeline.engines.episodes import play
+from pipeline.engines.sharded_ckpt import load_sharded, save_sharded
+from pipeline.engines.torch import greedy_decode, warmup_schedule
+from pipeline.model.qwen import load_checkpoint, load_state_tensors, safetensors_files, save_checkpoint, token_logprobs
+from pipeline.model.tokenizer import load_tokenizer
 from pipeline.records import ScoredGroup
 
 OP_TRAIN, OP_LR_STEP, OP_WEIGHTS, OP_SAVE, OP_LOAD, OP_STOP = 1, 2, 3, 4, 5, 6
@@ -90,8 +105,6 @@ def _hf_config(directory: Path) -> dict:
 def _rope_config(cfg: dict, arch: TitanArch, head_dim: int):
     """The RoPE config of ``arch``'s layout with the checkpoint's theta and scaling (the
     frequencies transformers' ``default`` / ``llama3`` initialisers compute)."""
-    from torchtitan.models.common import rope as titan_rope
-
     rope = rope_parameters(cfg)
     kw = {}
     if rope["rope_type"] == "llama3":
@@ -110,13 +123,6 @@ def _rope_config(cfg: dict, arch: TitanArch, head_dim: int):
 def titan_model_config(cfg: dict):
     """torchtitan's model config for an HF ``config.json`` that :func:`checkpoint_problems` accepts:
     the ``ARCHES`` entry of its ``model_type``, dense, SDPA attention, separate q/k/v projections."""
-    import importlib
-
-    from torchtitan.models.common import Embedding, Linear
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
-    from torchtitan.models.common.nn_modules import RMSNorm
-
     arch = ARCHES[cfg["model_type"]]
     package = importlib.import_module(f"torchtitan.models.{arch.package}")
     model_cls, block_cls = getattr(package, arch.model), getattr(package, arch.block)
@@ -153,8 +159,6 @@ def titan_model_config(cfg: dict):
 
 def read_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
     """Every tensor of an HF checkpoint directory (``model.safetensors`` or its sharded index)."""
-    from safetensors.torch import load_file
-
     files = safetensors_files(directory)
     out: dict[str, torch.Tensor] = {}
     for f in files:
@@ -165,8 +169,6 @@ def read_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
 def build_titan_model(base_dir: Path):
     """(model, model config, state-dict adapter): the torchtitan model of the checkpoint's
     ``model_type`` (``ARCHES``) with its weights, float32."""
-    import importlib
-
     cfg = _hf_config(base_dir)
     arch = ARCHES[cfg["model_type"]]
     mcfg = titan_model_config(cfg)
@@ -263,13 +265,6 @@ class TitanEngine:
     """
 
     def __init__(self, cfg: RunConfig) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import FSDPModule
-        from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
-
-        from pipeline.engines.torch import warmup_schedule
-        from pipeline.model.tokenizer import load_tokenizer
-
         t = cfg.trainer
         self.cfg = cfg
         self.base_dir = Path(cfg.model.base_dir)
@@ -405,7 +400,6 @@ class TitanEngine:
                                 tokens=global_tokens)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        from torchtitan.distributed.utils import clip_grad_norm_
         grad_norm = clip_grad_norm_(list(self.model.parameters()), t.grad_clip)
         self.opt.step()
         self.model.eval()
@@ -421,8 +415,6 @@ class TitanEngine:
         return {"loss": stats["loss"], "grad_norm": float(grad_norm), **stats}
 
     def _gather(self) -> dict[str, torch.Tensor] | None:
-        from torch.distributed.tensor import DTensor
-
         full = {}
         for name, value in self.model.state_dict().items():
             if name in self.aliases:
@@ -444,8 +436,6 @@ class TitanEngine:
         ``optim.state.<fqn>.<exp_avg|exp_avg_sq|step>`` and ``rng``. The optimizer's
         hyper-parameters are not tensors; they come from the config, the learning rate from
         the schedule state in ``state.json``."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
         msd, osd = get_state_dict(self.model, self.opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
         # A tied head is the embedding's tensor under a second name: stored once (safetensors
         # refuses two names for one tensor), re-aliased on load. The optimizer state names it once.
@@ -455,17 +445,11 @@ class TitanEngine:
         return state
 
     def _save(self, directory: Path) -> None:
-        from pipeline.engines.sharded_ckpt import save_sharded
-
         # Every rank writes its own rows as safetensors (pipeline.engines.sharded_ckpt).
         save_sharded(directory / SHARDS_DIR, self._tensor_state(), rank=self.rank, world=self.world)
         torch.distributed.barrier()
 
     def _load(self, directory: Path, sched: dict, lrs: list[float] | None = None) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-
-        from pipeline.engines.sharded_ckpt import load_sharded
-
         flat = StateDictOptions(flatten_optimizer_state_dict=True)
         # The hyper-parameter entries (param_groups.<fqn>.lr, betas, ...) as they are now.
         hyper = {k: v for k, v in get_state_dict(self.model, self.opt, options=flat)[1].items()
@@ -518,8 +502,6 @@ class TitanEngine:
 
     def _local_model(self):
         """A plain ``transformers`` copy of the current weights on rank 0, for decoding and export."""
-        from pipeline.model.qwen import load_checkpoint, load_state_tensors
-
         weights = self.weights()
         if self._local is None:
             self._local = load_checkpoint(self.base_dir)[0].eval()
@@ -529,15 +511,11 @@ class TitanEngine:
         return self._local
 
     def greedy(self, prompts: list[np.ndarray], *, max_new_tokens: int) -> list[str]:
-        from pipeline.engines.torch import greedy_decode
-
         self._driver("greedy")
         return greedy_decode(self._local_model(), self.tokenizer, prompts, max_new_tokens=max_new_tokens)
 
     def play(self, prompts: list[np.ndarray], references: list[str], factory, *, max_turns: int,
              max_new_tokens: int, texts: list[str] | None = None) -> list:
-        from pipeline.envs.evaluate import play
-
         self._driver("greedy")
         return play(self._local_model(), self.tokenizer, prompts, references, factory, max_turns=max_turns,
                     max_new_tokens=max_new_tokens, texts=texts)
@@ -562,8 +540,6 @@ class TitanEngine:
         self._busy = False
 
     def export_hf(self, directory: Path) -> None:
-        from pipeline.model.qwen import save_checkpoint
-
         self._driver("export_hf")
         save_checkpoint(self._local_model(), self.tokenizer, directory, tokenizer_dir=self.base_dir)
 

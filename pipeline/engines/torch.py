@@ -19,11 +19,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.run import checkpoint
 from pipeline.engines import Sampled
 from pipeline.engines.slots import SlotSampler
+from pipeline.engines.torch_state import read_torch_state, write_torch_state
 from pipeline.config import RunConfig
 from pipeline.algo.losses import LossSettings, advantages, objective, overlong_penalty, sequence_count, truncated
+from pipeline.engines.episodes import play
+from pipeline.engines.lora import AdapterMerger, LoraState
 from pipeline.model.qwen import (load_checkpoint, load_state_tensors, ragged_completion_logprobs, sample,
                                  save_checkpoint)
 from pipeline.records import ScoredGroup
@@ -89,8 +91,6 @@ class TorchGenerator:
         self.model.to(self.device).eval()
         self.adapters = None
         if cfg.weights.payload == "adapter":  # versions carry LoRA adapters: merged here, onto the base
-            from pipeline.engines.lora import AdapterMerger
-
             self.adapters = AdapterMerger.of_model(self.model, cfg.trainer.lora_alpha / cfg.trainer.lora_rank)
         self.vocab_size = int(self.model.config.vocab_size)
         self.rng = torch.Generator(self.device).manual_seed(g.seed * 1_000_003 + zlib.crc32(worker_id.encode()))
@@ -305,8 +305,6 @@ class TorchEngine:
         self.vocab_size = int(self.model.config.vocab_size)
         self.lora = None
         if t.lora_rank > 0:
-            from pipeline.engines.lora import LoraState
-
             self.lora = LoraState(self.model, t, base_dir=cfg.model.base_dir)
             self.ref_model = self.lora.base_view() if t.kl_coef > 0 else None
             params = [p for p in self.model.parameters() if p.requires_grad]
@@ -345,16 +343,14 @@ class TorchEngine:
 
     def play(self, prompts: list[np.ndarray], references: list[str], factory, *, max_turns: int,
              max_new_tokens: int, texts: list[str] | None = None) -> list:
-        """Greedy held-out episodes through ``factory``'s environment (pipeline.envs.evaluate)."""
-        from pipeline.envs.evaluate import play
-
+        """Greedy held-out episodes through ``factory``'s environment (pipeline.engines.episodes)."""
         return play(self.model, self.tokenizer, prompts, references, factory, max_turns=max_turns,
                     max_new_tokens=max_new_tokens, texts=texts)
 
     def save_state(self, directory: Path) -> dict:
         if self.lora is not None:
             return {"sched": self.sched.state_dict(), **self.lora.save(directory, self.opt)}
-        groups = checkpoint.write_torch_state(directory, self.model, self.opt)
+        groups = write_torch_state(directory, self.model, self.opt)
         return {"sched": self.sched.state_dict(), "param_groups": groups}
 
     def load_state(self, directory: Path, extras: dict) -> None:
@@ -365,7 +361,7 @@ class TorchEngine:
                              f"({extras['lora']}) and this config trains every weight (lora_rank 0); "
                              "a checkpoint resumes only under the settings that wrote it")
         else:
-            checkpoint.read_torch_state(directory, self.model, self.opt, extras["param_groups"])
+            read_torch_state(directory, self.model, self.opt, extras["param_groups"])
         self.sched.load_state_dict(extras["sched"])
 
     def export_hf(self, directory: Path) -> None:

@@ -64,9 +64,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
+from safetensors.torch import load_file
 
 from pipeline.engines import Sampled
+from pipeline.engines.lora import AdapterMerger
 from pipeline.engines.slots import Finished
+from pipeline.model.qwen import fit_errors, safetensors_files
 from pipeline.model.tokenizer import load_tokenizer, model_vocab_size
 from pipeline.records import Partial
 from pipeline.weights.vllm_hook import update_vllm
@@ -94,8 +98,6 @@ def engine_seed(seed: int, worker_id: str) -> int:
 def checkpoint_shapes(directory: str | os.PathLike[str]) -> dict[str, tuple[int, ...]]:
     """Every tensor's name and shape in a checkpoint's safetensors file(s), read from the
     headers alone (``model.safetensors``, or the shards ``model.safetensors.index.json`` lists)."""
-    from pipeline.model.qwen import safetensors_files
-
     files = safetensors_files(directory)
     shapes: dict[str, tuple[int, ...]] = {}
     for name in files:
@@ -110,8 +112,6 @@ def checkpoint_shapes(directory: str | os.PathLike[str]) -> dict[str, tuple[int,
 
 def check_fit(expected: dict[str, tuple[int, ...]], tensors: dict[str, Any]) -> None:
     """Raise ValueError unless ``tensors`` has exactly the ``expected`` names and shapes."""
-    from pipeline.model.qwen import fit_errors
-
     misfit = fit_errors(expected, tensors)
     if misfit:
         raise ValueError("weights do not fit the vLLM model: " + misfit)
@@ -122,8 +122,6 @@ def untie(tensors: dict[str, Any]) -> dict[str, Any]:
     loads a tied weight once, under the embedding's name, and ignores the head's; so a head that
     differs from the embedding (a publisher that trained them apart) is refused with ValueError
     rather than silently dropped."""
-    import torch
-
     head, emb = tensors[TIED_HEAD], tensors.get(TIED_EMBEDDING)
     if emb is not None and not (head.shape == emb.shape
                                 and (head.data_ptr() == emb.data_ptr() or torch.equal(head, emb))):
@@ -151,8 +149,6 @@ class VllmGenerator:
         self.streaming = g.swap != "batch"
         """Built for :meth:`continuous` (``generator.swap`` step/drain): no prefix caching and
         synchronous scheduling, see :class:`VllmSlotSampler`."""
-
-        import torch
 
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
@@ -194,8 +190,6 @@ class VllmGenerator:
         if cfg.weights.payload == "adapter":
             # Versions carry LoRA adapters: merged onto the base here, then loaded as full weights
             # (the in-place reload every version uses), so the engine runs one plain model.
-            from pipeline.engines.lora import AdapterMerger
-
             self._base_weights: dict[str, torch.Tensor] = {}
             self.adapters = AdapterMerger(lambda: self._base(), cfg.trainer.lora_alpha / cfg.trainer.lora_rank)
             self._base_dir = base
@@ -203,10 +197,6 @@ class VllmGenerator:
     def _base(self) -> dict[str, torch.Tensor]:
         """The base checkpoint's weights (read once, kept: each adapter version merges onto them)."""
         if not self._base_weights:
-            from safetensors.torch import load_file
-
-            from pipeline.model.qwen import safetensors_files
-
             for name in safetensors_files(self._base_dir):
                 self._base_weights.update(load_file(str(name)))
         return self._base_weights

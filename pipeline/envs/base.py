@@ -22,7 +22,9 @@ that does not say is counted as making none. The runner counts them per episode.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -100,8 +102,6 @@ class EpisodeRunner:
     hands them over with its group (the generator counts them per finished episode)."""
 
     def __init__(self, factory: EnvFactory, env_cfg, tokenizer, log) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
         self.factory, self.cfg, self.tok, self.log = factory, env_cfg, tokenizer, log
         self.pool = ThreadPoolExecutor(env_cfg.workers, thread_name_prefix="env")
         self.episodes: dict[tuple, Episode] = {}
@@ -142,9 +142,6 @@ class EpisodeRunner:
         return firsts
 
     def submit(self, key, member: int, action: str, attempts: int = 0) -> None:
-        import time
-        from concurrent.futures import Future
-
         if (key, member) in self.broken:  # its environment never started: the episode ends here
             fut: Future = Future()
             fut.set_result(Step(observation="", done=True))
@@ -159,9 +156,6 @@ class EpisodeRunner:
     def collect(self, block_s: float = 0.0) -> list[tuple[object, int, list[int], bool]]:
         """Answers that came back (waiting up to ``block_s`` for one): (key, completion,
         observation ids, done). A step that raised or timed out is retried or ends its episode."""
-        import time
-        from concurrent.futures import FIRST_COMPLETED, wait
-
         if not self.pending:
             return []
         if block_s > 0:

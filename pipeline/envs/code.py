@@ -3,7 +3,7 @@
 For the code task (``task.kind = "code"``, pipeline.tasks.code): the prompt asks for one
 Python function; its hidden tests come with the prompt's reference (never in the prompt).
 Each model turn is an attempt: its code (the first fenced block, else the whole turn) runs
-against every hidden test in the ``code_exec`` sandbox (``run_tests`` with
+against every hidden test in the sandbox (``pipeline.common.sandbox``: ``run_tests`` with
 ``SandboxLimits()``: a fresh interpreter, no network, 2 CPU seconds, 5 s wall clock, 512 MiB).
 
 - **Reward**: every step gives the share of hidden tests the attempt passed (0 to 1); the
@@ -24,8 +24,11 @@ is empty: the prompt states the problem.
 from __future__ import annotations
 
 import re
+import signal
 
+from pipeline.common.sandbox import SandboxLimits, extract_code, run_tests
 from pipeline.envs.base import EnvError, Step
+from pipeline.tasks.code import compiles, decode_reference
 
 MAX_OBSERVATION = 600
 """Characters of an observation at most."""
@@ -76,8 +79,6 @@ def feedback(tests: list[str], result, wall_s: float) -> str:
     else:  # killed before the harness reported: the CPU or memory limit, or the process ended itself
         how = f"exit status {result.returncode}"
         if result.returncode < 0:
-            import signal
-
             try:
                 name = signal.Signals(-result.returncode).name
             except ValueError:
@@ -93,9 +94,6 @@ class CodeEpisode:
     """One attempt-and-feedback episode on a code problem (the module docstring)."""
 
     def __init__(self, reference: str, *, limits=None) -> None:
-        from pipeline.tasks.code import decode_reference
-        from pipeline.verifiers.kinds.code_exec import SandboxLimits
-
         try:
             self.function, self.tests = decode_reference(reference)
         except ValueError as e:
@@ -107,9 +105,6 @@ class CodeEpisode:
         return ""
 
     def step(self, action: str) -> Step:
-        from pipeline.tasks.code import compiles
-        from pipeline.verifiers.kinds.code_exec import extract_code, run_tests
-
         self.attempts += 1
         code = extract_code(action)
         n = len(self.tests)

@@ -48,6 +48,8 @@ import weakref
 from typing import TYPE_CHECKING
 
 from pipeline.envs.base import EnvError, Step
+from pipeline.envs.servers import RECORD_DIR, ServerPool, ServerStartError, http_get
+from pipeline.plugins import is_spec
 
 if TYPE_CHECKING:
     from pipeline.config import RunConfig
@@ -63,8 +65,6 @@ SCHEMA_TIMEOUT_S = 10.0
 
 def split_kind(kind: str) -> tuple[str, str]:
     """``("url", url)`` or ``("app", spec)`` of an ``openenv:`` kind; ValueError when it is neither."""
-    from pipeline.plugins import is_spec
-
     if not kind.startswith(PREFIX):
         raise ValueError(f"{kind!r} does not start with {PREFIX!r}")
     target = kind[len(PREFIX):].strip()
@@ -118,8 +118,6 @@ def observation_field(schema: dict, chosen: str, kind: str) -> str:
 
 
 def fetch_schema(url: str, kind: str) -> dict:
-    from pipeline.envs.servers import http_get
-
     try:
         schema = json.loads(http_get(url + "/schema", timeout=SCHEMA_TIMEOUT_S))
     except (OSError, ValueError) as e:
@@ -166,8 +164,6 @@ class OpenEnvEnvironments:
         self._client_cls = GenericEnvClient
         self.pool = None
         if how == "app":
-            from pipeline.envs.servers import RECORD_DIR, ServerPool, ServerStartError
-
             try:
                 # The servers' pids go to the run directory too, where `pipeline inject` finds them (chaos kind env).
                 self.pool = ServerPool(target, n=cfg.env.servers, start_timeout_s=cfg.env.start_timeout_s,

@@ -10,7 +10,7 @@ parent-death signal is tied to a thread that lives as long as the pool.
 
 Given a ``record_dir`` (a generator's pool: ``<run_dir>/env-servers/``), the pool keeps a small
 JSON file there, ``<pid>-<n>.json``, naming its own pid and every server's pid, each with its
-start time (``pipeline.run.procs``), port and whether it is up, and the restart count. It is
+start time (``pipeline.common.procs``), port and whether it is up, and the restart count. It is
 rewritten atomically whenever a server starts, comes up or exits, and removed when the pool
 closes; a pool's first write removes the records of pools whose process is gone. ``pipeline inject`` (chaos kind ``env``) reads it to find a server to kill; the start
 times make sure a restarted server is never hit by a fault meant for its predecessor.
@@ -29,20 +29,28 @@ the app needs (openenv-core for an OpenEnv app). One server process::
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib
 import itertools
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import traceback
 import urllib.request
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import structlog
+
+from pipeline.common.procs import proc_start_time, recorded_identity
 
 POLL_S = 0.2
 """How often the supervisor looks for exited servers."""
@@ -153,8 +161,6 @@ class Record:
     def write(self, pool: "ServerPool") -> None:
         if self.path is None:
             return
-        from pipeline.run.procs import proc_start_time
-
         me = os.getpid()
         starts = {str(me): proc_start_time(me)}
         servers = []
@@ -203,8 +209,6 @@ class Record:
 def prune_records(directory: Path) -> None:
     """Remove the records in ``directory`` of pools whose process is gone (a SIGKILLed
     generator cannot remove its own)."""
-    from pipeline.run.procs import recorded_identity
-
     for f in Path(directory).glob("*.json"):
         try:
             doc = json.loads(f.read_text())
@@ -294,8 +298,6 @@ class ServerPool:
     def _event(self, level: str, event: str, **kw) -> None:
         log = self.log
         if log is None:
-            import structlog
-
             log = structlog.get_logger()
         getattr(log, level)(event, env=self.name, **kw)
 
@@ -307,8 +309,6 @@ class ServerPool:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             s.log_path = self.log_dir / f"env-server-{os.getpid()}-{s.index}.log"
         else:
-            import tempfile
-
             fd, name = tempfile.mkstemp(prefix=f"rlpipe-env-server-{os.getpid()}-{s.index}-", suffix=".log")
             os.close(fd)
             s.log_path = Path(name)
@@ -474,9 +474,6 @@ def _die_with_parent(parent: int) -> None:
     if not parent or not sys.platform.startswith("linux"):
         return
     try:
-        import ctypes
-        import signal
-
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except Exception:
@@ -499,8 +496,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         app = load_app(args.app)
     except Exception as e:
-        import traceback
-
         traceback.print_exc()
         print(f"cannot load the app {args.app!r}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 2

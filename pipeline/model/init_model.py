@@ -23,6 +23,10 @@ import random
 from fractions import Fraction
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from pipeline.tasks.prompting import build_prompt, checkpoint_format
+
 PAD_TOKEN = "<|endoftext|>"
 EOS_TOKEN = "<|im_end|>"
 
@@ -65,8 +69,6 @@ def preset_config(preset: str, *, vocab_size: int, pad_id: int, eos_id: int):
 def train_bpe(texts: list[str], *, vocab_size: int, extra_special: tuple[str, ...] = ()):
     """A byte-level BPE ``tokenizers.Tokenizer`` trained on ``texts`` with the two special tokens
     (and ``extra_special`` ones after them)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -184,8 +186,6 @@ def warm_up(directory: str | Path, rows: list[dict], *, template: str, steps: in
     import torch
 
     from pipeline.model.qwen import load_checkpoint, ragged_completion_logprobs, save_checkpoint
-    from pipeline.tasks.prompting import build_prompt, checkpoint_format
-
     model, tok = load_checkpoint(directory)
     fmt = checkpoint_format(directory, use="auto", system_prompt=system_prompt)
     rng = random.Random(seed)

@@ -12,6 +12,7 @@ inference engine can load.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
@@ -249,8 +250,6 @@ def load_state_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor])
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
     """The KV-cache argument and output attribute of this transformers version's forward."""
-    import inspect
-
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 

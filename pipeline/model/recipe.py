@@ -20,6 +20,8 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.tasks.arithmetic import heldout_problems
+
 DEFAULT_SCHEDULE = "constant"
 """A cosine decay makes the plateau escape (which needs a large lr) late or absent for
 some seeds, so after warm-up the lr is kept constant."""
@@ -117,8 +119,6 @@ def heldout_sets(r: Mapping[str, Any]) -> list[dict] | None:
 
 
 def _problems(s: Mapping[str, Any]) -> set:
-    from pipeline.tasks.arithmetic import heldout_problems
-
     return set(heldout_problems(n=int(s["heldout_size"]), seed=int(s["heldout_seed"]), digits=int(s["digits"]),
                                 ops=tuple(s["ops"])))
 

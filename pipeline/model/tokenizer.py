@@ -18,6 +18,8 @@ from typing import Protocol
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizerFile
 
+from pipeline.common.hf_files import read_json, token_name
+
 
 class Tokenizer(Protocol):
     pad_id: int
@@ -145,17 +147,6 @@ class CharTokenizer:
         return cls(tokens)
 
 
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-
-
-def _token_name(value: object) -> str | None:
-    """``tokenizer_config.json`` writes special tokens as strings or as ``{"content": ...}``."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
 class HFTokenizer:
     """A ``tokenizers`` tokenizer with the end-of-sequence and pad ids of its checkpoint.
 
@@ -165,15 +156,13 @@ class HFTokenizer:
     """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
-        from tokenizers import Tokenizer as _Tokenizer
-
         d = Path(directory)
-        self._tok = _Tokenizer.from_file(str(d / "tokenizer.json"))
-        tc = _read_json(d / "tokenizer_config.json")
-        eos = self._id_of(_token_name(tc.get("eos_token")))
+        self._tok = HFTokenizerFile.from_file(str(d / "tokenizer.json"))
+        tc = read_json(d / "tokenizer_config.json")
+        eos = self._id_of(token_name(tc.get("eos_token")))
         if eos is None:
             for name in ("generation_config.json", "config.json"):
-                value = _read_json(d / name).get("eos_token_id")
+                value = read_json(d / name).get("eos_token_id")
                 if isinstance(value, list) and value:
                     value = value[0]
                 if isinstance(value, int):
@@ -182,7 +171,7 @@ class HFTokenizer:
         if eos is None:
             raise ValueError(f"{d}: no end-of-sequence token (eos_token in tokenizer_config.json or "
                              "eos_token_id in config.json)")
-        pad = self._id_of(_token_name(tc.get("pad_token")))
+        pad = self._id_of(token_name(tc.get("pad_token")))
         self.eos_id = eos
         self.pad_id = eos if pad is None else pad
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -203,37 +192,8 @@ class HFTokenizer:
         return self._tok.decode(out, skip_special_tokens=True)
 
 
-def read_chat_template(directory: str | os.PathLike[str]) -> str | None:
-    """The checkpoint's chat template: ``chat_template`` of ``tokenizer_config.json`` (a string,
-    or the ``default`` entry of a list of named templates), else ``chat_template.jinja``; None
-    when it has none."""
-    d = Path(directory)
-    value = _read_json(d / "tokenizer_config.json").get("chat_template")
-    if isinstance(value, list):
-        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
-        value = named.get("default")
-    if isinstance(value, str) and value.strip():
-        return value
-    jinja = d / "chat_template.jinja"
-    if jinja.is_file():
-        text = jinja.read_text(encoding="utf-8")
-        return text if text.strip() else None
-    return None
-
-
-def special_token_names(directory: str | os.PathLike[str]) -> dict[str, str]:
-    """``bos_token``, ``eos_token``, ``pad_token``, ``unk_token`` of ``tokenizer_config.json`` (those it
-    sets), as a chat template reads them."""
-    tc = _read_json(Path(directory) / "tokenizer_config.json")
-    out = {}
-    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
-        if (token := _token_name(tc.get(name))) is not None:
-            out[name] = token
-    return out
-
-
 def is_char_tokenizer(directory: str | os.PathLike[str]) -> bool:
-    data = _read_json(Path(directory) / "tokenizer.json")
+    data = read_json(Path(directory) / "tokenizer.json")
     return data.get("model", {}).get("type") == "WordLevel"
 
 
@@ -249,12 +209,12 @@ def load_tokenizer(directory: str | os.PathLike[str]) -> Tokenizer:
 
 def model_context_length(directory: str | os.PathLike[str]) -> int:
     """The checkpoint's context length (``config.json`` ``max_position_embeddings``; unbounded when absent)."""
-    return int(_read_json(Path(directory) / "config.json").get("max_position_embeddings", 1 << 30))
+    return int(read_json(Path(directory) / "config.json").get("max_position_embeddings", 1 << 30))
 
 
 def model_vocab_size(directory: str | os.PathLike[str]) -> int:
     """Rows of the checkpoint's embedding (``config.json`` ``vocab_size``), which may exceed the tokenizer's."""
-    cfg = _read_json(Path(directory) / "config.json")
+    cfg = read_json(Path(directory) / "config.json")
     if "vocab_size" not in cfg:
         raise ValueError(f"{directory}/config.json has no vocab_size")
     return int(cfg["vocab_size"])

@@ -35,10 +35,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import redis
+import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from pipeline.bus.flow import stop_requested
 from pipeline.keys import Keys
 from pipeline.bus.stats import read_stats
 from pipeline.envs.base import ENV_STEP_BUCKET, ENV_STEP_BUCKETS
@@ -555,8 +557,6 @@ def start_worker_metrics(cfg, stage: str, worker: str, log):
     The stages already log each finished batch with its duration and size, so the metrics
     hook into logging, like a middleware, rather than into every stage's loop.
     """
-    import structlog
-
     global _current
     _current = WorkerMetrics(stage, worker)
     port = port_for(cfg, worker)
@@ -579,8 +579,6 @@ def run_exporter(cfg, r: redis.Redis, keys: Keys, log, *, run_dir: Path | None =
     waits for:    ``metrics.sample_every_s`` between samples
     unblocked by: the stop key (checked every sample), or ``max_samples``
     """
-    from pipeline.bus.flow import stop_requested
-
     registry = CollectorRegistry()
     registry.register(StreamCollector(r, keys))
     port = port_for(cfg, "exporter")

@@ -20,6 +20,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 BUSY_EVENTS = {"batch_generated": "seconds", "batch_scored": "seconds", "step": "step_seconds"}
@@ -64,8 +65,6 @@ def busy_spans(log_dir: Path) -> dict[str, dict]:
 def vote_rates(votes, truth, threshold: float = 0.5) -> dict:
     """TPR and TNR of 1[score >= threshold] against the hidden truth, abstentions (NaN) left out,
     and the share of completions scored at all."""
-    import numpy as np
-
     v, t = np.asarray(votes, dtype=np.float64).ravel(), np.asarray(truth).ravel()
     m = ~np.isnan(v)
     p, n = m & (t == 1), m & (t == 0)
@@ -79,8 +78,6 @@ def label_model_fit(run_dir: Path) -> dict | None:
     kept or dropped (why), threshold and the TPR/TNR it estimated without labels; beside them
     the same rates measured against the hidden truth on the groups scored under that fit
     (``posteriors/``). None when no fit was logged (a run whose reward needs none)."""
-    import numpy as np
-
     fit = None
     for rec in (r for log in sorted((run_dir / "logs").glob("ver-*.jsonl")) for r in _jsonl(log)):
         if rec.get("event") == "labelmodel_fitted" and (fit is None or rec.get("version", -1) >= fit.get("version", -1)):

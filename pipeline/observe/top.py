@@ -23,6 +23,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from pipeline.observe.metrics import snapshot
+
 BARS = "▁▂▃▄▅▆▇█"
 
 
@@ -227,8 +229,6 @@ def frame_text(renderable, width: int = 140) -> str:
 
 def run_top(r, keys, *, run_dir: Path | None, once: bool, interval: float) -> int:
     """Print one frame (``once``) or refresh a live view every ``interval`` seconds until Ctrl-C."""
-    from pipeline.observe.metrics import snapshot
-
     history = History(run_dir / "metrics.jsonl" if run_dir is not None else None)
     prev = snapshot(r, keys)
     if once:

@@ -25,6 +25,8 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
+from pipeline.config import config_to_dict
+
 BACKENDS = ("tensorboard", "wandb")
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 INSTALL = 'pip install -e ".[tracking]" (or: pip install tensorboard==2.21.0 wandb==0.31.0)'
@@ -106,8 +108,6 @@ class Trackers:
                 if name == "tensorboard":
                     self.sinks[name] = TensorBoardSink(base / "tensorboard")
                 else:
-                    from pipeline.config import config_to_dict
-
                     self.sinks[name] = WandbSink(base / "wandb", project=cfg.tracking.project, run_id=cfg.run_id,
                                                  mode=cfg.tracking.wandb_mode, config=config_to_dict(cfg))
             except Exception as e:  # noqa: BLE001 - a tracker never stops training

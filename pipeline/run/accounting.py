@@ -26,6 +26,7 @@ import msgpack
 from pipeline.keys import Keys
 from pipeline.records import PromptTask, RecordError
 from pipeline.bus.stats import read_stats
+from pipeline.producers.feeder import prompt_id
 
 PAGE = 1000
 
@@ -74,8 +75,6 @@ def _unacked_prompt_ids(r, key: str, group: str) -> set[str]:
 
 def issued_ids(r, keys: Keys) -> set[str]:
     """Every prompt id the feeder issued: its id sequence, plus any still-decodable prompt entry."""
-    from pipeline.producers.feeder import prompt_id
-
     n = int(read_stats(r, keys).get("prompts_issued", 0))
     issued = {prompt_id(i) for i in range(n)}
     for key in keys.stream_keys("prompts"):

@@ -29,7 +29,7 @@ its generator's to restart, not the driver's). ``pipeline chaos`` is
 ``pipeline up`` with this injector started beside it as its own process, and a total-queue
 check at the end; ``pipeline inject`` runs it beside any ``pipeline up`` of the same
 ``runs_dir``. Every fault goes to ``<run_dir>/chaos.jsonl`` and to stdout. Each pid is
-signalled only if its start time is the one recorded (``pipeline.run.procs``), so a
+signalled only if its start time is the one recorded (``pipeline.common.procs``), so a
 worker or an environment server restarted in between is never hit by a fault meant for
 its predecessor.
 
@@ -59,9 +59,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.bus.connection import connect
 from pipeline.config import ChaosConfig, RunConfig, load_config
 from pipeline.envs.servers import read_records
-from pipeline.run.procs import recorded_identity, send_signal
+from pipeline.common.procs import recorded_identity, send_signal
+from pipeline.keys import Keys
 
 STAGE_OF = {"gen": "generator", "ver": "verifier", "trainer": "trainer", "feeder": "feeder", "eval": "evaluator"}
 
@@ -198,9 +200,6 @@ class Injector:
 
     def version(self) -> int:
         """The trainer's policy version, from the server; the last one read while it is down."""
-        from pipeline.bus.connection import connect
-        from pipeline.keys import Keys
-
         try:
             if self._r is None:
                 self._r = connect(self.info["url"], name=f"{self.info['run_id']}:inject", retries=0,

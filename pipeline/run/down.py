@@ -20,7 +20,7 @@ from pathlib import Path
 import redis
 from redis.cluster import RedisCluster
 
-from pipeline.run.procs import recorded_identity, send_signal, signal_recorded, wait_gone
+from pipeline.common.procs import recorded_identity, send_signal, signal_recorded, wait_gone
 from pipeline.weights.shm import default_root
 
 

@@ -46,7 +46,7 @@ from pipeline.run.chaos import verdict
 from pipeline.run.down import reclaim_stale, remove_weight_files
 from pipeline.run.plan import log_file, run_config, stage_command, worker_table
 from pipeline.run.preflight import check_run
-from pipeline.run.procs import proc_start_time
+from pipeline.common.procs import proc_start_time
 from pipeline.run.summary import write_summary
 from pipeline.run.supervisor import Supervisor, WorkerFailed, report_failure
 from pipeline.weights.shm import default_root

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from pipeline.bus.stats import heartbeat
 from pipeline.run.plan import stage_of_worker
-from pipeline.run.procs import EXIT_ENTRIES_FAILED
+from pipeline.common.procs import EXIT_ENTRIES_FAILED
 
 
 RESTART_BUDGET_WINDOW_S = 3600.0

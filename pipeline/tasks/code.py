@@ -20,8 +20,8 @@ every process.
   problems, so every family is also trained on. Training draws the same way from
   ``feeder.seed`` and skips every held-out problem, so it never issues one.
 * **Truth**: a completion is right when its code (the first fenced block, else the whole
-  text; ``pipeline.verifiers.kinds.code_exec.extract_code``) passes every hidden test in
-  the ``code_exec`` sandbox (``run_tests``, its default limits). Code that does not even
+  text; ``pipeline.common.sandbox.extract_code``) passes every hidden test in
+  the sandbox (``run_tests``, its default limits). Code that does not even
   compile is wrong without starting a sandbox.
 """
 
@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pipeline.common.sandbox import SandboxLimits, extract_code, run_tests
 from pipeline.tasks.base import Item
 
 if TYPE_CHECKING:
@@ -343,9 +344,7 @@ def compiles(code: str) -> bool:
 
 
 def passes(code: str, tests: Sequence[str], *, limits=None) -> bool:
-    """HIDDEN TRUTH: whether ``code`` passes every test in the ``code_exec`` sandbox."""
-    from pipeline.verifiers.kinds.code_exec import SandboxLimits, run_tests
-
+    """HIDDEN TRUTH: whether ``code`` passes every test in the sandbox (``pipeline.common.sandbox``)."""
     if not compiles(code):
         return False
     r = run_tests(code, tests, limits=limits or SandboxLimits())
@@ -370,16 +369,12 @@ class CodeTask:
 
     def answer(self, completion: str) -> str | None:
         """The code a completion states (its first fenced block, else all of it), whitespace-normalised."""
-        from pipeline.verifiers.kinds.code_exec import extract_code
-
         code = extract_code(completion).strip()
         return " ".join(code.split()) or None
 
     def correctness(self, reference: str, completions: Sequence[str]) -> np.ndarray:
         """HIDDEN TRUTH: 1 where the completion's code passes every hidden test (one sandbox run each;
         identical code is run once)."""
-        from pipeline.verifiers.kinds.code_exec import extract_code
-
         _, tests = decode_reference(reference)
         seen: dict[str, bool] = {}
         out = np.zeros(len(completions), dtype=np.float32)

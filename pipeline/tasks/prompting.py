@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pipeline.model.tokenizer import read_chat_template, special_token_names
+from pipeline.common.hf_files import read_chat_template, special_token_names
 
 if TYPE_CHECKING:
     from pipeline.config import TaskConfig

@@ -12,12 +12,12 @@ import re
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import numpy as np
+import msgpack
+import numpy as np
+import zmq
 
-# msgpack, numpy and zmq are imported where used.
+from pipeline.verifiers.judge_styles import is_style_file, style_file
 
 PROTOCOL = 1
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5600"
@@ -79,8 +79,6 @@ class JudgeClient:
         self._ctx = None
 
     def _socket(self):
-        import zmq
-
         with self._lock:
             if self._idle:
                 return self._idle.pop()
@@ -94,9 +92,6 @@ class JudgeClient:
 
     def request(self, msg: dict) -> dict:
         """One request → its reply (``ok`` true); raises JudgeServerUnavailable or JudgeServerError."""
-        import msgpack
-        import zmq
-
         rid = next(self._ids)
         deadline = time.monotonic() + self.timeout_s
         sock = self._socket()
@@ -130,10 +125,6 @@ class JudgeClient:
     def score(self, style: str, prompt: str, completions: Sequence[str]) -> np.ndarray:
         """float32 [G] score of each completion, asked in ``style`` (NaN = abstain); a style file is read
         here and sent whole, so the server needs no copy of it."""
-        import numpy as np
-
-        from pipeline.verifiers.kinds.lm_judge import is_style_file, style_file
-
         msg = {"op": "judge", "style": style, "prompt": prompt, "completions": list(completions)}
         if is_style_file(style):
             msg["style_def"] = style_file(style).as_dict()

@@ -48,11 +48,15 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-# msgpack, numpy, zmq and torch are imported where used: `pipeline --help` builds this
-# command's parser (add_arguments) and should not pay for them.
 
+import msgpack
+import zmq
+
+from pipeline.model.tokenizer import is_char_tokenizer
 from pipeline.verifiers.judge_client import (  # noqa: F401  the client side, re-exported
     PROTOCOL, DEFAULT_ENDPOINT, DEFAULT_MAX_BATCH, DEFAULT_WINDOW_MS, TIMEOUT_ENV, DEFAULT_TIMEOUT_S, MAX_MESSAGE_BYTES, _TCP, JudgeServerUnavailable, JudgeServerError, check_endpoint, timeout_from_env, JudgeClient)
+from pipeline.verifiers.judge_styles import STYLES, make_style
+from pipeline.verifiers.kinds.lm_judge import MAX_QUESTION_TOKENS, ChatJudge, ChatJudgeUnavailable
 
 
 # ----------------------------------------------------------------------------- server
@@ -94,8 +98,6 @@ class JudgeServer:
         self._bound = threading.Event()
 
     def info(self) -> dict:
-        from pipeline.verifiers.kinds.lm_judge import STYLES
-
         s = self.stats
         return {"directory": self.engine.directory, "styles": sorted(STYLES), "max_batch": self.max_batch,
                 "window_ms": self.window_s * 1000.0, "max_tokens": self.engine.max_tokens,
@@ -110,16 +112,10 @@ class JudgeServer:
         return self._bound.wait(timeout)
 
     def _reply(self, sock, peer: bytes, msg: dict) -> None:
-        import msgpack
-
         sock.send_multipart([peer, msgpack.packb(msg, use_bin_type=True)])
 
     def _take(self, sock, peer: bytes, raw: bytes, pending: list[_Pending]) -> int:
         """Read one request: answer info and errors at once, queue a judge request; questions queued."""
-        import msgpack
-
-        from pipeline.verifiers.kinds.lm_judge import STYLES, make_style
-
         rid = None
         try:
             msg = msgpack.unpackb(raw, raw=False)
@@ -173,8 +169,6 @@ class JudgeServer:
 
     def serve_forever(self) -> None:
         """Bind and serve until ``stop()`` (or SIGTERM/SIGINT in ``main``)."""
-        import zmq
-
         ctx = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -209,10 +203,7 @@ class JudgeServer:
 
 def load_engine(directory: str, *, device: str = "auto", max_tokens: int | None = None):
     """The ``ChatJudge`` a server serves (CUDA when ``device`` is ``auto`` and one is present)."""
-    import torch
-
-    from pipeline.verifiers.kinds.lm_judge import MAX_QUESTION_TOKENS, ChatJudge, ChatJudgeUnavailable
-    from pipeline.model.tokenizer import is_char_tokenizer
+    import torch  # heavy: only a serving process loads it
 
     if is_char_tokenizer(directory):
         raise ChatJudgeUnavailable(f"judge-serve {directory!r}: a character policy cannot be served as a chat judge "
@@ -257,7 +248,7 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """``pipeline judge-serve``: serve until SIGTERM or Ctrl-C."""
     if args.threads:
-        import torch
+        import torch  # heavy: only a serving process loads it
 
         torch.set_num_threads(args.threads)
     holder: dict[str, JudgeServer] = {}

@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from pipeline.catalog import answer_extract_problem
+from pipeline.tasks.answers import make_extractor
 from pipeline.verifiers.base import frequency_scores
 
 DEFAULT_EXTRACT = "last_number"
@@ -30,8 +32,6 @@ CHECKS = ("self_consistency", "states_answer", "answer_only")
 
 def check_arg(arg: str | None) -> None:
     """The spec check: a valid ``task.answer_extract`` spec (touches no file)."""
-    from pipeline.catalog import answer_extract_problem
-
     if arg and (why := answer_extract_problem(arg)) is not None:
         raise ValueError(f"the answer extraction must be {why}; got {arg!r}")
 
@@ -66,8 +66,6 @@ def answer_only(extract: Callable[[str], str | None], prompt: str, completions: 
 
 def builder(check: Callable) -> Callable[[str | None], Callable]:
     def build(arg: str | None) -> Callable[[str, Sequence[str]], np.ndarray]:
-        from pipeline.tasks.answers import make_extractor
-
         check_arg(arg)
         extract = make_extractor(arg or DEFAULT_EXTRACT)
 

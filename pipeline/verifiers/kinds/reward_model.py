@@ -16,6 +16,7 @@ is counted and logged with the reason, and the verifier stage keeps running.
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,8 +35,6 @@ class RewardModel:
     """A loaded sequence-classification checkpoint that scores (prompt, completion) pairs in [0, 1]."""
 
     def __init__(self, directory: str | Path):
-        import inspect
-
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 

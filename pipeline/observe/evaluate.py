@@ -24,14 +24,26 @@ architecture and tokenizer come from ``model.base_dir``.
 
 from __future__ import annotations
 
+import inspect
+import json
 import math
 import shlex
 import sys
 import time
+import tomllib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import structlog
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
+
+from pipeline.observe.logs import setup_logging
+from pipeline.tasks.prompting import build_prompt, prompt_format
+from pipeline.tasks.registry import make_task
 
 if TYPE_CHECKING:
     from pipeline.config import RunConfig
@@ -172,8 +184,6 @@ def load_policy(checkpoint: str | Path, base_dir: str | Path):
 def task_differences(run_config: Path, cfg: RunConfig) -> list[str]:
     """The ``task.*`` fields a run's ``config.toml`` sets otherwise than ``cfg`` (empty when it
     cannot be read)."""
-    import tomllib
-
     try:
         trained = tomllib.loads(Path(run_config).read_text()).get("task", {})
     except (OSError, tomllib.TOMLDecodeError):
@@ -188,8 +198,6 @@ def task_differences(run_config: Path, cfg: RunConfig) -> list[str]:
 
 def _greedy_batch() -> int:
     """The batch ``greedy_decode`` runs the trainer's held-out set in (its default)."""
-    import inspect
-
     from pipeline.engines.torch import greedy_decode
 
     return int(inspect.signature(greedy_decode).parameters["batch_size"].default)
@@ -247,20 +255,15 @@ def evaluate_model(cfg: RunConfig, model, tokenizer, tokenizer_dir: str | Path, 
     settings, timings, and per prompt (``per_prompt``) the greedy completion, its verdict and
     the count of right samples.
     """
-    from pipeline.tasks.registry import make_task
-
     task_cfg = cfg.task if task_cfg is None else task_cfg
     task = make_task(task_cfg)
     heldout = task.heldout()
     items = limit_items(heldout, max_prompts)
     budget = max_new_tokens or task.eval_max_new_tokens
 
-    import numpy as np
     import torch
 
     from pipeline.engines.torch import by_length, greedy_decode, sample_prompts
-    from pipeline.tasks.prompting import build_prompt, prompt_format
-
     fmt = prompt_format(task_cfg, tokenizer_dir)
     ids = [build_prompt(fmt, tokenizer, item.prompt)[1] for item in items]
     total = len(items)
@@ -341,9 +344,6 @@ class ProgressPrinter:
         self.bar = None
         self.tasks: dict[str, Any] = {}
         if self.stream.isatty():
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
-
             self.bar = Bar(TextColumn("[bold]eval {task.description}"), BarColumn(), MofNCompleteColumn(),
                            TextColumn("prompts"), TimeElapsedColumn(), console=Console(file=self.stream))
 
@@ -365,13 +365,9 @@ class ProgressPrinter:
 def eval_logger(checkpoint: str | Path, cfg: RunConfig):
     """``(logger, where)``: a structlog logger writing JSON lines to the checkpoint's run's
     ``logs/eval.jsonl`` (or ``<runs_dir>/<run_id>/logs`` with ``--run-id``), else to stderr."""
-    from pipeline.observe.logs import setup_logging
-
     run = run_of(checkpoint) or (cfg.run_dir if cfg.run_id else None)
     if run is not None:
         return setup_logging(Path(run) / "logs", stage="eval", worker="eval"), str(Path(run) / "logs" / "eval.jsonl")
-    import structlog
-
     structlog.configure(processors=[structlog.processors.add_log_level,
                                     structlog.processors.TimeStamper(fmt="iso", utc=True),
                                     structlog.processors.JSONRenderer(default=str)],
@@ -386,8 +382,6 @@ def run_eval(cfg: RunConfig, *, checkpoint: str, n: int, ks: str | None, tempera
     those of ``DEFAULT_KS`` up to ``n``), evaluate with
     progress on stderr, log one ``checkpoint_evaluated`` line, write ``out`` (JSON: the
     figures, the command, the task config). Returns the result without its per-prompt lists."""
-    import json
-
     temperature = cfg.generator.temperature if temperature is None else temperature
     chosen = parse_ks(ks) if ks is not None else tuple(k for k in DEFAULT_KS if k <= n) or (1,)
     k_list = check_settings(n=n, ks=chosen, temperature=temperature, max_prompts=max_prompts,

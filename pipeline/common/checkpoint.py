@@ -4,7 +4,7 @@ A checkpoint is a directory ``<run_dir>/checkpoints/step-<version>/``:
 
     (the engine's tensors) the torch engine: ``model.safetensors`` (weights under their HF
                            names) and ``optimizer.safetensors`` (AdamW's per-parameter state
-                           and the torch RNG, :func:`write_torch_state`); torchtitan: one
+                           and the torch RNG, ``pipeline.engines.torch_state``); torchtitan: one
                            safetensors file per rank (``pipeline.engines.sharded_ckpt``)
     state.json             version, evaluations, the label-model versions trained on, the
                            engine's JSON extras (schedule state, optimizer settings), and the
@@ -33,9 +33,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import torch
-from safetensors.torch import load_file, save_file
 
 LATEST = "latest"
 
@@ -71,49 +68,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
-    sd = opt.state_dict()
-    tensors: dict[str, torch.Tensor] = {}
-    for idx, st in sd["state"].items():
-        for name, value in st.items():
-            t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
-            tensors[f"state.{idx}.{name}"] = t.detach().to("cpu", copy=True).contiguous()
-    groups = [{k: v for k, v in g.items()} for g in sd["param_groups"]]
-    return tensors, groups
-
-
-def _restore_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], groups: list[dict]) -> None:
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for key, t in tensors.items():
-        if not key.startswith("state."):
-            continue
-        _, idx, name = key.split(".", 2)
-        state.setdefault(int(idx), {})[name] = t
-    opt.load_state_dict({"state": state, "param_groups": groups})
-
-
-def write_torch_state(directory: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """``model.safetensors`` and ``optimizer.safetensors`` (with the torch RNG) of one process;
-    returns the optimizer's param groups (JSON)."""
-    model_tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
-    save_file(model_tensors, str(directory / "model.safetensors"))
-    opt_tensors, groups = _optimizer_tensors(opt)
-    opt_tensors["rng.torch"] = torch.get_rng_state()
-    save_file(opt_tensors, str(directory / "optimizer.safetensors"))
-    return groups
-
-
-def read_torch_state(directory: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
-                     param_groups: list[dict[str, Any]]) -> None:
-    """Inverse of :func:`write_torch_state`: model, optimizer and the torch RNG."""
-    from pipeline.model.qwen import load_state_tensors
-
-    load_state_tensors(model, load_file(str(directory / "model.safetensors")))
-    opt_tensors = load_file(str(directory / "optimizer.safetensors"))
-    _restore_optimizer(opt, opt_tensors, param_groups)
-    torch.set_rng_state(opt_tensors["rng.torch"])
 
 
 def save(directory: Path, *, state: TrainerState, write: Callable[[Path], dict[str, Any]], keep: int = 2) -> Path:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pipeline.engines.slots import SlotSampler
 from pipeline.envs.base import EnvFactory, Step, encode_text
 from pipeline.records import PromptTask
 
@@ -51,8 +52,6 @@ def play(model, tokenizer, prompts: list[np.ndarray], references: list[str], fac
     rules), each ended turn stepped in the environment at once. ``texts``: the prompts as the
     task wrote them, which the environment is given (as the feeder's record gives them);
     default: the ids decoded."""
-    from pipeline.engines.slots import SlotSampler
-
     n = len(prompts)
     out = [Played(reward=math.nan, turns=0, tool_calls=0, tool_calls_ok=0, completion=[]) for _ in range(n)]
     sampler = SlotSampler(model, slots=max(1, min(n, SLOTS)), temperature=temperature, eos_id=tokenizer.eos_id,
