@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from builders import make_scored
 
@@ -70,6 +71,10 @@ def test_a_stale_group_is_refused_and_the_commit_is_the_stages(path, tmp_path, t
         assert stats.get("groups_trained_total") == 2 and stats.get("dropped_stale_total") == 1
         assert unacked_all(redis_client, keys.stream_keys("scored"), TRAINER_GROUP) == 0
         assert int(redis_client.hget(keys.trainer, "committed_version")) == 2
+        # The first batch's hidden accuracy, written before its update (the driver's check of a
+        # base that answers nothing right reads it): p00000000's and p00000001's truths.
+        first = np.concatenate([make_scored(prompt_id="p00000000").truth, np.ones(4)])
+        assert float(redis_client.hget(keys.trainer, "first_batch_accuracy")) == pytest.approx(first.mean())
         rows = [json.loads(x) for x in (run.cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
         steps = [m for m in rows if m["kind"] == "step"]
         assert [(m["version"], m["groups_trained"], m["groups_nosignal"], m["groups_stale"]) for m in steps] == \

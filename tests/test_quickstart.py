@@ -40,11 +40,15 @@ def test_a_base_that_answers_nothing_right_is_reported_with_what_to_change(redis
     cfg, keys = load_config(QUICK), Keys("quick")
     _trainer_state(redis_client, keys, version=0)
     assert report_hopeless_base(redis_client, keys, cfg) is False  # no evaluation, no batch yet: ask again
-    _trainer_state(redis_client, keys, version=1, base_accuracy=0.0, sample_accuracy=0.0)
+    _trainer_state(redis_client, keys, version=0, base_accuracy=0.0)
+    assert report_hopeless_base(redis_client, keys, cfg) is False  # the first batch not taken yet: ask again
+    # The trainer writes its first batch's hidden accuracy before it trains on it (version still 0).
+    _trainer_state(redis_client, keys, version=0, base_accuracy=0.0, first_batch_accuracy=0.0)
     assert report_hopeless_base(redis_client, keys, cfg) is True
     err = capsys.readouterr().err
     assert "answers nothing right" in err and "task.dataset_params" in err and "model.base_dir" in err
-    for fields in ({"base_accuracy": 0.0, "sample_accuracy": 0.05}, {"base_accuracy": 0.01, "sample_accuracy": 0.0}):
-        _trainer_state(redis_client, keys, version=1, **fields)
+    for fields in ({"base_accuracy": 0.0, "first_batch_accuracy": 0.05},
+                   {"base_accuracy": 0.01, "first_batch_accuracy": 0.0}):
+        _trainer_state(redis_client, keys, version=0, **fields)
         assert report_hopeless_base(redis_client, keys, cfg) is True
         assert capsys.readouterr().err == ""  # some success: nothing to report

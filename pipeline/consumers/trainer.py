@@ -146,10 +146,15 @@ def sort_step(batch: list[tuple], *, version: int, max_staleness: int) -> Sorted
     return Sorted(kinds=kinds, fresh=fresh, signal=signal)
 
 
+def sample_accuracy(fresh) -> float:
+    """The hidden accuracy of the sampled completions of a step's fresh groups (0 for none)."""
+    truth = np.concatenate([g.truth for g in fresh]) if fresh else np.zeros(0)
+    return float(truth.mean()) if truth.size else 0.0
+
+
 def step_metrics(batch, fresh, signal, *, version: int, stats: dict, wait_s: float, step_s: float) -> dict:
     """One metrics.jsonl row: the step's counts, reward and hidden accuracy, staleness, timing, loss stats."""
     rewards = np.concatenate([g.rewards for g in fresh]) if fresh else np.zeros(0)
-    truth = np.concatenate([g.truth for g in fresh]) if fresh else np.zeros(0)
     # Each token's own version (in-flight swaps give a group several): its lag behind the policy trained.
     lag = (version - 1 - np.concatenate([g.rollout.token_versions() for g in signal])) if signal else np.zeros(0)
     return {
@@ -158,7 +163,7 @@ def step_metrics(batch, fresh, signal, *, version: int, stats: dict, wait_s: flo
         "version": version, "groups_trained": len(signal), "groups_nosignal": len(fresh) - len(signal),
         "groups_stale": len(batch) - len(fresh), "reward_mean": float(rewards.mean()) if rewards.size else 0.0,
         "reward_std": float(rewards.std()) if rewards.size else 0.0,
-        "sample_accuracy": float(truth.mean()) if truth.size else 0.0,
+        "sample_accuracy": sample_accuracy(fresh),
         # Staleness as consumed: against the version before this step (row["version"] is after it).
         "staleness_hist": np.bincount([version - 1 - g.rollout.min_version for _, g in batch]).tolist(),
         "wait_seconds": wait_s, "step_seconds": step_s,
@@ -435,6 +440,8 @@ class Trainer:
         """Classify the batch, train on the groups with signal, and record the step (not yet committed)."""
         t_step = time.perf_counter()
         s = self.sort(batch)
+        if self.version == 0:  # the base's own samples, known before the first update (the driver reads it)
+            self.r.hset(self.keys.trainer, "first_batch_accuracy", sample_accuracy(s.fresh))
         stats = self.engine.train_step(s.signal) if s.signal else {}
         return self.record(batch, s, stats=stats, updated=bool(s.signal), wait_s=wait_s, started=t_step)
 

@@ -234,17 +234,18 @@ def supervise(c: Cluster, start: float) -> str:
 
 
 def report_hopeless_base(r, keys, cfg: RunConfig) -> bool:
-    """Once the trainer has its base evaluation and its first batch: when the base model answered
-    no held-out problem right and no sampled completion of that batch is right either, print
-    so, with what to change (no group can carry a signal the truth agrees with). Returns whether
-    the check could be made (then it is not made again)."""
+    """Once the trainer has its base evaluation and its first batch (it writes that batch's hidden
+    accuracy before its first update): when the base model answered no held-out problem right and
+    no sampled completion of that batch is right either, print so, with what to change (no group
+    can carry a signal the truth agrees with). Returns whether the check could be made (then it
+    is not made again)."""
     try:
         tr = {k.decode(): v.decode() for k, v in r.hgetall(keys.trainer).items()}
     except redis.RedisError:
         return False
-    if int(tr.get("version", 0)) < 1 or "base_accuracy" not in tr:
+    if "base_accuracy" not in tr or "first_batch_accuracy" not in tr:
         return False
-    if float(tr["base_accuracy"]) == 0 and float(tr.get("sample_accuracy", 1)) == 0:
+    if float(tr["base_accuracy"]) == 0 and float(tr["first_batch_accuracy"]) == 0:
         t, g = cfg.task, cfg.generator
         print(f"pipeline: the base model answers nothing right: held-out greedy accuracy 0 on "
               f"{t.heldout_size} problems and 0 of the first step's {cfg.trainer.groups_per_step} x {g.group_size} "
