@@ -11,7 +11,9 @@ eval worker ``pipeline evaluate``) reading a stream through a consumer group and
 after its output is written, so any stage can be scaled out or killed without losing a
 rollout. Package map (``docs/layout.md`` has the whole tree):
 
-- ``config``   run configuration (TOML + dotted overrides), validated, frozen after load
+- ``config``   run configuration (TOML + dotted overrides), validated, frozen after load; its
+               sections in ``config_*``; ``inert`` (fields that cannot take effect), ``registry``
+               and ``catalog`` (the names of tasks, losses, transports, environments)
 - ``keys``     every Redis key, documented in one place (S shards; S = 1 the ordinary case)
 - ``records``  the frozen MessagePack records of each stage transition
 - ``stage``    the stream plumbing of a stage (read, decode and check, emit + ack in one
@@ -27,10 +29,13 @@ rollout. Package map (``docs/layout.md`` has the whole tree):
 - ``verifiers/``  weak verifiers (registry, arithmetic, math, kinds/, the judge server)
 - ``tasks/``   prompt sources and their hidden truth (arithmetic, math, code, reasoning-gym)
 - ``envs/``    environments for multi-turn episodes (calculator, code, TextArena, OpenEnv)
-               and their held-out evaluation
-- ``engines/`` tensor work behind the stages (torch, vllm, torchtitan, LoRA)
+- ``engines/`` tensor work behind the stages (torch, vllm, torchtitan, LoRA, held-out episodes)
 - ``weights/`` versioned weight publication and fetching (shm, tcp, ucx)
 - ``model/``   tokenizers, the tiny Qwen3 policy, pretraining, init-model, import
-- ``run/``     the single-machine driver, chaos, accounting, checkpoints, evaluation
-- ``observe/`` logs, metrics, tracking, top, dashboard, report;  ``cli``  the command table
+- ``common/``  below every stage: checkpoints and their commit records, recorded processes, the
+               sandbox, Hugging Face files
+- ``run/``     the single-machine driver (plan, preflight, base model, supervisor, summary, down),
+               chaos, accounting
+- ``observe/`` logs, metrics, tracking, top, dashboard, report, ``pipeline eval``;  ``cli``  the
+               command table
 """

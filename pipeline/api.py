@@ -15,7 +15,7 @@ samples, scores, trains or moves bytes on its own (docs/api.md has the full page
         learner.step(batch); learner.commit(); learner.publish()  # the trainer stage's step and commit
 
 - ``Run(cfg=None, *, config=None, overrides=None, build_base_model=True)``: a context manager.
-  On enter: the base model (``pipeline.run.launch.ensure_base_model``, as ``pipeline up``), then
+  On enter: the base model (``pipeline.run.base_model.ensure_base_model``, as ``pipeline up``), then
   the server, the run's config file and its streams exactly as ``pipeline up`` prepares them
   (``launch.provision_cluster``: ``bus.server.provision``, ``bus.connection.connect``,
   ``bus.streams.ensure_all_groups``), then the task (``tasks.registry.make_task``). On exit:

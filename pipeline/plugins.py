@@ -15,7 +15,7 @@ its built-in names:
       units_digit = "my_checks:units_digit"
 
 The driver (``pipeline up``) imports and checks every such spec before anything starts
-(``pipeline.run.launch.registry_problems``), so a typo fails there, naming the field; every
+(``pipeline.run.preflight.registry_problems``), so a typo fails there, naming the field; every
 worker then resolves the same spec the same way, in its own process.
 """
 

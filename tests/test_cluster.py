@@ -43,7 +43,7 @@ def test_up_starts_its_own_server_trains_and_writes_an_accounted_summary(tmp_pat
     assert "verifiers run, seconds per completion: `format`" in out
     assert {f.name for f in (run / "logs").glob("*.jsonl")} >= {"trainer.jsonl", "feeder.jsonl", "gen-0.jsonl",
                                                                 "gen-1.jsonl", "ver-0.jsonl", "ver-1.jsonl"}
-    # Each worker's stdout/stderr, under the name the driver's messages give it (pipeline.run.launch.log_file).
+    # Each worker's stdout/stderr, under the name the driver's messages give it (pipeline.run.plan.log_file).
     assert {f.name for f in (run / "logs").glob("*.out")} == {"train.out", "feed.out", "exporter.out", "gen-0.out",
                                                                "gen-1.out", "ver-0.out", "ver-1.out"}
     assert not (tmp_path / "runs" / "cluster.json").exists()

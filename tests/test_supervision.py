@@ -1,4 +1,4 @@
-"""The supervisor of `pipeline up` (pipeline.run.launch.Supervisor) and `pipeline down`, with real
+"""The supervisor of `pipeline up` (pipeline.run.supervisor.Supervisor) and `pipeline down`, with real
 processes: restarts past any fixed count, a crash-looping verifier reported while the run goes on,
 the cleanup after a SIGKILLed driver (by `pipeline down` within 30 s, or by the next `pipeline
 up`), no weight file left by a dead trainer, and no signal to a pid that is another process now."""

@@ -23,7 +23,7 @@ drawn from ``chaos.kinds``:
   on it fail their steps (``env.on_error``) and their groups are still emitted.
 
 The driver learns of a fault only as it learns of any fault, by a process exiting, and
-treats it with the same restart policy (``pipeline.run.launch.Supervisor``); it starts a
+treats it with the same restart policy (``pipeline.run.supervisor.Supervisor``); it starts a
 server it started again on the same port and append-only file (an environment server is
 its generator's to restart, not the driver's). ``pipeline chaos`` is
 ``pipeline up`` with this injector started beside it as its own process, and a total-queue
