@@ -443,7 +443,7 @@ def scenario_admission(proxy, r0, shards):
     keys = Keys("admit", shards=shards)
     r = connect(proxy.url, name="t")
     r0.set(keys.admitted, 3)
-    adm = Admission(r, keys, max_staleness=1, groups_per_step=4)  # limit at version 0: 8
+    adm = Admission(r, keys, max_staleness=1, groups_per_step=4)  # bound at version 0: 8
     proxy.drop_next()
     granted = adm.admit(4, 0)
     after_grant = int(r0.get(keys.admitted))
@@ -466,7 +466,7 @@ def scenario_admit_read(proxy, r0, shards):
     for pid in _shard_with(keys, k, 6):
         r0.xadd(keys.shard(k).prompts, {"d": make_prompt(prompt_id=pid).encode()})
     reader = streams.sharded_reader(r, keys, "prompts", GENERATORS_GROUP, "gen-0", _cfg(keys.ns, shards).redis)
-    adm = Admission(r, keys, max_staleness=1, groups_per_step=4)  # limit at version 0: 8
+    adm = Admission(r, keys, max_staleness=1, groups_per_step=4)  # bound at version 0: 8
     proxy.drop_next()
     room, first = adm.admit_read(reader, 2, 0)
     owned = reader.read_owned(10)
@@ -534,7 +534,7 @@ def test_replays_return_the_first_result(redis_client):
     keys = Keys("first")
     adm = Admission(redis_client, keys, max_staleness=0, groups_per_step=4)
     script = adm._admit
-    args = lambda seq: [3, adm.limit(0), adm.writer.id, seq]  # noqa: E731
+    args = lambda seq: [3, adm.bound(0), adm.writer.id, seq]  # noqa: E731
     assert int(script(keys=[keys.admitted, keys.admitted_txn], args=args(1))) == 3
     assert int(script(keys=[keys.admitted, keys.admitted_txn], args=args(1))) == 3, "the replay: same answer"
     assert int(redis_client.get(keys.admitted)) == 3, "and no second grant"
@@ -550,7 +550,7 @@ def test_admit_read_counts_only_what_it_read(redis_client):
     for pid in ("a", "b"):
         redis_client.xadd(keys.shard(0).prompts, {"d": make_prompt(prompt_id=pid).encode()})
     reader = streams.sharded_reader(redis_client, keys, "prompts", GENERATORS_GROUP, "gen-0", RunConfig().redis)
-    adm = Admission(redis_client, keys, max_staleness=0, groups_per_step=3)  # limit at version 0: 3
+    adm = Admission(redis_client, keys, max_staleness=0, groups_per_step=3)  # bound at version 0: 3
     room, got = adm.admit_read(reader, 4, 0)
     assert room and sorted(PromptTask.decode(e.payload).prompt_id for e in got) == ["a", "b"]
     assert int(redis_client.get(keys.admitted)) == 2

@@ -19,7 +19,7 @@ from pipeline.keys import Keys
 # never overshoot. Every change of {ns}:admitted carries its writer's idempotency token
 # (bus.streams.TxnWriter) checked in the same script, in the {ns} slot, so a call redis-py
 # sends again after a lost reply neither grants twice nor gives back twice.
-# KEYS: admitted, admitted:txn.  ARGV: want, limit, writer id, seq.  Returns the grant.
+# KEYS: admitted, admitted:txn.  ARGV: want, bound (Admission.bound), writer id, seq.  Returns the grant.
 _ADMIT = """
 local seen = txn_seen(KEYS[2], ARGV[3], ARGV[4])
 if seen then return tonumber(seen) end
@@ -42,7 +42,7 @@ return 1
 # One server (not a Redis Cluster): the grant and the read of the prompts it grants, in one
 # script, so a generator killed at any point leaks no slot; only what was read is counted.
 # KEYS: admitted, admitted:txn, then the prompt stream of every shard in the order to visit.
-# ARGV: want, limit, writer id, seq, group, consumer.
+# ARGV: want, bound, writer id, seq, group, consumer.
 # Reads from the first shard that has new prompts only (a stage's transaction stays in one
 # shard). Returns {room, shard index, id, fields, id, fields, ...}: room 0 means admission
 # is full; a replay returns {-1} (what it read is in the consumer's pending list).
@@ -96,20 +96,23 @@ class Admission:
     def __init__(self, r: redis.Redis, keys: Keys, *, max_staleness: int, groups_per_step: int,
                  writer: TxnWriter | None = None):
         self.r, self.keys = r, keys
-        self.eta, self.batch = max_staleness, groups_per_step
+        self.max_staleness, self.groups_per_step = max_staleness, groups_per_step
         self.writer = writer or TxnWriter("admission")
         self._admit = txn_script(r, _ADMIT)
         self._release = txn_script(r, _RELEASE)
         self._admit_read = txn_script(r, _ADMIT_READ)
 
-    def limit(self, version: int) -> int:
-        return (self.eta + version + 1) * self.batch
+    def bound(self, version: int) -> int:
+        """How many groups may have been admitted in all while the generators run ``version``:
+        (trainer.max_staleness + version + 1) x trainer.groups_per_step, the staleness bound
+        (docs/design.md) as a count the admission script compares ``{ns}:admitted`` with."""
+        return (self.max_staleness + version + 1) * self.groups_per_step
 
     def admit(self, want: int, version: int) -> int:
         """Admit up to ``want`` new groups for a generator running ``version``; returns how many."""
         with self.writer.token() as seq:
             return int(self._admit(keys=[self.keys.admitted, self.keys.admitted_txn],
-                                   args=[want, self.limit(version), self.writer.id, seq]))
+                                   args=[want, self.bound(version), self.writer.id, seq]))
 
     def release(self, n: int) -> None:
         """Give back slots admitted but not used (no prompt was available)."""
@@ -127,7 +130,7 @@ class Admission:
         with self.writer.token() as seq:
             resp = self._admit_read(
                 keys=[self.keys.admitted, self.keys.admitted_txn, *(reader.readers[k].stream for k in order)],
-                args=[want, self.limit(version), self.writer.id, seq, reader.readers[0].group,
+                args=[want, self.bound(version), self.writer.id, seq, reader.readers[0].group,
                       reader.readers[0].consumer])
         room = int(resp[0])
         if room == -1:  # a replay: the first attempt's entries are this consumer's pending ones
