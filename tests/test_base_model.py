@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.catalog import ADVANTAGES, ENVS, LOSSES, TASKS, TRANSPORTS
 from pipeline.cli import parse
 from pipeline.config import DEFAULT_BASE_DIR, ConfigError, load_config
 from pipeline.model.pretrain import RECIPE_FILE, SHIPPED, install_shipped, pretrain, recipe
@@ -190,7 +191,32 @@ def _doc_commands() -> list[list[str]]:
             if line.strip().strip("`").startswith("pipeline up ")]
 
 
-def test_the_extending_commands_then_a_default_run_leave_the_shipped_base_untouched(in_tmp, tiny_base_model):
+def _doc_files(directory: Path) -> list[str]:
+    """The files docs/extending.md shows whole (a ``python`` block whose first line is ``# name.py``),
+    written into ``directory`` as a reader following it would; their names."""
+    text = (ROOT / "docs" / "extending.md").read_text()
+    names = []
+    for body in re.findall(r"```python\n(.*?)```", text, flags=re.S):
+        first = body.splitlines()[0]
+        if re.fullmatch(r"# \w+\.py", first):
+            (directory / first[2:]).write_text(body)
+            names.append(first[2:])
+    return names
+
+
+@pytest.fixture
+def registries():
+    """The component registries as they were: a plugin the docs register is taken out after."""
+    saved = {reg: dict(reg._entries) for reg in (TASKS, ADVANTAGES, LOSSES, TRANSPORTS, ENVS)}
+    yield
+    for reg, entries in saved.items():
+        reg._entries.clear()
+        reg._entries.update(entries)
+
+
+def test_the_extending_commands_then_a_default_run_leave_the_shipped_base_untouched(in_tmp, tiny_base_model,
+                                                                                    registries):
+    assert "my_lab.py" in _doc_files(in_tmp)  # the plugin module its commands name
     commands = _doc_commands()
     assert len(commands) >= 4 and any("configs/tiny.toml" in c for c in commands)
     made = {}
