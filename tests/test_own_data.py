@@ -35,7 +35,7 @@ def test_init_model_honours_the_fields_and_never_warms_up_on_held_out_rows(tmp_p
         seen["rows"], seen["kw"] = list(rows), kw
         return real(directory, rows, **kw)
 
-    monkeypatch.setattr(im, "warm_up", spy)
+    monkeypatch.setattr(cli, "warm_up", spy)  # the name the command calls
     flags = ["--task.kind", "math", "--task.dataset", str(gsm), "--task.prompt_field", "question",
              "--task.answer_field", "answer", "--task.heldout_size", "10"]
     out = tmp_path / "model"
