@@ -125,6 +125,15 @@ def test_a_math_dataset_missing_the_prompt_field_is_refused_naming_it(tmp_path, 
     assert "row 1 has no 'problem'" in err
 
 
+def test_a_text_task_on_a_character_vocabulary_is_refused_naming_the_model(tmp_path, tiny_base_model):
+    """The tiny base reads digits and operators only: a reasoning-gym task's prompts are refused
+    before launch, not a ValueError from its tokenizer inside the check."""
+    pytest.importorskip("reasoning_gym", reason="the reasoning extra: pip install -e '.[reasoning]'")
+    err, _ = _refused(tmp_path, tiny_base_model, "--task.kind", "reasoning_gym", "--task.datasets", "chain_sum",
+                      "--task.heldout_size", "20")
+    assert f"model.base_dir: the tokenizer of {tiny_base_model} cannot encode chain_sum's prompts" in err, err
+
+
 def test_a_math_dataset_without_any_answer_is_refused_naming_the_field(tmp_path, tiny_base_model):
     """Rows without an answer are unlabelled (trained on with a label-free reward), but a file
     where none has one leaves no held-out set."""

@@ -283,7 +283,13 @@ def prompt_problems(cfg: RunConfig) -> list[str]:
     tok = load_tokenizer(base)
     problems = []
     for name, prompts in sample_prompts(t).items():
-        longest = max(build_prompt(fmt, tok, p)[1].size for p in prompts)
+        try:
+            longest = max(build_prompt(fmt, tok, p)[1].size for p in prompts)
+        except ValueError as e:  # a tokenizer that cannot encode the task's text (a character vocabulary)
+            problems.append(f"model.base_dir: the tokenizer of {base} cannot encode {name}'s prompts ({e}); "
+                            "use a model with a tokenizer for text (docs/real-models.md: pipeline import-model) "
+                            "or a task it can read")
+            continue
         if longest > room:
             problems.append(f"task.max_new_tokens: {name}'s prompts take {longest} tokens (sampled), and the "
                             f"context of {base} ({model_context_length(base)}) leaves {room} after "
