@@ -45,7 +45,10 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
-from common import slot_generate
+
+# bench/common.py, also when `pipeline up` loads this file as the plugin that holds even_length.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import slot_generate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
