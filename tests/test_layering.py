@@ -51,12 +51,6 @@ verifier kind, the evaluation command) imports in the function that needs them."
 DENSITY = 4.0
 """Function-local imports per thousand lines of ``pipeline/``, at most."""
 
-PENDING_EDGES: set[tuple[str, str]] = set()
-"""Folder edges still to remove (none)."""
-
-PENDING: dict[str, int] = {}
-"""Modules whose function-local imports of light modules are still to be hoisted, with how
-many such imports each may still hold (never more)."""
 
 
 def _module_name(path: Path) -> str:
@@ -146,10 +140,7 @@ def _allowed(module: str) -> bool:
 
 
 def test_the_folder_graph_has_no_cycle_counting_imports_inside_functions():
-    edges = _folder_graph()
-    for edge in PENDING_EDGES:
-        assert edge in edges, f"{edge[0]} -> {edge[1]} is gone: take it out of PENDING_EDGES"
-    kept = {e: w for e, w in edges.items() if e not in PENDING_EDGES}
+    kept = _folder_graph()
     cycle = _cycle(kept)
     if cycle:
         where = "\n".join(f"  {a} -> {b}: {', '.join(kept[(a, b)])}" for a, b in zip(cycle, cycle[1:]))
@@ -162,8 +153,6 @@ def test_a_function_imports_only_heavy_libraries():
         for module, line, inside in _imports(path):
             if inside and not _allowed(module):
                 wrong[_rel(path)].append(f"{_rel(path)}:{line} {module}")
-    for name, most in PENDING.items():
-        assert len(wrong.pop(name, [])) <= most, f"{name}: more function-local light imports than {most}"
     assert not wrong, "import these at the top of the module (or name the library in HEAVY, with why):\n" + \
         "\n".join(x for found in wrong.values() for x in found)
 
@@ -172,8 +161,7 @@ def test_function_local_imports_are_few():
     lines = local = 0
     for path in _files():
         lines += path.read_text(encoding="utf-8").count("\n")
-        local += sum(1 for module, _, inside in _imports(path)
-                     if inside and (_allowed(module) or _rel(path) not in PENDING))
+        local += sum(1 for _, _, inside in _imports(path) if inside)
     assert local * 1000 / lines <= DENSITY, f"{local} function-local imports in {lines} lines"
 
 
