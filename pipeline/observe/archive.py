@@ -171,7 +171,8 @@ class ArchiveWriter:
 
     def base(self, weights_hash: str, *, base_dir: str) -> None:
         """Record the base's hash (a fresh start): replay checks it before the first step."""
-        (self.directory / BASE).write_text(json.dumps({"weights_hash": weights_hash, "base_dir": base_dir}) + "\n")
+        (self.directory / BASE).write_text(json.dumps({"weights_hash": weights_hash,
+                                                       "base_dir": str(Path(base_dir).resolve())}) + "\n")
 
     def write(self, *, step: int, parent: int, groups: list[ScoredGroup], outcomes: list[str], weights_hash: str,
               updated: bool) -> None:
@@ -242,6 +243,12 @@ def steps(directory: Path) -> list[StepMeta]:
 def base_hash(directory: Path) -> str | None:
     path = Path(directory) / BASE
     return json.loads(path.read_text())["weights_hash"] if path.exists() else None
+
+
+def base_dir(directory: Path) -> str | None:
+    """The base checkpoint's directory, as an absolute path, from ``_base.json``."""
+    path = Path(directory) / BASE
+    return json.loads(path.read_text()).get("base_dir") if path.exists() else None
 
 
 def resumes(directory: Path) -> list[dict]:
