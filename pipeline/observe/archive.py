@@ -256,6 +256,17 @@ def resumes(directory: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+def read_columns(directory: Path, columns: list[str]) -> dict[str, list]:
+    """The named columns of every segment, in step order, as lists."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    paths = segments(directory)
+    if not paths:
+        return {c: [] for c in columns}
+    return pa.concat_tables([pq.read_table(p, columns=columns) for p in paths]).to_pydict()
+
+
 def read_groups(path: Path) -> tuple[list[ScoredGroup], list[str]]:
     """A segment's groups, exactly as the trainer took them, in training order, with their outcomes."""
     import pyarrow.parquet as pq
