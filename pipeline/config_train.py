@@ -475,6 +475,11 @@ class EnvConfig(Section):
     observation_field: str = ""
     """``openenv:...``: the Observation field whose text the model reads after each turn;
     empty: the Observation's one string field."""
+    max_failed_resets: int = 32
+    """Episode resets failing in a row on one generator (none succeeding in between) after
+    which the generator exits and the run stops, naming env.kind and the first error (an
+    environment that cannot start, or whose text the tokenizer cannot encode); 0: never. The
+    default, 32, is four groups of the default run (group_size 8) that all failed to start."""
 
     def _validate(self, p: str) -> None:
         _check(self.max_turns >= 1, f"{p}.max_turns", ">= 1", self.max_turns)
@@ -484,5 +489,6 @@ class EnvConfig(Section):
         _check(self.max_in_flight >= 0, f"{p}.max_in_flight", ">= 0", self.max_in_flight)
         _check(self.servers >= 1, f"{p}.servers", ">= 1", self.servers)
         _check(self.start_timeout_s > 0, f"{p}.start_timeout_s", "> 0", self.start_timeout_s)
+        _check(self.max_failed_resets >= 0, f"{p}.max_failed_resets", ">= 0", self.max_failed_resets)
         _check(not self.observation_field or self.observation_field.isidentifier(), f"{p}.observation_field",
                "empty or a field name", self.observation_field)

@@ -17,6 +17,12 @@ whole batch's, so no entry can be set apart in the process). The driver restarts
 end of its backoff and never counts it toward a crash loop: the entries' delivery count
 (``redis.max_deliveries``) dead-letters them after a few restarts, and the run goes on."""
 
+EXIT_CONFIG_FAILED = 5
+"""The exit code of a worker that found the run cannot work as configured, in a way no restart
+fixes (a generator whose environment's resets keep failing: ``env.max_failed_resets``). The
+driver does not restart it: it stops the run, with the worker's last lines on stderr and the
+error in the summary's status."""
+
 
 def proc_start_time(pid: int) -> int | None:
     """The start time of process ``pid`` (field 22 of ``/proc/<pid>/stat``, clock ticks since

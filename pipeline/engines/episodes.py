@@ -9,6 +9,11 @@ as encoded, until the environment says done, ``max_turns`` model turns, or the c
 token budget (observation tokens included) has no room for another turn. The trainer's held-out evaluation calls it with temperature 0 when the
 run has an environment (``heldout_accuracy`` is then the episodes' mean environment
 reward, a missing reward counting 0, beside the held-out tool-call rate and turns).
+
+Held-out episode ``i`` has the prompt id ``heldout-i`` and is reset with the seed
+``episode_seed(seed, "heldout-i")`` (pipeline.envs.base: the generator's derivation), so the
+held-out set is the same games at every evaluation; ``seed`` defaults to 0, which the
+trainer's engines use, so runs that share a held-out set also share its games.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import numpy as np
 import torch
 
 from pipeline.engines.slots import SlotSampler
-from pipeline.envs.base import EnvFactory, Step, encode_text
+from pipeline.envs.base import EnvFactory, Step, encode_text, episode_seed, reset_episode
 from pipeline.records import PromptTask
 
 
@@ -46,12 +51,14 @@ SLOTS = 64
 
 def play(model, tokenizer, prompts: list[np.ndarray], references: list[str], factory: EnvFactory, *,
          max_turns: int, max_new_tokens: int, temperature: float = 0.0,
-         generator: torch.Generator | None = None, texts: list[str] | None = None) -> list[Played]:
+         generator: torch.Generator | None = None, texts: list[str] | None = None,
+         seed: int = 0) -> list[Played]:
     """One episode per prompt (token ids, as the model reads them), decoded together by the
     generator's own slot sampler (pipeline.engines.slots: its turn, turn-limit and token-budget
     rules), each ended turn stepped in the environment at once. ``texts``: the prompts as the
     task wrote them, which the environment is given (as the feeder's record gives them);
-    default: the ids decoded."""
+    default: the ids decoded. ``seed``: the run seed the held-out prompt ids are hashed with into
+    each episode's reset seed (see the module docstring)."""
     n = len(prompts)
     out = [Played(reward=math.nan, turns=0, tool_calls=0, tool_calls_ok=0, completion=[]) for _ in range(n)]
     sampler = SlotSampler(model, slots=max(1, min(n, SLOTS)), temperature=temperature, eos_id=tokenizer.eos_id,
@@ -68,9 +75,10 @@ def play(model, tokenizer, prompts: list[np.ndarray], references: list[str], fac
             text = texts[i] if texts is not None else tokenizer.decode(list(prompts[i]))
             ids = np.asarray(prompts[i], dtype=np.int32)
             try:
-                episodes[i] = factory(PromptTask(prompt_id=f"heldout-{i}", prompt=text, prompt_ids=ids,
+                pid = f"heldout-{i}"
+                episodes[i] = factory(PromptTask(prompt_id=pid, prompt=text, prompt_ids=ids,
                                                  reference=references[i], issued_at=time.time()))
-                first = encode_text(tokenizer, episodes[i].reset())
+                first = encode_text(tokenizer, reset_episode(episodes[i], episode_seed(seed, pid)))
             except Exception as e:  # noqa: BLE001 - an environment that cannot start: the episode is unrewarded
                 out[i].error = f"{type(e).__name__}: {e}"
                 continue

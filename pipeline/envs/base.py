@@ -15,6 +15,14 @@ prompt; ``""`` for none), ``step(action)`` a :class:`Step`. ``env.kind`` names o
 ``calculator`` (pipeline.envs.calculator), or your own as ``module:function`` /
 ``path/to/file.py:function`` returning the factory for a config (pipeline.plugins).
 
+Seeds: every episode of a GRPO group is reset with the same ``seed`` (:func:`episode_seed`:
+the run's ``feeder.seed`` and the prompt's id, hashed), so the completions of a group play the
+same game and group-relative advantages compare like with like; two prompts get different
+seeds. An episode whose ``reset`` accepts a ``seed`` keyword (or ``**kwargs``) is given it
+(:func:`reset_episode`, the signature read once per class); one whose ``reset`` takes no
+argument is reset as before. An environment with randomness must draw it from that seed
+alone: the same seed, the same game.
+
 A step may say that its action was a tool call and whether the environment answered it
 (``Step.tool_call``, ``Step.tool_ok``); both default to "not a tool call", so an environment
 that does not say is counted as making none. The runner counts them per episode.
@@ -22,6 +30,8 @@ that does not say is counted as making none. The runner counts them per episode.
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -51,8 +61,10 @@ class Step:
 
 
 class Episode(Protocol):
-    def reset(self) -> str:
-        """The first observation ("" for none), appended right after the prompt."""
+    def reset(self, seed: int | None = None) -> str:
+        """The first observation ("" for none), appended right after the prompt. ``seed``: the
+        group's seed (:func:`episode_seed`); the same seed must give the same game. A ``reset``
+        without the parameter is called without it."""
         ...
 
     def step(self, action: str) -> Step:
@@ -81,6 +93,46 @@ def step_bucket(seconds: float) -> str:
     return f"{ENV_STEP_BUCKET}+Inf"
 
 
+SEED_BITS = 31
+"""Episode seeds are below ``2**31``: every seeding API takes them (numpy, torch, JSON, Java-style ints)."""
+
+
+def episode_seed(run_seed: int, prompt_id: str) -> int:
+    """The seed of every episode of ``prompt_id``'s group: blake2b of the run seed and the prompt
+    id (stable across processes and Python versions, unlike ``hash()``), below ``2**31``."""
+    digest = hashlib.blake2b(f"{int(run_seed)}:{prompt_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") & ((1 << SEED_BITS) - 1)
+
+
+_TAKES_SEED: dict[type, bool] = {}
+
+
+def takes_seed(episode) -> bool:
+    """Whether ``episode.reset`` accepts a ``seed`` keyword (a parameter of that name, or
+    ``**kwargs``); read once per class (an instance's own ``reset`` attribute: every time)."""
+    cls = type(episode)
+    own = "reset" in getattr(episode, "__dict__", {})
+    if not own and cls in _TAKES_SEED:
+        return _TAKES_SEED[cls]
+    try:
+        params = inspect.signature(episode.reset).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: called as before
+        ok = False
+    else:
+        ok = any(p.name == "seed" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                 or p.kind == p.VAR_KEYWORD for p in params)
+    if not own:
+        _TAKES_SEED[cls] = ok
+    return ok
+
+
+def reset_episode(episode, seed: int | None) -> str:
+    """``episode.reset(seed=seed)`` where it takes a seed (:func:`takes_seed`), else ``episode.reset()``."""
+    if seed is not None and takes_seed(episode):
+        return episode.reset(seed=seed)
+    return episode.reset()
+
+
 def encode_text(tokenizer, text: str) -> list[int]:
     """An observation's token ids, exactly as the tokenizer encodes them (none for ``""``)."""
     return list(tokenizer.encode(text)) if text else []
@@ -90,19 +142,37 @@ class EnvError(RuntimeError):
     """An environment step that failed (raised, timed out, lost its server)."""
 
 
+class EnvResetsFailing(EnvError):
+    """``env.max_failed_resets`` resets failed in a row: the environment cannot start here (the
+    generator exits with ``EXIT_CONFIG_FAILED``, and the run stops naming this error)."""
+
+
 class EpisodeRunner:
     """The environment side of one generator's episodes in flight: one :class:`Episode` per
     completion, their steps on a thread pool of ``env.workers`` so environment latency
     overlaps decoding, timeouts and the ``env.on_error`` policy, and the counters.
 
-    Counters (``take_counters``, added to ``{ns}:stats`` with the next groups emitted):
+    Counters (``take_counters``, added to ``{ns}:stats`` with the next groups emitted, or with
+    the groups handed back at a stop, so every failure logged is counted):
     ``episodes_total`` (started), ``env_steps_total`` (answered), ``env_errors_total``,
     ``env_step_seconds_total`` and the latency buckets (``step_bucket``) of every step
     attempt. Each episode's tool calls and the ones answered are kept until :meth:`tools`
-    hands them over with its group (the generator counts them per finished episode)."""
+    hands them over with its group (the generator counts them per finished episode).
 
-    def __init__(self, factory: EnvFactory, env_cfg, tokenizer, log) -> None:
+    Every episode of a group is reset with the group's seed, ``episode_seed(run_seed,
+    prompt_id)`` (``seeds`` keeps it per group in flight). ``env.max_failed_resets`` resets
+    failing in a row, none succeeding in between, raise :class:`EnvResetsFailing` naming
+    ``env.kind`` and the first of them."""
+
+    def __init__(self, factory: EnvFactory, env_cfg, tokenizer, log, *, run_seed: int = 0) -> None:
         self.factory, self.cfg, self.tok, self.log = factory, env_cfg, tokenizer, log
+        self.run_seed = run_seed
+        self.seeds: dict[object, int] = {}
+        """Group key -> the seed its episodes were reset with."""
+        self.failed_resets = 0
+        """Resets failed in a row (a successful one sets it back to 0)."""
+        self.first_failure: str | None = None
+        """The first error of the current run of failed resets."""
         self.pool = ThreadPoolExecutor(env_cfg.workers, thread_name_prefix="env")
         self.episodes: dict[tuple, Episode] = {}
         self.pending: dict[tuple, list] = {}
@@ -128,17 +198,28 @@ class EpisodeRunner:
         firsts = []
         self.rewards[key] = [float("nan")] * n
         self.calls[key] = [[0, 0] for _ in range(n)]
+        seed = self.seeds[key] = episode_seed(self.run_seed, task.prompt_id)
         for j in range(n):
             try:
                 ep = self.factory(task)
                 self.episodes[(key, j)] = ep
-                firsts.append(encode_text(self.tok, ep.reset()))
+                firsts.append(encode_text(self.tok, reset_episode(ep, seed)))
             except Exception as e:
+                error = f"{type(e).__name__}: {e}"
                 self._count("env_errors_total")
-                self.log.warning("env_reset_failed", member=j, error=f"{type(e).__name__}: {e}")
+                self.log.warning("env_reset_failed", member=j, seed=seed, error=error)
                 self.broken.add((key, j))
                 firsts.append([])
+                self.failed_resets += 1
+                self.first_failure = self.first_failure or error
+            else:
+                self.failed_resets, self.first_failure = 0, None
         self._count("episodes_total", n)
+        bound = getattr(self.cfg, "max_failed_resets", 0)
+        if bound and self.failed_resets >= bound:
+            raise EnvResetsFailing(
+                f"env.kind {getattr(self.cfg, 'kind', '')!r}: {self.failed_resets} episode resets failed in a row, "
+                f"none succeeded in between (env.max_failed_resets = {bound}); the first: {self.first_failure}")
         return firsts
 
     def submit(self, key, member: int, action: str, attempts: int = 0) -> None:
@@ -214,6 +295,7 @@ class EpisodeRunner:
                 except Exception as e:  # a failed close loses nothing
                     self.log.warning("env_close_failed", error=f"{type(e).__name__}: {e}")
         self.calls.pop(key, None)
+        self.seeds.pop(key, None)
         return self.rewards.pop(key, [float("nan")] * n)
 
     def close(self) -> None:

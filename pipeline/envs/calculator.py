@@ -8,7 +8,8 @@ observation: the model simply takes another turn). Each call's step says so
 (``Step.tool_call``), and whether it was answered (``Step.tool_ok``: False for a malformed
 one), for the tool-call metrics (docs/observing.md). The tiny
 character model's alphabet (digits, ``+``, ``*``, ``=``, space) spells both, so it can
-learn to call the tool before it answers.
+learn to call the tool before it answers. The episode has no randomness: ``reset`` takes
+the group's seed and ignores it.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ class CalculatorEpisode:
         self.reference = reference.strip()
         self.calls = 0
 
-    def reset(self) -> str:
-        return ""
+    def reset(self, seed: int | None = None) -> str:
+        return ""  # no randomness: every seed is the same episode
 
     def step(self, action: str) -> Step:
         text = action.strip()

@@ -18,7 +18,8 @@ against every hidden test in the sandbox (``pipeline.common.sandbox``: ``run_tes
   the prompt, and the weak verifiers, never show a test.
 
 Code that does not compile is answered without starting a sandbox. The reset observation
-is empty: the prompt states the problem.
+is empty: the prompt states the problem. The episode has no randomness: ``reset`` takes the
+group's seed and ignores it.
 """
 
 from __future__ import annotations
@@ -101,8 +102,8 @@ class CodeEpisode:
         self.limits = limits or SandboxLimits()
         self.attempts = 0
 
-    def reset(self) -> str:
-        return ""
+    def reset(self, seed: int | None = None) -> str:
+        return ""  # no randomness (the hidden tests are the prompt's): every seed is the same episode
 
     def step(self, action: str) -> Step:
         self.attempts += 1

@@ -24,16 +24,19 @@ a step is no tool call. (openenv-core 0.3.0 drops an Observation's ``metadata`` 
 so the flags travel as fields of their own.)
 
 ``reset`` receives the keyword arguments ``prompt``, ``reference`` and ``prompt_id`` of the
-episode's prompt; the server passes on those its environment's ``reset`` accepts (by name,
-or all of them to ``**kwargs``), and drops the others.
+episode's prompt, and ``seed``, the group's seed (pipeline.envs.base.episode_seed: the same
+for every completion of a group); the server passes on those its environment's ``reset``
+accepts (by name, or all of them to ``**kwargs``; OpenEnv's ``Environment.reset`` takes
+``seed``), and drops the others.
 
 Failures: a step the environment raised on (the server answers with an error) fails that
 step only; a session that is lost (the server died, the connection closed, no answer within
 ``env.step_timeout_s``) fails this step and every later one of the episode. Both raise
 :class:`~pipeline.envs.base.EnvError`, so the EpisodeRunner's ``env.on_error`` policy applies
 and the group is still emitted. A reset that cannot get a session (every server full, none
-up within ``env.start_timeout_s``, the environment's reset raised) returns no observation
-and fails the episode's first step, with the reason. Nothing of openenv-core is imported
+up within ``env.start_timeout_s``, the environment's reset raised) raises EnvError with the
+reason: the runner counts a failed reset (``env.max_failed_resets``) and ends the episode at
+its first turn. Nothing of openenv-core is imported
 until an ``openenv:`` kind is used.
 """
 
@@ -222,10 +225,13 @@ class OpenEnvEnvironments:
             raise
         return client, result
 
-    def open(self, task: PromptTask):
-        """A new session reset for ``task``: (client, url, first result). Tries every server up;
-        waits (up to env.start_timeout_s) for one of the pool's to come up, not for a full one."""
+    def open(self, task: PromptTask, seed: int | None = None):
+        """A new session reset for ``task`` (and ``seed``, where given): (client, url, first result).
+        Tries every server up; waits (up to env.start_timeout_s) for one of the pool's to come up,
+        not for a full one."""
         kwargs = {"prompt": task.prompt, "reference": task.reference, "prompt_id": task.prompt_id}
+        if seed is not None:
+            kwargs["seed"] = int(seed)
         deadline = time.monotonic() + self.start_timeout_s
         errors: dict[str, str] = {}
         while True:
@@ -304,13 +310,13 @@ class OpenEnvEpisode:
         self.broken: str | None = None
         """Why the session cannot go on (every later step raises this)."""
 
-    def reset(self) -> str:
+    def reset(self, seed: int | None = None) -> str:
         try:
-            self.client, self.url, result = self.envs.open(self.task)
+            self.client, self.url, result = self.envs.open(self.task, seed)
         except Exception as e:
             self.broken = str(e) if isinstance(e, EnvError) else f"env.kind {self.envs.kind!r}: reset failed " \
                                                                   f"({type(e).__name__}: {e})"
-            return ""
+            raise EnvError(self.broken) from None
         return self.envs.text(result.observation)
 
     def step(self, action: str) -> Step:

@@ -6,9 +6,10 @@ seed)``, ``get_observation()``, ``step(action) -> (done, info)``, ``close() -> (
 game info)``. An episode here is one game played by the model alone:
 
 - **reset**: the game is made (its ``-raw`` version: no textarena wrappers, so each observation
-  is only what is new) and reset for one player with a seed derived from the prompt's id
-  (``crc32``), so the completions of a group play the same game and the groups different
-  ones. The first observation is the game's opening messages (its rules and what to do).
+  is only what is new) and reset for one player with the group's seed (``reset(seed=...)``,
+  from the run's ``feeder.seed`` and the prompt's id: pipeline.envs.base.episode_seed; without
+  one, a seed derived from the prompt's id alone, ``crc32``), so the completions of a group
+  play the same game and the groups different ones. The first observation is the game's opening messages (its rules and what to do).
 - **step(action)**: the turn's text is the game action (``GuessTheNumber`` reads the number in
   square brackets, ``[7]``); the observation is the game's messages since the last turn, one
   line each as ``[GAME] ...`` (the model's own action is not repeated: it is already in the
@@ -113,7 +114,10 @@ class TextArenaEpisode:
         self.reward: float | None = None
         self.info: dict = {}
 
-    def reset(self) -> str:
+    def reset(self, seed: int | None = None) -> str:
+        """The game's opening messages, the game reset with ``seed`` (default: the one it was made with)."""
+        if seed is not None:
+            self.seed = seed
         with _RESET_LOCK:  # textarena seeds the global random: one reset at a time, its state put back
             saved = random.getstate()
             try:

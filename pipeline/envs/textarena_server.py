@@ -2,7 +2,7 @@
 
 ``env.kind = "openenv:pipeline.envs.textarena_server:app"`` plays the game of
 ``env.kind = "textarena"`` on OpenEnv servers the generators start: the same game, seeded
-from the prompt's id (``reset`` receives ``prompt_id``), the same observations, rewards and
+with the group's seed (``reset`` receives ``seed``; without one, from ``prompt_id``), the same observations, rewards and
 done for the same actions. The game is ``GuessTheNumber-v0`` unless the environment
 variable ``RLPIPE_TEXTARENA_GAME`` names another (a single-player game that runs offline;
 each server process reads it when it imports this module, and a generator's servers inherit

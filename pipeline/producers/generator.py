@@ -17,6 +17,7 @@ sample G completions per prompt → emit the groups and ack the prompts in that 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from typing import TYPE_CHECKING, Callable
 
@@ -26,7 +27,8 @@ import redis
 from pipeline.bus.flow import Admission, NewestVersion, VersionWatch
 from pipeline.bus.streams import Entry, unacked_all
 from pipeline.config import RunConfig
-from pipeline.envs.base import EpisodeRunner
+from pipeline.common.procs import EXIT_CONFIG_FAILED
+from pipeline.envs.base import EnvResetsFailing, EpisodeRunner
 from pipeline.envs.registry import make_env
 from pipeline.engines import GenerationBackend, Sampled, make_generation_backend
 from pipeline.keys import GENERATORS_GROUP, VERIFIERS_GROUP, Keys
@@ -257,7 +259,9 @@ class Streamer:
         self.sampler = gen.backend.continuous(slots=g.slots or g.prompts_per_batch * g.group_size)
         self.inflight: dict[tuple[int, bytes], tuple[Entry, PromptTask]] = {}
         factory = make_env(gen.cfg)
-        self.env = None if factory is None else EpisodeRunner(factory, gen.cfg.env, gen.backend.tokenizer, gen.log)
+        # Every episode of a group is reset with one seed, from feeder.seed and the prompt's id.
+        self.env = None if factory is None else EpisodeRunner(factory, gen.cfg.env, gen.backend.tokenizer, gen.log,
+                                                              run_seed=gen.cfg.feeder.seed)
         self.draining = False
         self.serial = 0
         self.decode_s, self.steps, self.slot_steps = 0.0, 0, 0
@@ -400,9 +404,14 @@ class Streamer:
             gen.log.info("partial_handed_back", prompt_id=task.prompt_id, tokens=int(partial.ids.size),
                          done=int(partial.done.sum()))
         self.sampler.clear()
+        # The environment counters not yet emitted (failures of episodes abandoned here included).
+        extra = {} if self.env is None else self.env.take_counters()
         for shard, back in by_shard.items():
             st.emit(Batch(shard=gen.keys.shard(shard), good=[], bad=[]),
-                    Output(handed_back=back, counters={"partials_handed_back_total": len(back)}))
+                    Output(handed_back=back, counters={"partials_handed_back_total": len(back), **extra}))
+            extra = {}
+        if extra:
+            st.emit(Batch(shard=gen.keys.shard(0), good=[], bad=[]), Output(counters=extra))
 
     # ------------------------------------------------------------------ the loop
 
@@ -470,7 +479,12 @@ def run_generator(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_bat
         else:
             streamer = Streamer(gen)
             gen.swap_weights()
-            streamer.run(max_batches)
+            try:
+                streamer.run(max_batches)
+            except EnvResetsFailing as e:  # no restart can fix it: the driver stops the run
+                log.error("env_resets_failing", error=str(e))
+                print(f"generator {worker_id}: {e}", file=sys.stderr, flush=True)
+                raise SystemExit(EXIT_CONFIG_FAILED) from None
             log.info("slot_utilisation", steps=streamer.steps,
                      mean=round(streamer.slot_steps / max(streamer.steps * streamer.sampler.slots, 1), 4))
     finally:

@@ -387,7 +387,7 @@ def up(cfg: RunConfig, *, chaos: bool = False) -> int:
         raise
     if c.failure is not None:
         e = c.failure
-        print(f"pipeline: run {c.cfg.run_id} failed: {e.name} keeps exiting (code {e.code}); its last lines are "
+        print(f"pipeline: run {c.cfg.run_id} failed: {e.name} {e.how} (code {e.code}); its last lines are "
               f"above, its whole output is {e.log} ({e.why})", file=sys.stderr, flush=True)
         return code or 1
     return code

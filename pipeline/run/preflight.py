@@ -1,7 +1,8 @@
 """The checks made before anything starts, the same for ``pipeline up``, ``pipeline chaos`` and
 ``pipeline config --check`` (``check_run``): every input the run would otherwise fail on inside
 a worker (``preflight``: the model directory, the fixed ports, the optional packages, every
-registry name, the dataset, the eval sets, the chaos schedule, the verifiers on real prompts)
+registry name, the dataset, the eval sets, the chaos schedule, the verifiers on real prompts,
+one episode of the environment through the model's tokenizer)
 and every field the user set that the run would ignore (``check_settings``:
 ``pipeline.config.inert_fields``), each a ``ConfigError`` naming the field and what it allows."""
 
@@ -11,6 +12,7 @@ import importlib.util
 import json
 import os
 import socket
+import time
 import typing
 from pathlib import Path
 
@@ -21,10 +23,13 @@ from pipeline.inert import Situation, refuse_inert
 from pipeline.consumers.evaluator import set_problems
 from pipeline.consumers.verifier import panel_problems
 from pipeline.engines.titan_arch import checkpoint_problems as titan_problems
+from pipeline.envs.base import Step, encode_text, episode_seed, reset_episode
 from pipeline.envs.registry import make_env
 from pipeline.model.tokenizer import load_tokenizer, model_context_length
 from pipeline.observe.metrics import worker_ports
 from pipeline.observe.tracking import problems as tracking_problems
+from pipeline.producers.feeder import prompt_id
+from pipeline.records import PromptTask
 from pipeline.run.base_model import base_problems, builds_base_model, built_base_model, resolve_base_dir
 from pipeline.run.plan import worker_table
 from pipeline.tasks.prompting import build_prompt, prompt_format
@@ -48,17 +53,27 @@ def check_run(cfg: RunConfig, *, chaos: bool = False) -> RunConfig:
 def preflight(cfg: RunConfig, *, chaos: bool = False) -> None:
     """ConfigError naming each input the run would otherwise fail on inside a worker, and
     what the field allows: checked before anything starts (no server, no pretrain, no run
-    directory), in well under a second.
+    directory), in well under a second (one episode of an environment aside: what it costs, env_problems).
 
     The model directory (``model_problems``), the ports the run binds at fixed numbers
     (``port_problems``), the optional packages the chosen backends and transport need
     (``backend_problems``), every registry name (``registry_problems``), the dataset
-    (``task_problems``) and, under ``pipeline chaos``, the fault schedule (``chaos_problems``).
+    (``task_problems``) and, under ``pipeline chaos``, the fault schedule (``chaos_problems``);
+    then the verifiers on real prompts (``panel_problems``) and one episode of the environment
+    (``env_problems``).
     """
-    problems = [*model_problems(cfg), *port_problems(cfg), *backend_problems(cfg), *registry_problems(cfg),
-                *task_problems(cfg), *eval_problems(cfg), *(chaos_problems(cfg) if chaos else [])]
-    if not problems:  # the verifiers that will run, scored on real prompts of the task
-        problems = panel_problems(cfg)
+    built: list = []  # the environment's factory, built once for both checks, closed here
+    try:
+        problems = [*model_problems(cfg), *port_problems(cfg), *backend_problems(cfg),
+                    *registry_problems(cfg, keep=built), *task_problems(cfg), *eval_problems(cfg),
+                    *(chaos_problems(cfg) if chaos else [])]
+        if not problems:  # the verifiers that will run, scored on real prompts of the task
+            problems = panel_problems(cfg)
+        if not problems:  # one episode of the environment, its text through the model's tokenizer
+            problems = env_problems(cfg, built[0] if built else None)
+    finally:
+        for factory in built:
+            _close_factory(factory)
     if len(problems) == 1:
         raise ConfigError(problems[0])
     if problems:
@@ -220,11 +235,12 @@ def _allowed(dotted: str) -> tuple[str, ...]:
     return choices(typing.get_type_hints(type(getattr(RunConfig(), section)))[name])
 
 
-def registry_problems(cfg: RunConfig) -> list[str]:
+def registry_problems(cfg: RunConfig, *, keep: list | None = None) -> list[str]:
     """Every verifier spec names a registered verifier, a kind or user code that imports; the
     reward mode is one the rewards module knows (or user code), and a ``single:<name>`` names a
     verifier of the list; the advantage and the loss are built in or user code that imports; the
-    environment (``env.kind``) is built in or a factory that imports and builds."""
+    environment (``env.kind``) is built in or a factory that imports and builds (``keep``: a list
+    the built factory is appended to, for the caller to use and close; else it is closed here)."""
     v, problems = cfg.verifier, []
     for spec in v.verifiers:
         try:
@@ -235,11 +251,96 @@ def registry_problems(cfg: RunConfig) -> list[str]:
     problems += component_problems(cfg)
     if cfg.env.kind:  # the environment's factory is built as every generator builds it
         try:
-            make_env(cfg)
+            factory = make_env(cfg)
         except Exception as e:
-            text = f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)
-            problems.append(text if text.startswith("env.kind") else f"env.kind: {text}")
+            problems.append(_env_error(e))
+        else:
+            if keep is not None:
+                keep.append(factory)
+            else:
+                _close_factory(factory)
     return problems
+
+
+def _env_error(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)
+    return text if text.startswith("env.kind") else f"env.kind: {text}"
+
+
+def _close_factory(factory) -> None:
+    """Stop what an environment's factory started (an OpenEnv app's servers), if it can."""
+    close = getattr(factory, "close", None)
+    if callable(close):
+        try:
+            close()
+        except Exception:  # noqa: BLE001 - a failed teardown changes no verdict
+            pass
+
+
+def env_problems(cfg: RunConfig, factory=None) -> list[str]:
+    """With ``env.kind``: one episode of the environment as a generator plays it, on the first
+    training prompt rendered and encoded with the model's own tokenizer (``model.base_dir``):
+    the factory built, the episode reset with the group's seed, its first observation encoded,
+    one step (the prompt's reference answer as the action) and its observation encoded, the
+    episode and the factory closed (an OpenEnv app's servers stopped). A reset or step that
+    raises, or an observation the tokenizer cannot encode, is named with env.kind and
+    model.base_dir. One episode costs what the environment costs: ``openenv:<app>`` starts its
+    ``env.servers`` servers for it (seconds), ``code`` runs one sandboxed program at most (the
+    reference is not code, so it fails to compile and runs nothing), ``openenv:<url>`` needs
+    its server up. Nothing when the checkpoint or the task is wrong (other checks name those).
+    ``factory``: the environment's factory already built (the caller closes it); else one is
+    built and closed here."""
+    if not cfg.env.kind or checkpoint_problems(Path(cfg.model.base_dir)):
+        return []
+    base = cfg.model.base_dir
+    try:
+        tok = load_tokenizer(base)
+        item = next(iter(make_task(cfg.task).training(cfg.feeder.seed)))
+        text, ids = build_prompt(prompt_format(cfg.task, base), tok, item.prompt)
+    except Exception:  # noqa: BLE001 - a task or format the other checks name
+        return []
+    task = PromptTask(prompt_id=prompt_id(0), prompt=text, prompt_ids=ids, reference=item.reference,
+                      issued_at=time.time())
+    where = f"env.kind {cfg.env.kind!r} with the tokenizer of model.base_dir {str(base)!r}"
+    owned = factory is None
+    if owned:
+        try:
+            factory = make_env(cfg)
+        except Exception as e:  # noqa: BLE001 - the factory does not build
+            return [_env_error(e)]
+    episode = None
+    try:
+        stage = "reset"
+        episode = factory(task)
+        observation = reset_episode(episode, episode_seed(cfg.feeder.seed, task.prompt_id))
+        for stage in ("reset", "step"):
+            if stage == "step":
+                step = episode.step(item.reference)
+                if not isinstance(step, Step):
+                    return [f"{where}: the episode's step returned {type(step).__name__}, not a Step"]
+                observation = step.observation
+            try:
+                encode_text(tok, observation)
+            except Exception as e:  # noqa: BLE001 - whatever the tokenizer raises
+                return [f"{where}: the tokenizer cannot encode the environment's {stage} observation "
+                        f"{_quote(observation)} ({type(e).__name__}: {e}); use a model whose tokenizer encodes the "
+                        f"environment's text, or an environment whose text it can encode"]
+    except Exception as e:  # noqa: BLE001 - whatever the environment raises
+        return [f"{where}: one episode on the first training prompt failed: its {stage} raised "
+                f"{type(e).__name__}: {e}"]
+    finally:
+        if episode is not None:
+            try:
+                episode.close()
+            except Exception:  # noqa: BLE001 - a failed close changes no verdict
+                pass
+        if owned:
+            _close_factory(factory)
+    return []
+
+
+def _quote(text: str, n: int = 200) -> str:
+    return repr(text if len(text) <= n else text[:n] + "...")
 
 
 def task_problems(cfg: RunConfig) -> list[str]:

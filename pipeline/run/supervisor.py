@@ -12,7 +12,9 @@ its heartbeat, and restarted all the same; only a trainer crash loop ends the ru
 trainer's resumes are timed, from its death to its next committed step.
 ``cluster.max_restarts_per_hour`` (0: unlimited) bounds all restarts together; past it the
 run ends (``WorkerFailed``). A run that ends so prints the worker's last output lines
-(``report_failure``), stops everything, and says why in its summary."""
+(``report_failure``), stops everything, and says why in its summary. So does a worker that
+exits with ``EXIT_CONFIG_FAILED`` (the run cannot work as configured: no restart would help),
+at its first such exit."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from pathlib import Path
 
 from pipeline.bus.stats import heartbeat
 from pipeline.run.plan import stage_of_worker
-from pipeline.common.procs import EXIT_ENTRIES_FAILED
+from pipeline.common.procs import EXIT_CONFIG_FAILED, EXIT_ENTRIES_FAILED
 
 
 RESTART_BUDGET_WINDOW_S = 3600.0
@@ -42,9 +44,11 @@ class WorkerFailed(RuntimeError):
     """The restart policy gives up on a worker (a trainer crash loop, the hourly restart
     budget spent): the run stops."""
 
-    def __init__(self, name: str, code: int | None, log: Path, *, why: str = "keeps exiting") -> None:
-        super().__init__(f"{name} keeps exiting (code {code}): {why}; see {log}")
-        self.name, self.code, self.log, self.why = name, code, log, why
+    def __init__(self, name: str, code: int | None, log: Path, *, why: str = "keeps exiting",
+                 fatal: bool = False) -> None:
+        how = "exited" if fatal else "keeps exiting"
+        super().__init__(f"{name} {how} (code {code}): {why}; see {log}")
+        self.name, self.code, self.log, self.why, self.how = name, code, log, why, how
 
 
 @dataclass
@@ -142,6 +146,10 @@ class Supervisor:
 
     def exited(self, name: str, code: int, now: float) -> None:
         c, k, rec = self.c, self.c.cfg.cluster, self.records[name]
+        if code == EXIT_CONFIG_FAILED:  # the worker says no restart can help: the run stops
+            last = log_tail(c.log_of(name), 1)
+            raise WorkerFailed(name, code, c.log_of(name), fatal=True,
+                               why=f"the run cannot work as configured: {last[0].strip() if last else 'no output'}")
         uptime = now - rec.started_at
         progressed = self.progressed(name, rec)
         if progressed or (progressed is None and uptime >= k.restart_reset_s):
@@ -218,7 +226,7 @@ def log_tail(path: Path, lines: int = 20) -> list[str]:
 def report_failure(e: WorkerFailed) -> None:
     """Print, on stderr, why the run stops: the worker, its exit code, and the end of its own output."""
     tail = log_tail(e.log)
-    print(f"\npipeline: {e.name} keeps exiting (code {e.code}): {e.why}; stopping the run. "
+    print(f"\npipeline: {e.name} {e.how} (code {e.code}): {e.why}; stopping the run. "
           + (f"The last lines of {e.log}:" if tail else f"Its output, {e.log}, is empty."), file=sys.stderr)
     for line in tail:
         print(f"  | {line}", file=sys.stderr)
