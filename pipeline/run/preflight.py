@@ -285,9 +285,11 @@ def env_problems(cfg: RunConfig, factory=None) -> list[str]:
     episode and the factory closed (an OpenEnv app's servers stopped). A reset or step that
     raises, or an observation the tokenizer cannot encode, is named with env.kind and
     model.base_dir. One episode costs what the environment costs: ``openenv:<app>`` starts its
-    ``env.servers`` servers for it (seconds), ``code`` runs one sandboxed program at most (the
-    reference is not code, so it fails to compile and runs nothing), ``openenv:<url>`` needs
-    its server up. Nothing when the checkpoint or the task is wrong (other checks name those).
+    ``env.servers`` servers for it (seconds), ``code`` runs one sandboxed program (its
+    reference, a JSON object, is a Python dict: it runs, defines nothing, every test fails),
+    ``openenv:<url>`` needs its server up. One step checks that step's text only: what an
+    environment says later in a game is seen first at run time. Nothing when the checkpoint
+    or the task is wrong (other checks name those).
     ``factory``: the environment's factory already built (the caller closes it); else one is
     built and closed here."""
     if not cfg.env.kind or checkpoint_problems(Path(cfg.model.base_dir)):
