@@ -387,3 +387,43 @@ def test_every_failure_logged_is_counted_also_of_groups_handed_back_at_a_stop(re
     assert any(e == "episode_handed_back" for e, _ in log.events), "no group was in flight at the stop"
     assert read_stats(r, keys).get("env_errors_total", 0) == len(logged)
     r.close()
+
+
+# ---------------------------------------------------------------------- the seed reaches the game
+
+
+def _guesses(ep) -> list:
+    """Every answer to the guesses 1, 2, ... until the game ends."""
+    out = []
+    for guess in range(1, 21):
+        step = ep.step(f"[{guess}]")
+        out.append(step)
+        if step.done:
+            break
+    return out
+
+
+def test_a_textarena_game_is_the_seeds_game_in_process_and_over_openenv(tmp_path):
+    pytest.importorskip("textarena", reason="the textarena extra")
+    from pipeline.envs.textarena import DEFAULT_GAME, TextArenaEpisode
+
+    games = {}
+    for seed in (1, 2, 3, 4):
+        a, b = TextArenaEpisode(DEFAULT_GAME, 0), TextArenaEpisode(DEFAULT_GAME, 99)
+        assert a.reset(seed=seed) == b.reset(seed=seed)  # the seed given wins over the one it was made with
+        games[seed] = _guesses(a)
+        assert games[seed] == _guesses(b)
+    assert len({len(g) for g in games.values()}) > 1, "every seed played the same game"
+    pytest.importorskip("openenv.core", reason="the openenv extra")
+    from pipeline.envs.registry import make_env
+
+    served = make_env(RunConfig().with_overrides({"generator.swap": "step", "runs_dir": str(tmp_path / "runs"),
+                                                  "env.kind": "openenv:pipeline.envs.textarena_server:app"}))
+    try:
+        for seed, game in games.items():  # the seed travels with OpenEnv's reset: the same game on the server
+            ep = served(_task(f"p{seed}"))
+            ep.reset(seed=seed)
+            assert _guesses(ep) == game
+            ep.close()
+    finally:
+        served.close()
