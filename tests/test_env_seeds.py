@@ -252,9 +252,14 @@ def test_pipeline_up_stops_within_a_minute_when_every_reset_fails_naming_the_err
     summary = json.loads((tmp_path / "runs" / "resets" / "summary.json").read_text())
     assert summary["status"].startswith("failed: gen-") and "the game server refused the connection" in \
         summary["status"], summary["status"]
+    # Every failed reset the generators logged is counted, the exiting generator's last ones included.
+    run = tmp_path / "runs" / "resets"
+    logged = sum(json.loads(line).get("event") == "env_reset_failed" for f in (run / "logs").glob("gen-*.jsonl")
+                 for line in f.read_text().splitlines() if line.startswith("{"))
+    assert logged >= 8 and summary["episodes"]["env_errors"] == logged, (logged, summary.get("episodes"))
     # The run's own clock (from its workers' start to the stop) within a minute; the command with
-    # its check before launch, the workers' imports and the report, within two on a loaded host.
-    assert summary["wall_seconds"] < 60 and seconds < 120, (summary["wall_seconds"], seconds)
+    # its check before launch, the workers' imports and the report, within three on a loaded host.
+    assert summary["wall_seconds"] < 60 and seconds < 180, (summary["wall_seconds"], seconds)
 
 
 # ---------------------------------------------------------------------- the check before launch

@@ -26,8 +26,8 @@ import redis
 
 from pipeline.bus.flow import Admission, NewestVersion, VersionWatch
 from pipeline.bus.streams import Entry, unacked_all
-from pipeline.config import RunConfig
 from pipeline.common.procs import EXIT_CONFIG_FAILED
+from pipeline.config import RunConfig
 from pipeline.envs.base import EnvResetsFailing, EpisodeRunner
 from pipeline.envs.registry import make_env
 from pipeline.engines import GenerationBackend, Sampled, make_generation_backend
@@ -404,14 +404,17 @@ class Streamer:
             gen.log.info("partial_handed_back", prompt_id=task.prompt_id, tokens=int(partial.ids.size),
                          done=int(partial.done.sum()))
         self.sampler.clear()
-        # The environment counters not yet emitted (failures of episodes abandoned here included).
-        extra = {} if self.env is None else self.env.take_counters()
         for shard, back in by_shard.items():
             st.emit(Batch(shard=gen.keys.shard(shard), good=[], bad=[]),
-                    Output(handed_back=back, counters={"partials_handed_back_total": len(back), **extra}))
-            extra = {}
+                    Output(handed_back=back, counters={"partials_handed_back_total": len(back)}))
+        self.flush_env_counters()
+
+    def flush_env_counters(self) -> None:
+        """The environment counters not yet emitted (failures of episodes abandoned at a stop
+        included), to ``{ns}:stats`` now: every failure logged is counted."""
+        extra = {} if self.env is None else self.env.take_counters()
         if extra:
-            st.emit(Batch(shard=gen.keys.shard(0), good=[], bad=[]), Output(counters=extra))
+            self.gen.stage.emit(Batch(shard=self.gen.keys.shard(0), good=[], bad=[]), Output(counters=extra))
 
     # ------------------------------------------------------------------ the loop
 
@@ -482,6 +485,10 @@ def run_generator(cfg: RunConfig, r, keys: Keys, worker_id: str, log, *, max_bat
             try:
                 streamer.run(max_batches)
             except EnvResetsFailing as e:  # no restart can fix it: the driver stops the run
+                try:
+                    streamer.flush_env_counters()
+                except redis.RedisError:  # the counts are lost; the error below is what matters
+                    pass
                 log.error("env_resets_failing", error=str(e))
                 print(f"generator {worker_id}: {e}", file=sys.stderr, flush=True)
                 raise SystemExit(EXIT_CONFIG_FAILED) from None
