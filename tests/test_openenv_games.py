@@ -81,9 +81,11 @@ def test_the_code_server_answers_as_the_in_process_code_environment(tmp_path):
             assert got.reward == 1.0
         ours.close()
     assert seen_failures == 6
-    # A reference without tests: the server's reset fails, and the episode's first step says why.
+    # A reference without tests: the server's reset fails, saying why (the runner counts a failed
+    # reset), and so does the episode's first step.
     bad = served(_task("357"))
-    assert bad.reset() == ""
+    with pytest.raises(EnvError, match="not a code task's reference"):
+        bad.reset()
     with pytest.raises(EnvError, match="not a code task's reference"):
         bad.step("def f(): pass")
     served.close()
