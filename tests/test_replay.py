@@ -140,3 +140,15 @@ def test_a_resume_moves_the_steps_no_checkpoint_held_aside(chaos_run, tmp_path):
     w.write(step=10, parent=9, groups=groups, outcomes=outcomes, weights_hash="x", updated=True)
     w.close()
     assert arc.lineage_problems(directory, arc.steps(directory)) == []
+
+
+def test_distill_trains_on_the_archive(chaos_run, tmp_path):
+    _, run = chaos_run
+    from pipeline.algo.distill import DistillConfig, distill_run, load_archive
+
+    groups, names = load_archive(run)
+    assert len(groups) == STEPS * 4 and names and all(len(g.completions) == 4 for g in groups)
+    assert all(g.prompt and (g.posterior >= 0).all() and (g.posterior <= 1).all() for g in groups)
+    report = distill_run(run, DistillConfig(init="scratch", epochs=1.0), out=tmp_path / "distilled", progress=None, source="archive")
+    assert report["source"] == "archive" and report["groups"] == STEPS * 4
+    assert (tmp_path / "distilled" / "model.safetensors").exists()
