@@ -39,6 +39,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
 
+from pipeline.common.archive import ARCHIVE_DIR, read_columns
 from pipeline.algo.labelmodel import fit_label_model
 from pipeline.config import load_config
 from pipeline.model.qwen import ModelShape, build_model, encode_prompts, load_checkpoint, sample
@@ -184,12 +185,10 @@ def load_posteriors(path: str | Path) -> tuple[list[Group], list[str]]:
 
 
 def load_archive(run_dir: str | Path) -> tuple[list[Group], list[str]]:
-    """A run's trained groups from its rollout archive (``archive/``, pipeline.observe.archive):
+    """A run's trained groups from its rollout archive (``archive/``, pipeline.common.archive):
     the prompts and completions the trainer took, their votes, truth and, where the reward was
     Weaver's, the posterior; groups rewarded otherwise get one from a label model fitted here,
     as ``load_posteriors`` does."""
-    from pipeline.observe.archive import ARCHIVE_DIR, read_columns
-
     directory = Path(run_dir) / ARCHIVE_DIR
     t = read_columns(directory, ["prompt_id", "prompt_text", "completion_text", "verifier_names", "votes", "reward",
                                  "truth", "reward_mode"])

@@ -27,9 +27,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from pipeline.records import ScoredGroup
+if TYPE_CHECKING:
+    from pipeline.records import ScoredGroup
 
 ARCHIVE_DIR = "archive"
 BASE = "_base.json"
@@ -268,13 +271,14 @@ def read_columns(directory: Path, columns: list[str]) -> dict[str, list]:
     return pa.concat_tables([pq.read_table(p, columns=columns) for p in paths]).to_pydict()
 
 
-def read_groups(path: Path) -> tuple[list[ScoredGroup], list[str]]:
-    """A segment's groups, exactly as the trainer took them, in training order, with their outcomes."""
+def read_records(path: Path) -> tuple[list[bytes], list[str]]:
+    """A segment's groups as the exact records the trainer took (``ScoredGroup.decode`` reads
+    them), in training order, with their outcomes."""
     import pyarrow.parquet as pq
 
     t = pq.read_table(path, columns=["position", "completion", "outcome", "record"]).to_pydict()
     rows = sorted((p, o, r) for p, c, o, r in zip(t["position"], t["completion"], t["outcome"], t["record"]) if c == 0)
-    return [ScoredGroup.decode(r) for _, _, r in rows], [o for _, o, _ in rows]
+    return [r for _, _, r in rows], [o for _, o, _ in rows]
 
 
 def lineage_problems(directory: Path, metas: list[StepMeta]) -> list[str]:
