@@ -71,7 +71,10 @@ class GeneratorConfig(Section):
     """torch: where the generator's model runs: ``cpu``, ``cuda`` (the first GPU) or ``auto``
     (cuda when torch sees a GPU)."""
     seed: int = 0
-    """Sampling seed, mixed with the worker id so replicas draw different samples."""
+    """Sampling seed. torch: each prompt's completions draw from generators seeded by it, the
+    prompt's id and the policy version, so a prompt's samples do not depend on which
+    generator takes it or what shares its batch, and replicas still draw different samples
+    (they sample different prompts). vllm: the engine's seed, mixed with the worker id."""
     vllm_dtype: VllmDtype = "auto"
     """vllm: weight and activation dtype (``auto``: the checkpoint's; ``float32``, ``bfloat16``, ``float16``)."""
     vllm_gpu_memory_utilization: float = 0.5

@@ -26,6 +26,7 @@ chat models); its log-probabilities agree with the trainer's re-scoring
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from dataclasses import dataclass, field
 
@@ -33,7 +34,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pipeline.model.qwen import draw
 from pipeline.records import Partial
+
+
+def row_generator(seed: int, member: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The generator completion ``member`` of a prompt draws its tokens from, given the
+    prompt's sampling seed (``pipeline.producers.generator.sampling_seed``): the same seed and
+    member give the same draws on any worker, in any batch."""
+    digest = hashlib.blake2b(f"{seed}:{member}".encode(), digest_size=8).digest()
+    return torch.Generator(device).manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
 @dataclass
@@ -60,6 +70,8 @@ class _Row:
     """Its turn ended; out of the slots until :meth:`SlotSampler.observe`."""
     slot: int = -1
     length: int = 0
+    rng: torch.Generator | None = None
+    """Its own generator (a group added with a ``seed``), else None: the sampler's."""
     """Positions in the slot's cache (prompt plus the tokens fed so far)."""
     logit_version: int = 0
     """Policy version of the forward that produced this row's next-token logits."""
@@ -227,16 +239,22 @@ class SlotSampler:
     # ------------------------------------------------------------------ groups in and out
 
     def add(self, key, prompt: np.ndarray, *, n: int, max_new_tokens: int, version: int,
-            partial: Partial | None = None, observations: list[list[int]] | None = None) -> Finished | None:
+            partial: Partial | None = None, observations: list[list[int]] | None = None,
+            seed: int | None = None) -> Finished | None:
         """Put ``n`` completions of ``prompt`` in flight (``partial``: continue them from their
         saved tokens); returns the group at once if every completion of it was already done.
+
+        ``seed``: the prompt's sampling seed; each completion then draws from its own generator
+        (:func:`row_generator`), so its tokens do not depend on the other sequences in flight.
+        None: every completion draws from the sampler's generator.
 
         ``observations`` makes the completions episodes: each one's first observation (token
         ids, possibly none) is appended after the prompt, and an eos ends a model turn
         (:meth:`turn_ended`, then :meth:`observe`) instead of the completion."""
         if key in self._groups:
             raise ValueError(f"group {key!r} is already in flight")
-        rows = [_Row(key=key, member=j, prompt=prompt, budget=max_new_tokens) for j in range(n)]
+        rows = [_Row(key=key, member=j, prompt=prompt, budget=max_new_tokens,
+                     rng=None if seed is None else row_generator(seed, j, self.device)) for j in range(n)]
         if observations is not None:
             if partial is not None or len(observations) != n:
                 raise ValueError(f"an episode group needs {n} first observations and no partial")
@@ -371,7 +389,8 @@ class SlotSampler:
             nxt = logp.argmax(dim=-1)
         else:
             logp = F.log_softmax(logits / self.temperature, dim=-1)
-            nxt = torch.multinomial(logp.exp(), 1, generator=self.rng).squeeze(1)
+            own = [r.rng for r in self._order]
+            nxt = draw(logp.exp(), self.rng if any(g is None for g in own) else own)
         lp = logp.gather(1, nxt.unsqueeze(1)).squeeze(1).tolist()
         ids = nxt.tolist()
         ended: list[_Row] = []

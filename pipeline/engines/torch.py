@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from pipeline.engines import Sampled
-from pipeline.engines.slots import SlotSampler
+from pipeline.engines.slots import SlotSampler, row_generator
 from pipeline.engines.torch_state import read_torch_state, write_torch_state
 from pipeline.config import RunConfig
 from pipeline.algo.losses import LossSettings, advantages, objective, overlong_penalty, sequence_count, truncated
@@ -52,15 +52,24 @@ def by_length(prompts: list[np.ndarray]) -> dict[int, list[int]]:
 
 
 def sample_prompts(model, prompts: list[np.ndarray], *, n: int, max_new_tokens: int, temperature: float,
-                   eos_id: int, pad_id: int, generator: torch.Generator | None = None) -> list[Sampled]:
+                   eos_id: int, pad_id: int, generator: torch.Generator | None = None,
+                   seeds: list[int] | None = None) -> list[Sampled]:
     """``n`` samples of each prompt with the torch sampler, one batch per prompt length (on the
-    model's device; ``generator`` must be a generator of that device)."""
+    model's device; ``generator`` must be a generator of that device).
+
+    ``seeds``: one sampling seed per prompt; completion j of prompt i then draws from
+    ``row_generator(seeds[i], j)``, so a prompt's samples are the same whichever worker samples
+    it and whatever other prompts share its batch (the forward of a row does not depend on the
+    other rows on the CPU: ``tests/test_determinism.py``). None: every row draws from ``generator``."""
+    if seeds is not None and len(seeds) != len(prompts):
+        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
     out: list[Sampled | None] = [None] * len(prompts)
     device = model.get_input_embeddings().weight.device
     for idx in by_length(prompts).values():
         ids = torch.from_numpy(np.stack([prompts[i] for i in idx]).astype(np.int64)).repeat_interleave(n, dim=0)
+        rngs = generator if seeds is None else [row_generator(seeds[i], j, device) for i in idx for j in range(n)]
         tokens, logprobs, lengths = sample(model, ids.to(device), max_new_tokens=max_new_tokens,
-                                           temperature=temperature, eos_id=eos_id, pad_id=pad_id, generator=generator)
+                                           temperature=temperature, eos_id=eos_id, pad_id=pad_id, generator=rngs)
         tokens, logprobs, lengths = tokens.cpu().numpy(), logprobs.cpu().numpy(), lengths.cpu().numpy()
         for k, i in enumerate(idx):
             rows = slice(k * n, (k + 1) * n)
@@ -81,7 +90,14 @@ def greedy_decode(model, tokenizer, prompts: list[np.ndarray], *, max_new_tokens
 
 
 class TorchGenerator:
-    """``generator.backend = "torch"``."""
+    """``generator.backend = "torch"``.
+
+    ``seeded``: :meth:`generate` takes a sampling seed per prompt and the slot sampler's
+    ``add`` a seed per group (the generator stage passes them: each prompt's samples depend on
+    its seed alone, not on the worker or the batch); without them, draws come from the worker's
+    own generator (``generator.seed`` mixed with the worker id)."""
+
+    seeded = True
 
     def __init__(self, cfg: RunConfig, *, worker_id: str) -> None:
         g = cfg.generator
@@ -96,9 +112,11 @@ class TorchGenerator:
         self.rng = torch.Generator(self.device).manual_seed(g.seed * 1_000_003 + zlib.crc32(worker_id.encode()))
         self.temperature = g.temperature
 
-    def generate(self, prompts: list[np.ndarray], *, n: int, max_new_tokens: int, temperature: float) -> list[Sampled]:
+    def generate(self, prompts: list[np.ndarray], *, n: int, max_new_tokens: int, temperature: float,
+                 seeds: list[int] | None = None) -> list[Sampled]:
         return sample_prompts(self.model, prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
-                              eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id, generator=self.rng)
+                              eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id, generator=self.rng,
+                              seeds=seeds)
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         if self.adapters is not None:

@@ -253,6 +253,17 @@ def _cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator | Sequence[torch.Generator] | None) -> torch.Tensor:
+    """One token per row of ``probs[N, V]``: from one generator for the whole batch, or from
+    each row's own (a sequence of N generators), one ``multinomial`` per row, so that a row's
+    draw depends on its generator and its probabilities alone."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    if len(generator) != probs.shape[0]:
+        raise ValueError(f"{len(generator)} generators for {probs.shape[0]} rows")
+    return torch.cat([torch.multinomial(probs[i: i + 1], 1, generator=g) for i, g in enumerate(generator)]).squeeze(1)
+
+
 @torch.no_grad()
 def sample(
     model: Qwen3ForCausalLM,
@@ -262,9 +273,12 @@ def sample(
     temperature: float,
     eos_id: int,
     pad_id: int,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample completions of equal-length prompts with the KV cache.
+
+    ``generator``: one for the whole batch, or a sequence of one per row (:func:`draw`), so
+    that each row's samples depend on its own generator alone, not on the other rows.
 
     Returns ``(tokens[N, T], logprobs[N, T], lengths[N])`` with ``T = max_new_tokens``
     (always, even when every row stopped early, so batches have a fixed shape).
@@ -312,7 +326,7 @@ def sample(
             nxt = logp.argmax(dim=-1)
         else:
             logp = F.log_softmax(logits / temperature, dim=-1)
-            nxt = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
+            nxt = draw(logp.exp(), generator)
         lp = logp.gather(1, nxt.unsqueeze(1)).squeeze(1)
         nxt = torch.where(finished, pad_id, nxt)
         tokens[:, t] = nxt
