@@ -64,6 +64,7 @@ from pipeline.run.accounting import account
 from pipeline.run.chaos import Injector
 from pipeline.run.base_model import ensure_base_model, resolve_base_dir
 from pipeline.run.down import down
+from pipeline.run.replay import ReplayError, diff, print_progress, replay
 from pipeline.run.launch import up
 from pipeline.run.preflight import check_run
 from pipeline.tasks.math import read_rows, split
@@ -191,6 +192,33 @@ def _distill(args: argparse.Namespace, cfg: RunConfig) -> int:
         raise ConfigError(str(e)) from None
     print(json.dumps(distill_run(run_dir, dcfg, out=args.out), indent=2))
     return 0
+
+
+def _replay(args: argparse.Namespace, cfg: RunConfig) -> int:
+    settings = {}
+    for item in args.set or []:
+        name, eq, value = item.partition("=")
+        if not eq or not name:
+            raise ConfigError(f"--set {item!r}: expected FIELD=VALUE, e.g. --set trainer.clip_eps=0.1")
+        settings[name.strip().replace("-", "_")] = value.strip()
+    try:
+        res = replay(args.run, stop_at=args.stop_at, out=args.out, settings=settings, evaluate=args.eval,
+                     progress=print_progress)
+    except ReplayError as e:
+        print(f"pipeline replay: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(res.to_dict(), indent=2))
+    return 0 if res.identical or settings or (args.stop_at is not None and res.first_mismatch is None) else 1
+
+
+def _diff(args: argparse.Namespace, cfg: RunConfig) -> int:
+    try:
+        result = diff(args.a, args.b)
+    except ReplayError as e:
+        print(f"pipeline diff: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2))
+    return 0 if result["first_difference"] is None else 1
 
 
 def _eval(args: argparse.Namespace, cfg: RunConfig) -> int:
@@ -338,6 +366,23 @@ def _distill_args(sp: argparse.ArgumentParser) -> None:
                     help="start from the run's base policy (default) or a fresh tiny model")
 
 
+def _replay_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("run", help="the run directory (runs/<run-id>); run the command where the run was started, "
+                                "so its model.base_dir resolves")
+    sp.add_argument("--stop-at", dest="stop_at", type=int, help="stop after this step and write its weights "
+                                                                 "(<out>/checkpoint, a Hugging Face checkpoint)")
+    sp.add_argument("--out", help="where replay.jsonl, replay.json and a checkpoint go (default <run>/replay)")
+    sp.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                    help="replay the same batches under a changed setting (repeatable), e.g. --set "
+                         "trainer.clip_eps=0.1: a counterfactual, nothing is compared")
+    sp.add_argument("--eval", action="store_true", help="also the held-out greedy accuracy of the final weights")
+
+
+def _diff_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("a", help="a run directory (with its archive) or a replay's output directory")
+    sp.add_argument("b", help="another")
+
+
 def _eval_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--checkpoint", metavar="DIR", default="",
                     help="HF checkpoint directory (runs/<id>/checkpoints/final, artifacts/base-model) or a trainer "
@@ -427,6 +472,10 @@ COMMANDS: dict[str, Command] = {
                        description="Train a small cross-encoder on the Weaver posteriors a run recorded "
                                    "(runs/<id>/posteriors/<verifier>.jsonl), report its selection-accuracy retention "
                                    "and throughput against the ensemble, save it for the distilled:<dir> reward mode."),
+    "replay": Command("re-run a run's trainer on its rollout archive and check every step's weights against the "
+                      "recorded hashes (or replay it under changed settings)", _replay, _replay_args, config=False),
+    "diff": Command("the first step at which two runs (or a run and its replay) differ, and the nearest cause",
+                    _diff, _diff_args, config=False),
     "eval": Command("evaluate a checkpoint on the task's held-out set: greedy accuracy, pass@k and mean@n", _eval,
                     _eval_args,
                     description="Evaluate a checkpoint on the task's held-out set (the items the trainer evaluates "

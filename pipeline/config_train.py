@@ -337,6 +337,16 @@ class TrainerConfig(Section):
     """Checkpoints kept on disk (the newest ones)."""
     resume: bool = True
     """Resume from the run's latest checkpoint if there is one."""
+    archive: bool = True
+    """Keep every group the trainer trains on, in training order, in Parquet segments under
+    ``<run_dir>/archive/`` (one file a step: tokens, behaviour log-probs, policy versions,
+    votes, rewards, truth; docs/reproducibility.md), with the weights' hash after each step:
+    what ``pipeline replay`` re-executes and ``pipeline diff`` compares. Off: neither works
+    on the run, and the step rows still carry the hash."""
+    archive_keep_steps: int = 0
+    """Segments kept (the newest ones); 0 keeps all. An archive missing its first steps still
+    serves reading and ``pipeline diff``, but ``pipeline replay`` needs every step from the
+    base and refuses it, naming the first missing step."""
 
     def _validate(self, p: str) -> None:
         _check(self.nproc >= 1, f"{p}.nproc", ">= 1", self.nproc)
@@ -345,6 +355,7 @@ class TrainerConfig(Section):
         _check(self.steps >= 1, f"{p}.steps", ">= 1", self.steps)
         _check(self.checkpoint_every >= 1, f"{p}.checkpoint_every", ">= 1", self.checkpoint_every)
         _check(self.keep_checkpoints >= 1, f"{p}.keep_checkpoints", ">= 1", self.keep_checkpoints)
+        _check(self.archive_keep_steps >= 0, f"{p}.archive_keep_steps", ">= 0", self.archive_keep_steps)
         _check(self.groups_per_step >= 1, f"{p}.groups_per_step", ">= 1", self.groups_per_step)
         _check(self.max_staleness >= 0, f"{p}.max_staleness", ">= 0", self.max_staleness)
         _check(0 < self.lr < 1, f"{p}.lr", "in (0, 1)", self.lr)

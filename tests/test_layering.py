@@ -28,7 +28,7 @@ HEAVY = {
     "peft": "optional (the `lora` extra)",
     "torchtitan": "optional (the torchtitan backend)",
     "math_verify": "optional (the `math` extra)",
-    "pyarrow": "optional (the `math` extra: Parquet files)",
+    "pyarrow": "Parquet files (the rollout archive, the `math` extra's data); a second to import",
     "reasoning_gym": "optional (the `reasoning` extra)",
     "textarena": "optional (the `textarena` extra)",
     "openenv": "optional (the `openenv` extra)",
@@ -43,7 +43,7 @@ HEAVY = {
 HEAVY_MODULES = {
     "pipeline.model.qwen", "pipeline.model.importer", "pipeline.engines.torch", "pipeline.engines.titan",
     "pipeline.algo.distill", "pipeline.consumers.trainer", "pipeline.model.pretrain",
-    "pipeline.engines.lora",
+    "pipeline.engines.lora", "pipeline.engines.torch_state",
 }
 """The project's modules that import torch at their top, which a light module (the CLI, a
 verifier kind, the evaluation command) imports in the function that needs them."""

@@ -39,8 +39,10 @@ from pipeline.bus.streams import counter_args, failure_summary, parse_ref, txn_s
 from pipeline.config import RunConfig
 from pipeline.engines import TrainEngine, make_train_engine
 from pipeline.engines.episodes import summarise
+from pipeline.engines.torch_state import weights_hash
 from pipeline.envs.registry import make_env
 from pipeline.keys import TRAINER_GROUP, Keys
+from pipeline.observe.archive import ARCHIVE_DIR, ArchiveWriter
 from pipeline.observe.logs import MetricsFile
 from pipeline.observe.tracking import Trackers
 from pipeline.records import ScoredGroup, check_group_size, check_scores, check_token_ids, check_versions
@@ -326,6 +328,9 @@ class Trainer:
                                    trackers=Trackers(cfg, run_dir, log) if cfg.tracking.backends else None)
         self.run_dir = run_dir
         self.ckpt_dir = run_dir / "checkpoints" if run_dir else None
+        self.archive = ArchiveWriter(run_dir / ARCHIVE_DIR, keep_steps=cfg.trainer.archive_keep_steps) \
+            if run_dir is not None and cfg.trainer.archive else None
+        """The rollout archive (``trainer.archive``): every group trained on, per step, with the weights' hash."""
         # The only consumer of its group: nothing to reclaim from others, and its own
         # uncommitted entries must not come back to it while it still holds them.
         self.stage = Stage(r, keys, cfg, name="trainer", worker_id="trainer", log=log, source="scored",
@@ -350,6 +355,9 @@ class Trainer:
         """Restore the latest checkpoint and re-apply its commit; the checkpoint, or None for a fresh start."""
         path = checkpoint.latest(self.ckpt_dir) if self.ckpt_dir is not None and self.cfg.trainer.resume else None
         if path is None:
+            if self.archive is not None:  # a fresh start: segments of a first attempt that died before a checkpoint go
+                self.archive.resumed(0, 0)
+                self.archive.base(weights_hash(self.engine.weights()), base_dir=self.cfg.model.base_dir)
             return None
         r, keys = self.r, self.keys
         state = checkpoint.load(path)
@@ -366,6 +374,10 @@ class Trainer:
             self.log.warning("versions_lost_in_crash", checkpoint=self.version, announced=announced,
                              resume_as=announced + 1)
             self.version = announced + 1
+        if self.archive is not None:
+            abandoned = self.archive.resumed(state.version, self.version)
+            if abandoned:
+                self.log.info("archive_steps_abandoned", steps=abandoned, checkpoint=state.version)
         self.log.info("trainer_resumed", checkpoint=str(path), version=self.version, reapplied_steps=len(reapply),
                       committed_before=committed)
         return path
@@ -375,6 +387,11 @@ class Trainer:
         trim; the checkpoint (None without a run directory). The trainer's commit, and
         ``pipeline.api.Learner.commit``'s."""
         path = None
+        if self.archive is not None:  # the archive holds every step a checkpoint holds
+            self.archive.flush()
+            self.r.hset(self.keys.trainer, mapping={"archive_bytes": self.archive.bytes,
+                                                    "archive_groups": self.archive.groups,
+                                                    "archive_seconds": round(self.archive.seconds, 3)})
         if self.ckpt_dir is not None:
             path = checkpoint.save(self.ckpt_dir, write=self.engine.save_state, keep=self.cfg.trainer.keep_checkpoints,
                             state=checkpoint.TrainerState(
@@ -439,6 +456,8 @@ class Trainer:
     def step(self, batch: list[tuple], *, wait_s: float) -> dict:
         """Classify the batch, train on the groups with signal, and record the step (not yet committed)."""
         t_step = time.perf_counter()
+        # One order whatever the arrival order: the prompts' sequence (the feeder's ids).
+        batch = sorted(batch, key=lambda eg: eg[1].rollout.prompt_id)
         s = self.sort(batch)
         if self.version == 0:  # the base's own samples, known before the first update (the driver reads it)
             self.r.hset(self.keys.trainer, "first_batch_accuracy", sample_accuracy(s.fresh))
@@ -452,10 +471,16 @@ class Trainer:
         ``step`` and a step written by hand (``pipeline.api.Learner.update``) end here."""
         if updated:  # the lr warm-up counts optimizer updates; a step that trained nothing made none
             self.engine.lr_step()
+        parent = self.version
         self.version += 1
+        digest = weights_hash(self.engine.weights())
+        if self.archive is not None:
+            self.archive.write(step=self.version, parent=parent, groups=[g for _, g in batch],
+                               outcomes=[str(k) for k in s.kinds], weights_hash=digest, updated=updated)
         row = step_metrics(batch, s.fresh, s.signal, version=self.version, stats=stats, wait_s=wait_s,
                            step_s=time.perf_counter() - started)
         row["groups_consumed"] = len(batch)
+        row["weights_hash"] = digest
         if self.cfg.trainer.dynamic_sampling:
             row["refills"] = self.refills
         self.uncommitted.append(step_record(batch, s.kinds, version=self.version, row=row))
@@ -543,6 +568,8 @@ class Trainer:
         return {"version": self.version, "evals": self.evals}
 
     def close(self) -> None:
+        if self.archive is not None:
+            self.archive.close()
         self.metrics.close()
         self.publisher.close()
         self.engine.close()

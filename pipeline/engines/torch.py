@@ -366,10 +366,11 @@ class TorchEngine:
                     max_new_tokens=max_new_tokens, texts=texts)
 
     def save_state(self, directory: Path) -> dict:
+        # ``steps`` seeds each step's minibatch order: a resumed trainer continues its count.
         if self.lora is not None:
-            return {"sched": self.sched.state_dict(), **self.lora.save(directory, self.opt)}
+            return {"sched": self.sched.state_dict(), "steps": self.steps, **self.lora.save(directory, self.opt)}
         groups = write_torch_state(directory, self.model, self.opt)
-        return {"sched": self.sched.state_dict(), "param_groups": groups}
+        return {"sched": self.sched.state_dict(), "steps": self.steps, "param_groups": groups}
 
     def load_state(self, directory: Path, extras: dict) -> None:
         if self.lora is not None:
@@ -381,6 +382,7 @@ class TorchEngine:
         else:
             read_torch_state(directory, self.model, self.opt, extras["param_groups"])
         self.sched.load_state_dict(extras["sched"])
+        self.steps = int(extras.get("steps", self.steps))
 
     def export_hf(self, directory: Path) -> None:
         if self.lora is not None:

@@ -5,6 +5,7 @@ go back as JSON."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -53,3 +54,16 @@ def read_torch_state(directory: Path, model: torch.nn.Module, opt: torch.optim.O
     opt_tensors = load_file(str(directory / "optimizer.safetensors"))
     restore_optimizer(opt, opt_tensors, param_groups)
     torch.set_rng_state(opt_tensors["rng.torch"])
+
+
+def weights_hash(tensors: dict[str, torch.Tensor]) -> str:
+    """A hash of a model's weights, bit for bit: blake2b (128 bits) over every tensor in name
+    order, its name, dtype and shape included. Two steps, runs or replays with the same hash
+    hold identical weights. The trainer records one per step (``weights_hash`` in the step
+    rows and the archive) and ``pipeline replay`` checks against it."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        t = tensors[name].detach()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(memoryview(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+    return h.hexdigest()
