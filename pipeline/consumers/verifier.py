@@ -11,7 +11,8 @@ A batch comes from rollouts shard k and goes to scored shard k.
 The loop (``Stage.run``): wait for room downstream → take rollout groups → score every
 completion with each weak verifier whose votes the reward reads (all of them for Weaver; the
 rest only on ``verifier.monitor_share`` of the groups, their columns NaN elsewhere) → add
-the votes to the label model's window and take its current version → aggregate votes into
+the votes to the label model's window and take its current version (``verifier.refit =
+"versions"``: each group's policy version's fit) → aggregate votes into
 rewards → emit the scored groups and ack the rollouts in one transaction (``Stage.emit``: the
 emit Lua script, or a MULTI/EXEC when the records come to ``stage.MULTI_BYTES`` or more) →
 append the posteriors file.
@@ -55,6 +56,11 @@ class SharedLabelModel:
     replica takes ``{ns}:labelmodel:lock`` refits on the window and stores the result
     with the next version in ``{ns}:labelmodel``; every replica then scores with that
     version, so the replicas never disagree about the reward of the same votes.
+
+    ``by_version`` (``verifier.refit = "versions"``): votes go to their policy version's hash
+    (:meth:`version_votes`) and each replica fits, once per policy version, on the earlier
+    versions' votes in a fixed order (:meth:`models`): the same inputs on every replica and
+    in every run with η = 0, so the same model.
     """
 
     def __init__(self, r, keys: Keys, cfg: VerifierConfig, worker_id: str, log, *, by_version: bool = False):
@@ -89,7 +95,8 @@ class SharedLabelModel:
             if groups is None:
                 raise ValueError("verifier.refit = versions: add_votes needs the groups (their versions)")
             for g, v in zip(groups, votes):
-                pipe.hset(self.version_votes(g.min_version), g.prompt_id, np.ascontiguousarray(v, dtype="<f4").tobytes())
+                blob = np.ascontiguousarray(v, dtype="<f4").tobytes()
+                pipe.hset(self.version_votes(g.min_version), g.prompt_id, blob)
             pipe.execute()
             return
         for v in votes:

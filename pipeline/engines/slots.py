@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pipeline.model.qwen import draw
+from pipeline.model.qwen import draw, uniforms
 from pipeline.records import Partial
 
 
@@ -70,8 +70,12 @@ class _Row:
     """Its turn ended; out of the slots until :meth:`SlotSampler.observe`."""
     slot: int = -1
     length: int = 0
-    rng: torch.Generator | None = None
-    """Its own generator (a group added with a ``seed``), else None: the sampler's."""
+    u: list[float] | None = None
+    """A group added with a ``seed``: the uniforms of its own generator (:func:`row_generator`),
+    one per token it may sample, the k-th sampled token drawn at the k-th; else None (the
+    sampler's generator)."""
+    drawn: int = 0
+    """Tokens it has sampled (observation tokens not counted)."""
     """Positions in the slot's cache (prompt plus the tokens fed so far)."""
     logit_version: int = 0
     """Policy version of the forward that produced this row's next-token logits."""
@@ -253,8 +257,11 @@ class SlotSampler:
         (:meth:`turn_ended`, then :meth:`observe`) instead of the completion."""
         if key in self._groups:
             raise ValueError(f"group {key!r} is already in flight")
-        rows = [_Row(key=key, member=j, prompt=prompt, budget=max_new_tokens,
-                     rng=None if seed is None else row_generator(seed, j, self.device)) for j in range(n)]
+        rows = [_Row(key=key, member=j, prompt=prompt, budget=max_new_tokens) for j in range(n)]
+        if seed is not None:
+            drawn = uniforms([row_generator(seed, j, self.device) for j in range(n)], max_new_tokens, self.device)
+            for r, u in zip(rows, drawn.tolist()):
+                r.u = u
         if observations is not None:
             if partial is not None or len(observations) != n:
                 raise ValueError(f"an episode group needs {n} first observations and no partial")
@@ -266,6 +273,7 @@ class SlotSampler:
                 raise ValueError(f"partial has {partial.lens.size} completions, the group {n}")
             for row, (tokens, logprobs, versions, done) in zip(rows, partial.completions()):
                 row.tokens, row.logprobs, row.versions, row.mask = tokens, logprobs, versions, [1] * len(tokens)
+                row.drawn = len(tokens)
                 row.done = done or len(tokens) >= max_new_tokens
         live = [r for r in rows if not r.done]
         if len(live) > self.free:
@@ -389,12 +397,16 @@ class SlotSampler:
             nxt = logp.argmax(dim=-1)
         else:
             logp = F.log_softmax(logits / self.temperature, dim=-1)
-            own = [r.rng for r in self._order]
-            nxt = draw(logp.exp(), self.rng if any(g is None for g in own) else own)
+            if all(r.u is not None for r in self._order):
+                u = torch.tensor([r.u[min(r.drawn, len(r.u) - 1)] for r in self._order], device=self.device)
+                nxt = draw(logp.exp(), u=u)
+            else:
+                nxt = draw(logp.exp(), self.rng)
         lp = logp.gather(1, nxt.unsqueeze(1)).squeeze(1).tolist()
         ids = nxt.tolist()
         ended: list[_Row] = []
         for r, tok, l in zip(list(self._order), ids, lp):
+            r.drawn += 1
             r.tokens.append(tok)
             r.logprobs.append(l)
             r.versions.append(r.logit_version)
