@@ -3,7 +3,8 @@ config with the same seeds hold bit-identical weights after every step, whatever
 of their generator and verifier replicas.
 
 The parts: a prompt's samples depend on its sampling seed alone, not on the batch around it
-(the batched sampler; the slot sampler's draws); and two short ``pipeline up`` runs of
+(the batched sampler; the slot sampler's draws); the label model's version-boundary fits do
+not depend on which replica saw which group when; and two short ``pipeline up`` runs of
 ``configs/default.toml`` (two generators, two verifiers, the Weaver reward) compared step by
 step through the weights hash each step row of ``metrics.jsonl`` carries, with a third run on
 another ``generator.seed`` to show the comparison can fail.
@@ -21,7 +22,11 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.config import RunConfig
+from pipeline.consumers.verifier import SharedLabelModel, refits_by_version
 from pipeline.engines.slots import SlotSampler
+from pipeline.keys import Keys
+from pipeline.records import RolloutGroup
 from pipeline.engines.torch import sample_prompts
 from pipeline.model.qwen import load_checkpoint
 from pipeline.producers.generator import sampling_seed
@@ -81,6 +86,47 @@ def test_the_slot_samplers_seeded_groups_draw_from_their_own_generators(model):
     assert slot_samples(m, tok, prompts, seeds, rng_seed=1) == slot_samples(m, tok, prompts, seeds, rng_seed=2)
     other = [sampling_seed(1, f"p{i:08d}", 0) for i in range(5)]
     assert slot_samples(m, tok, prompts, seeds, rng_seed=1) != slot_samples(m, tok, prompts, other, rng_seed=1)
+
+
+class _Log:
+    def __getattr__(self, level):
+        return lambda event, **kw: None
+
+
+def group(prompt_id: str, version: int, g: int = 4) -> RolloutGroup:
+    return RolloutGroup(prompt_id=prompt_id, group_id=f"{prompt_id}:x:1", generator_id="x", prompt="1+1=",
+                        prompt_ids=np.array([3, 4], dtype=np.int32), reference="2", completions=("2",) * g,
+                        completion_ids=np.full(g, 5, dtype=np.int32), completion_lens=np.ones(g, dtype=np.int32),
+                        behaviour_logprobs=np.full(g, -0.5, dtype=np.float32), min_version=version,
+                        max_version=version, created_at=0.0)
+
+
+def test_the_version_boundary_fit_does_not_depend_on_arrival_order(redis_client):
+    cfg = RunConfig().with_overrides({"trainer.max_staleness": 0, "verifier.min_fit_rows": 16})
+    assert refits_by_version(cfg) and not refits_by_version(RunConfig())
+    names = cfg.verifier.verifiers
+    rng = np.random.default_rng(0)
+    groups = [group(f"p{i:08d}", i // 8) for i in range(24)]  # versions 0, 1, 2: 8 groups each
+    votes = [(rng.random((4, len(names))) < 0.6).astype(np.float32) for _ in groups]
+
+    def run(ns: str, order: list[int]) -> dict[str, tuple]:
+        """Two replicas scoring the groups in ``order``, taking turns; each group's model."""
+        keys = Keys(ns)
+        reps = [SharedLabelModel(redis_client, keys, cfg.verifier, f"ver-{k}", _Log(), by_version=True)
+                for k in range(2)]
+        out = {}
+        for n, i in enumerate(order):
+            rep = reps[n % 2]
+            rep.add_votes([votes[i]], None, [groups[i]])
+            lm = rep.models([groups[i]], [votes[i]])[0]
+            out[groups[i].prompt_id] = (lm.version, lm.posterior(votes[i], list(names)).tolist())
+        return out
+
+    # Within each version any order (η = 0: a version's groups come after the earlier ones').
+    shuffled = [i for v in range(3) for i in rng.permutation(range(8 * v, 8 * v + 8)).tolist()]
+    a, b = run("det-a", list(range(24))), run("det-b", shuffled)
+    assert a == b
+    assert {v for v, _ in a.values()} == {0, 1, 2}
 
 
 def run_default(tmp_path: Path, base: Path, run_id: str, *extra: str) -> list[str]:
