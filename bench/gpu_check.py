@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -396,6 +397,8 @@ def run_up(run_id: str, settings: dict[str, str], work: Path, timeout: float) ->
     """``pipeline up`` as a user runs it; its figures read back from the run directory."""
     runs = work / "runs"
     shutil.rmtree(runs / run_id, ignore_errors=True)
+    if importlib.util.find_spec("pyarrow") is None:  # the GPU image has no pyarrow, and no registry to fetch it
+        settings = {**settings, "trainer.archive": "false"}
     cmd = [sys.executable, "-m", "pipeline.cli", "up", "--run-id", run_id, "--runs_dir", str(runs),
            *(item for name, value in settings.items() for item in (f"--{name}", value))]
     t0 = time.perf_counter()

@@ -734,6 +734,9 @@ def appendices() -> list[str]:
     gen_real = RESULTS / "gen-real.json"
     if gen_real.exists():
         out += gen_real_section(json.loads(gen_real.read_text()))
+    archive = RESULTS / "archive.md"
+    if archive.exists():  # bench/bench_archive.py's own section
+        out += [archive.read_text().strip() + "\n"]
     reward = RESULTS / "reward-compute.json"
     if reward.exists():
         out += reward_section(json.loads(reward.read_text()))

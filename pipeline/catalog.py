@@ -217,6 +217,10 @@ def missing_packages(cfg: Any) -> list[str]:
             others = "|".join(n for n in registry if n != value)
             problems.append(f"{field}: {value!r} needs {needs[1]}, which is not installed in this environment "
                             f"({needs[2]}); or choose {others}")
+    if cfg.trainer.archive and importlib.util.find_spec("pyarrow") is None:
+        problems.append("trainer.archive: the rollout archive is written as Parquet and needs pyarrow, which is not "
+                        "installed in this environment (pip install pyarrow==26.0.1, a dependency of the project); "
+                        "or set trainer.archive false")
     return problems
 
 

@@ -4,7 +4,9 @@ consumes:     ScoredGroup records from {ns}:scored (group "trainer"), acked once
               holds the step that consumed them (pipeline.common.checkpoint)
 produces:     policy version v+1 after each step ({ns}:weights, {ns}:versions); the ledger
               entry and training-log entry of every consumed prompt ({ns}:ledger,
-              {ns}:trainlog); metrics.jsonl; checkpoints; a final HF checkpoint
+              {ns}:trainlog); metrics.jsonl (with each step's weights hash); the rollout archive
+              (every group trained on, a Parquet segment a step: pipeline.observe.archive);
+              checkpoints; a final HF checkpoint
 waits for:    groups_per_step (B) scored groups
 unblocked by: verifiers
 Staleness is checked at consumption: a group with v − min_version > η is dropped
@@ -389,9 +391,6 @@ class Trainer:
         path = None
         if self.archive is not None:  # the archive holds every step a checkpoint holds
             self.archive.flush()
-            self.r.hset(self.keys.trainer, mapping={"archive_bytes": self.archive.bytes,
-                                                    "archive_groups": self.archive.groups,
-                                                    "archive_seconds": round(self.archive.seconds, 3)})
         if self.ckpt_dir is not None:
             path = checkpoint.save(self.ckpt_dir, write=self.engine.save_state, keep=self.cfg.trainer.keep_checkpoints,
                             state=checkpoint.TrainerState(

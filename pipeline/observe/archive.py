@@ -49,6 +49,7 @@ COLUMNS: dict[str, str] = {
     "verifier_id": "the verifier worker that scored it",
     "min_version": "the oldest policy version among the group's tokens",
     "max_version": "the newest policy version among the group's tokens",
+    "prompt_text": "the prompt, as the task wrote it",
     "prompt_ids": "the prompt's token ids",
     "completion_ids": "the completion's token ids",
     "token_versions": "the policy version that sampled each token (several where a swap came mid-sequence)",
@@ -74,7 +75,7 @@ def _schema():
         "step": pa.int32(), "parent": pa.int32(), "position": pa.int16(), "prompt_id": pa.string(),
         "group_id": pa.string(), "outcome": pa.string(), "completion": pa.int16(), "generator_id": pa.string(),
         "verifier_id": pa.string(), "min_version": pa.int32(), "max_version": pa.int32(),
-        "prompt_ids": pa.list_(pa.int32()), "completion_ids": pa.list_(pa.int32()),
+        "prompt_text": pa.string(), "prompt_ids": pa.list_(pa.int32()), "completion_ids": pa.list_(pa.int32()),
         "token_versions": pa.list_(pa.int32()), "behaviour_logprobs": pa.list_(pa.float32()),
         "completion_text": pa.string(), "reward": pa.float32(), "truth": pa.float32(), "reward_mode": pa.string(),
         "labelmodel_version": pa.int32(), "verifier_names": pa.list_(pa.string()), "votes": pa.list_(pa.float32()),
@@ -113,7 +114,7 @@ def columns(step: int, parent: int, groups: list[ScoredGroup], outcomes: list[st
                 "step": step, "parent": parent, "position": pos, "prompt_id": ro.prompt_id, "group_id": ro.group_id,
                 "outcome": outcome, "completion": c, "generator_id": ro.generator_id, "verifier_id": g.verifier_id,
                 "min_version": ro.min_version, "max_version": ro.max_version,
-                "prompt_ids": ro.prompt_ids.astype(np.int32), "completion_ids": ids[c].astype(np.int32),
+                "prompt_text": ro.prompt, "prompt_ids": ro.prompt_ids.astype(np.int32), "completion_ids": ids[c].astype(np.int32),
                 "token_versions": vers[c].astype(np.int32), "behaviour_logprobs": lps[c].astype(np.float32),
                 "completion_text": ro.completions[c] if c < len(ro.completions) else "",
                 "reward": float(g.rewards[c]), "truth": float(g.truth[c]), "reward_mode": g.reward_mode,
@@ -254,6 +255,17 @@ def base_dir(directory: Path) -> str | None:
 def resumes(directory: Path) -> list[dict]:
     path = Path(directory) / RESUMES
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def read_columns(directory: Path, columns: list[str]) -> dict[str, list]:
+    """The named columns of every segment, in step order, as lists."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    paths = segments(directory)
+    if not paths:
+        return {c: [] for c in columns}
+    return pa.concat_tables([pq.read_table(p, columns=columns) for p in paths]).to_pydict()
 
 
 def read_groups(path: Path) -> tuple[list[ScoredGroup], list[str]]:

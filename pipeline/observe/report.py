@@ -11,7 +11,9 @@ and writes ``report/{reward_accuracy,queues,staleness,utilisation}.png``, ``repo
 (every number the report states, and the series it plots) and ``report.md`` linking them.
 A run with multi-turn episodes (its step rows carry ``env_reward_mean``, its queue samples
 ``episodes``) also gets ``report/episodes.png`` (tool-call rate and environment reward per
-step) and an "Episodes" section (docs/observing.md, "Episodes").
+step) and an "Episodes" section (docs/observing.md, "Episodes"); a run with a rollout archive
+(``archive/``) gets ``report/trained_on.png``, the mean reward of the right and the wrong
+completions each step trained on (docs/reproducibility.md).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
+
+from pipeline.observe.archive import ARCHIVE_DIR, read_columns, steps as archive_steps
 
 BUSY_EVENTS = {"batch_generated": "seconds", "batch_scored": "seconds", "step": "step_seconds"}
 """Log events that mark a finished unit of work, and the field holding how long it took."""
@@ -154,6 +158,28 @@ def episode_report(steps: list[dict], queues: list[dict]) -> dict | None:
     return {"trained": trained, "per_step": per_step, "run": run}
 
 
+def archive_report(run_dir: Path) -> dict | None:
+    """From the rollout archive (None without one): per step, the mean reward of the right and
+    of the wrong completions the trainer took, and the archive's size."""
+    directory = run_dir / ARCHIVE_DIR
+    metas = archive_steps(directory) if directory.is_dir() else []
+    if not metas:
+        return None
+    t = read_columns(directory, ["step", "reward", "truth"])
+    by: dict[int, dict[bool, list[float]]] = {}
+    for step, reward, truth in zip(t["step"], t["reward"], t["truth"]):
+        by.setdefault(step, {True: [], False: []})[truth >= 0.5].append(reward)
+    versions = sorted(by)
+    size = sum(m.path.stat().st_size for m in metas)
+    right = [x for v in versions for x in by[v][True]]
+    wrong = [x for v in versions for x in by[v][False]]
+    return {"steps": len(metas), "bytes": size, "bytes_per_group": size / max(1, sum(m.groups for m in metas)),
+            "versions": versions, "reward_right": [_mean(by[v][True]) for v in versions],
+            "reward_wrong": [_mean(by[v][False]) for v in versions],
+            "reward_right_mean": _mean(right), "reward_wrong_mean": _mean(wrong),
+            "completions_right": len(right), "completions_wrong": len(wrong)}
+
+
 def analyse(run_dir: Path) -> dict:
     """Every number and series the report shows, from the run directory's files."""
     rows = _jsonl(run_dir / "metrics.jsonl")
@@ -222,6 +248,7 @@ def analyse(run_dir: Path) -> dict:
         "evals_beside_training": _jsonl(run_dir / "evals.jsonl"),
         "label_model": label_model_fit(run_dir),
         "episodes": episode_report(steps, queues),
+        "archive": archive_report(run_dir),
         "_t0": t0, "_t1": t1,
     }
 
@@ -294,8 +321,18 @@ def _figures(run_dir: Path, a: dict, out: Path) -> dict[str, str]:
                title="multi-turn episodes of the trained batches")
         ax.legend(loc="lower right", fontsize="small")
 
+    def trained_on(ax):
+        ar = a["archive"]
+        ax.plot(ar["versions"], ar["reward_right"], "o-", markersize=3, label="right completions (hidden truth)")
+        ax.plot(ar["versions"], ar["reward_wrong"], "s-", markersize=3, label="wrong completions")
+        ax.set(xlabel="policy version (optimizer step)", ylabel="mean reward", ylim=(0, 1),
+               title="the reward of what the trainer trained on (rollout archive)")
+        ax.legend(loc="best", fontsize="small")
+
     plots = {"reward_accuracy": reward_accuracy, "queues": queue_depths, "staleness": staleness,
              "utilisation": utilisation}
+    if a["archive"]:
+        plots["trained_on"] = trained_on
     if a["episodes"] and a["episodes"]["per_step"]["versions"]:
         plots["episodes"] = episodes
     if a["evals_beside_training"]:
@@ -339,6 +376,13 @@ def _markdown(run_dir: Path, a: dict, figs: dict[str, str]) -> str:
     md += ["", "Per stage (mean over its workers): "
            + ", ".join(f"{s} {v['busy_fraction']:.1%}" for s, v in a["stages"].items()), ""]
     md += _episodes_markdown(a["episodes"], figs)
+    ar = a["archive"]
+    if ar:
+        md += ["## What the trainer trained on", "", f"![trained on]({figs['trained_on']})", "",
+               f"From the rollout archive (`archive/`: {ar['steps']} steps, {ar['bytes']:,} bytes, "
+               f"{ar['bytes_per_group']:,.0f} bytes per group; docs/reproducibility.md): the mean reward of the "
+               f"{ar['completions_right']} right completions {f(ar['reward_right_mean'])}, of the "
+               f"{ar['completions_wrong']} wrong ones {f(ar['reward_wrong_mean'])}.", ""]
     rows = a["evals_beside_training"]
     if rows:
         ks = list(rows[0]["pass_at_k"])

@@ -24,7 +24,10 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.config import ConfigError, RunConfig, load_config
+from pipeline.engines import make_train_engine
 from pipeline.observe import archive as arc
+from pipeline.tasks.prompting import build_prompt, prompt_format
+from pipeline.tasks.registry import make_task
 
 COMPARED_STATS = ("loss", "grad_norm", "tokens", "clip_frac", "entropy", "kl")
 """A step's statistics shown side by side when its hash differs (those the step rows carry)."""
@@ -134,10 +137,7 @@ def replay(run_dir: str | Path, *, stop_at: int | None = None, out: str | Path |
     its final weights go (default ``<run_dir>/replay``); ``settings``: dotted config fields
     changed (a counterfactual); ``evaluate``: the held-out accuracy of the final weights."""
     from pipeline.consumers.trainer import classify, sort_step
-    from pipeline.engines import make_train_engine
     from pipeline.engines.torch_state import weights_hash
-    from pipeline.tasks.prompting import build_prompt, prompt_format
-    from pipeline.tasks.registry import make_task
 
     run_dir = Path(run_dir)
     settings = dict(settings or {})

@@ -5,10 +5,12 @@ training (``evals.jsonl``), its Redis counters and the accounting of every promp
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from pipeline.bus.stats import read_stats
 from pipeline.config import RunConfig
 from pipeline.consumers.evaluator import read_evals
+from pipeline.observe.archive import ARCHIVE_DIR, steps
 from pipeline.observe.metrics import episode_summary
 from pipeline.verifiers.base import verifier_costs
 
@@ -100,6 +102,7 @@ def write_summary(cfg: RunConfig, r, keys, accounting: dict, base_info: dict, **
         "weights_payload": (r.hget(keys.trainer, "payload") or b"full").decode(),
         "weights_payload_bytes": int(r.hget(keys.trainer, "payload_bytes") or 0),
         "accounting": accounting,
+        **archive_size(cfg.run_dir / ARCHIVE_DIR),
     }
 
     beside = read_evals(cfg.run_dir)
@@ -128,6 +131,9 @@ def write_summary(cfg: RunConfig, r, keys, accounting: dict, base_info: dict, **
         f"- goodput (tokens trained / generated): {summary['goodput']:.3f}; trainer idle {summary['trainer_idle_fraction']:.1%}; worker restarts {summary['restarts']}",
         *_resume_lines(summary.get("trainer_resume_seconds") or []),
         f"- weights per version: {summary['weights_payload_bytes']:,} bytes (weights.payload {summary['weights_payload']})",
+        *([f"- rollout archive: {summary['archive_steps']} steps, {summary['archive_bytes']:,} bytes, "
+           f"{summary['archive_bytes_per_group']:,.0f} bytes per group (archive/, docs/reproducibility.md)"]
+          if summary.get("archive_steps") else []),
         *_beside_lines(beside),
         *_verifier_lines(summary["verifiers"]),
         "", "## Accounting", "",
@@ -139,3 +145,13 @@ def write_summary(cfg: RunConfig, r, keys, accounting: dict, base_info: dict, **
     ]
     (cfg.run_dir / "summary.md").write_text("\n".join(md))
     return summary
+
+
+def archive_size(directory: Path) -> dict:
+    """The rollout archive's steps, bytes and bytes per group ({} without one)."""
+    metas = steps(directory) if directory.is_dir() else []
+    if not metas:
+        return {}
+    size = sum(m.path.stat().st_size for m in metas)
+    return {"archive_steps": len(metas), "archive_bytes": size,
+            "archive_bytes_per_group": size / max(1, sum(m.groups for m in metas))}
