@@ -78,7 +78,7 @@ class SharedLabelModel:
     def version_votes(self, version: int) -> str:
         """``by_version``: the hash of the votes of the groups sampled at policy ``version``
         (field: prompt id, value: the group's [G, m] votes as little-endian float32)."""
-        return f"{self.keys.votes}:v{version}"
+        return self.keys.version_votes(version)
 
     def add_votes(self, votes: list[np.ndarray], truths: list[np.ndarray] | None = None,
                   groups: Sequence[RolloutGroup] | None = None) -> None:
