@@ -194,7 +194,7 @@ def test_the_verifier_stage_fits_the_score_model_when_configured_and_logs_which(
     fits = [json.loads(line) for line in (tmp_path / "logs" / "ver-0.jsonl").read_text().splitlines()
             if '"labelmodel_fitted"' in line]
     assert fits and fits[-1]["method"] == "scores" and fits[-1]["labels"] == labels
-    assert fits[-1]["used"] == "fit" or (labels and fits[-1]["used"].startswith("single:"))
+    assert fits[-1]["used"] == "fit" or (labels and fits[-1]["used"].split(":")[0] in ("single", "rank-mean"))
     assert redis_client.llen(keys.labels) == (4 if labels else 0)  # a batch of 4 groups, kept whole
     if labels:
         assert 0 < fits[-1]["label_share"] < 1 and "best_single" in fits[-1]["label_auc"]
