@@ -2,8 +2,9 @@
 the checkpoint's chat template, the reset text a user turn before the model's first.
 
 The real SmolLM2-135M-Instruct plays scripted environments through the held-out player
-(pipeline.engines.episodes.play) and through the generator's own pieces (the slot sampler
-and the episode runner): the token stream each builds (prompt, sampled turns, observations)
+(pipeline.engines.episodes.play), the generator's own pieces (the slot sampler and the
+episode runner) and the generator stage (feeder and streamer on a real Redis-compatible
+server): the token stream each builds (prompt, sampled turns, observations)
 is the tokenisation of the template's rendering of the same conversation, observation
 tokens are masked and sampled ones are not. A template-less tokenizer keeps the raw form.
 """
@@ -16,14 +17,18 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import EnvConfig
+from pipeline.bus.connection import connect
+from pipeline.config import EnvConfig, RunConfig
 from pipeline.engines.episodes import play
 from pipeline.engines.slots import SlotSampler
 from pipeline.envs.base import EpisodeRunner, Step, encode_text
 from pipeline.envs.chat import ChatTemplateError, ChatTurns
+from pipeline.keys import Keys
 from pipeline.model.qwen import load_checkpoint
 from pipeline.model.tokenizer import CharTokenizer, load_tokenizer
-from pipeline.records import PromptTask
+from pipeline.producers.feeder import run_feeder
+from pipeline.producers.generator import Generator, Streamer
+from pipeline.records import PromptTask, RolloutGroup
 from pipeline.tasks.prompting import PLAIN, PromptFormat, build_prompt, checkpoint_format, render_chat
 
 SMOLLM2 = Path(__file__).resolve().parents[1] / "artifacts" / "smollm2-135m-instruct"
@@ -182,6 +187,65 @@ def test_the_generators_episodes_are_template_turns_with_each_episodes_own_reset
     runner.close()
 
 
+RESETS = ("Round one.", "", "Round three: a harder one.")
+_MADE: dict[str, int] = {}
+
+
+def scripted(cfg):
+    """``env.kind`` factory: the members of a group reset to ``RESETS`` in turn."""
+
+    def make(task):
+        j = _MADE.get(task.prompt_id, 0)
+        _MADE[task.prompt_id] = j + 1
+        return Scripted(RESETS[j % len(RESETS)])
+
+    return make
+
+
+@needs_smollm2
+def test_the_generator_stage_emits_chat_episodes_whose_prompt_lost_its_generation_prompt(redis_url):
+    """The generator stage (feeder, streamer, a real Redis-compatible server) with SmolLM2 on the
+    code task: each group's ``prompt_ids`` are the task's prompt without its generation
+    prompt, and each completion after them is its own conversation's rendering (its reset
+    turn, the model's turns, the user and tool observations), observations masked."""
+    _MADE.clear()
+    cfg = RunConfig().with_overrides({
+        "run_id": "chatep", "model.base_dir": str(SMOLLM2), "task.kind": "code", "task.max_new_tokens": 192,
+        "generator.swap": "step", "generator.group_size": 3, "generator.prompts_per_batch": 1,
+        "generator.temperature": 0.0, "feeder.max_prompts": 1, "redis.claim_idle_ms": 0, "redis.block_ms": 50,
+        "env.kind": f"{Path(__file__).resolve()}:scripted", "env.max_turns": 3})
+    tok = load_tokenizer(SMOLLM2)
+    fmt = checkpoint_format(SMOLLM2)
+    chat = ChatTurns.of(fmt, tok)
+    r = connect(redis_url, name="t")
+    keys = Keys("chatep", shards=cfg.redis.shards)
+    run_feeder(cfg, r, keys, _Log(), tokenizer=tok, max_rounds=1)
+    Streamer(Generator(cfg, r, keys, "gen-a", _Log())).run(max_batches=1)
+    (g,) = [RolloutGroup.decode(f[b"d"]) for key in keys.stream_keys("rollouts") for _, f in r.xrange(key)]
+    prompt = list(g.prompt_ids)
+    assert tok.encode(g.prompt) == prompt + chat.generation_ids
+    user = g.prompt.split("<|im_start|>user\n", 1)[1].rsplit("<|im_end|>\n<|im_start|>assistant\n", 1)[0]
+    answers = [("user", "Too low. Try again."), ("tool", "result = 42")]
+    observations = 0
+    for j, (ids, mask, lp) in enumerate(zip(g.split(g.completion_ids), g.split(g.loss_mask),
+                                          g.split(g.behaviour_logprobs))):
+        runs = _turns(ids.tolist(), mask.tolist())
+        assert (lp[mask == 0] == 0).all() and (lp[mask == 1] <= 0).all()
+        assert runs[0][0] is False and all(s for s, _ in runs[1::2]) and not any(s for s, _ in runs[2::2])
+        messages = [{"role": "user", "content": user}]
+        if RESETS[j]:
+            messages.append({"role": "user", "content": RESETS[j]})
+        for (_, turn), (role, text) in zip(runs[1::2], answers[: len(runs[2::2])]):
+            messages += [{"role": "assistant", "content": tok.decode(turn)}, {"role": role, "content": text}]
+        observed = sum(len(t) for _, t in runs[: 1 + 2 * len(runs[2::2])])  # through the last observation
+        assert prompt + ids.tolist()[:observed] == tok.encode(render_chat(fmt.chat_template, messages,
+                                                                          **dict(fmt.special_tokens)))
+        assert int(g.turns[j]) == len(runs[1::2])
+        observations = max(observations, len(runs[2::2]))
+    assert observations == 2, "no episode reached its tool observation"
+    r.close()
+
+
 def test_a_model_without_a_chat_template_keeps_the_raw_observations():
     """The plain format (the arithmetic task, ``task.chat_template: off``, a checkpoint with
     no template) has no chat turns: the runner appends each observation's raw encoding and the
@@ -227,6 +291,16 @@ def test_chat_turns_of_the_smollm2_template_and_off():
     with pytest.raises(ChatTemplateError, match="task.chat_template"):
         chat.first(prompt, ["a reset"])
     assert chat.first(prompt, ["", ""]) == (prompt, [[], []])  # no reset text: the prompt as it is
+    # In the generator such a prompt ends its group's episodes at their first turn, counted.
+    runner = EpisodeRunner(lambda task: Scripted("a reset"), EnvConfig(), tok, _Log(), chat=chat)
+    task = PromptTask(prompt_id="p", prompt="no generation prompt", prompt_ids=prompt, reference="", issued_at=0.0)
+    assert runner.start("k", task, 2) == [[], []] and runner.prompt("k", prompt) is prompt
+    assert runner.take_counters()["env_errors_total"] == 2
+    runner.submit("k", 0, "42")
+    ((key, member, _, done),) = runner.collect(1.0)
+    assert (key, member, done) == ("k", 0, True)
+    runner.finish("k", 2)
+    runner.close()
 
 
 @needs_smollm2
