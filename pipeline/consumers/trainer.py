@@ -42,6 +42,7 @@ from pipeline.config import RunConfig
 from pipeline.engines import TrainEngine, make_train_engine
 from pipeline.engines.episodes import summarise
 from pipeline.engines.torch_state import weights_hash
+from pipeline.envs.chat import ChatTurns
 from pipeline.envs.registry import make_env
 from pipeline.keys import TRAINER_GROUP, Keys
 from pipeline.common.archive import ARCHIVE_DIR, ArchiveWriter
@@ -429,7 +430,9 @@ class Trainer:
             self._env = make_env(self.cfg)
         played = self.engine.play(self.heldout_ids, [item.reference for item in self.heldout], self._env,
                                   max_turns=self.cfg.env.max_turns, max_new_tokens=self.cfg.task.max_new_tokens,
-                                  texts=[item.prompt for item in self.heldout])
+                                  texts=[item.prompt for item in self.heldout],
+                                  chat=ChatTurns.of(prompt_format(self.cfg.task, self.cfg.model.base_dir),
+                                                    self.engine.tokenizer))
         for p in played:
             if p.error is not None:
                 self.log.warning("heldout_episode_failed", error=p.error)

@@ -28,6 +28,7 @@ from pipeline.bus.flow import Admission, NewestVersion, VersionWatch
 from pipeline.bus.streams import Entry, unacked_all
 from pipeline.config import RunConfig
 from pipeline.envs.base import EpisodeRunner
+from pipeline.envs.chat import ChatTurns
 from pipeline.envs.registry import make_env
 from pipeline.engines import GenerationBackend, Sampled, make_generation_backend
 from pipeline.keys import GENERATORS_GROUP, VERIFIERS_GROUP, Keys
@@ -35,6 +36,7 @@ from pipeline.model.tokenizer import model_context_length
 from pipeline.records import PromptTask, RecordError, RolloutGroup, check_token_ids, version_runs
 from pipeline.stage import Batch, Output, Stage
 from pipeline.tasks.arithmetic import prompt_length
+from pipeline.tasks.prompting import prompt_format
 from pipeline.weights import WeightsError, fetcher_options, make_fetcher
 
 if TYPE_CHECKING:
@@ -275,7 +277,9 @@ class Streamer:
         self.sampler = gen.backend.continuous(slots=g.slots or g.prompts_per_batch * g.group_size)
         self.inflight: dict[tuple[int, bytes], tuple[Entry, PromptTask]] = {}
         factory = make_env(gen.cfg)
-        self.env = None if factory is None else EpisodeRunner(factory, gen.cfg.env, gen.backend.tokenizer, gen.log)
+        self.env = None if factory is None else EpisodeRunner(
+            factory, gen.cfg.env, gen.backend.tokenizer, gen.log,
+            chat=ChatTurns.of(prompt_format(gen.cfg.task, gen.cfg.model.base_dir), gen.backend.tokenizer))
         self.draining = False
         self.serial = 0
         self.decode_s, self.steps, self.slot_steps = 0.0, 0, 0
@@ -347,7 +351,7 @@ class Streamer:
             seed = {"seed": sampling_seed(self.g.seed, task.prompt_id, gen.version)} if gen.seeded else {}
             if self.env is not None:  # an episode per completion; the environment's first words
                 firsts = self.env.start(key, task, self.g.group_size)
-                done = self.sampler.add(key, task.prompt_ids, n=self.g.group_size,
+                done = self.sampler.add(key, self.env.prompt(key, task.prompt_ids), n=self.g.group_size,
                                         max_new_tokens=gen.cfg.task.max_new_tokens, version=gen.version,
                                         observations=firsts, **seed)
                 self.sampler.set_max_turns(key, gen.cfg.env.max_turns)
@@ -374,6 +378,7 @@ class Streamer:
             env_rewards = tools = None
             if self.env is not None:
                 tools = self.env.tools(fin.key, len(fin.tokens))
+                task = dataclasses.replace(task, prompt_ids=self.env.prompt(fin.key, task.prompt_ids))
                 env_rewards = self.env.finish(fin.key, len(fin.tokens))
             grp = finished_group(task, fin, tok=gen.backend.tokenizer, worker_id=gen.worker_id, serial=self.serial,
                                  env_rewards=env_rewards, tools=tools)
