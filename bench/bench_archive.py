@@ -4,7 +4,7 @@ Runs the embedded default (``configs/default.toml``: 32 groups of 8 a step) for 
 steps with the archive on, then, on the groups that run archived, times per step in one
 process and in turn: the trainer's optimizer step (``engine.train_step`` on the step's
 groups, as the trainer makes it), the weights hash the trainer records after it, and the
-segment's write (``pipeline.observe.archive.write_segment``: rows, Parquet, zstd, fsync).
+segment's write (``pipeline.common.archive.write_segment``: rows, Parquet, zstd, fsync).
 The write runs on a thread of its own beside the trainer; timed alone it is the most it can
 take from a step. The ratio write / step is the archive's cost; the aim is at most 5%.
 Bytes per group come from the segments. Results into ``bench/results/archive.{json,md}``.
@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.consumers.trainer import sort_step
     from pipeline.engines import make_train_engine
     from pipeline.engines.torch_state import weights_hash
-    from pipeline.observe import archive as arc
-    from pipeline.run.replay import run_config
+    from pipeline.common import archive as arc
+    from pipeline.run.replay import read_groups, run_config
 
     work = Path(tempfile.mkdtemp(prefix="bench-archive-"))
     cmd = [sys.executable, "-m", "pipeline.cli", "up", "--run-id", "archive", "--runs_dir", str(work),
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     metas = arc.steps(run / "archive")
     for i, m in enumerate(metas):
-        groups, outcomes = arc.read_groups(m.path)
+        groups, outcomes = read_groups(m.path)
         s = sort_step([(None, g) for g in groups], version=m.parent, max_staleness=cfg.trainer.max_staleness)
         t1 = time.perf_counter()
         if s.signal:

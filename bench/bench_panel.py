@@ -37,7 +37,7 @@ the share of members scoring above 0.5. Label model: ``pipeline.algo.labelmodel`
 verifier stage fits it (label-free; and with π given from 32 and from 128 labelled completions
 of the labelled split). Score model: ``pipeline.algo.scoremodel`` fitted on both splits' votes
 (no truth), label-free and with 32 and 128 labelled completions of the labelled split (held
-at their truth; its guard may pick one verifier). Figures on the evaluation split: AUC,
+at their truth; its guard may use one verifier or the mean rank of a few). Figures on the evaluation split: AUC,
 selection accuracy (the top-scored completion of each group), calibration error (10
 equal-width bins), π error (a label model's π, else the mean score, against the true share)
 and the mean score on wrong answers.

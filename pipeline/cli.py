@@ -192,7 +192,7 @@ def _distill(args: argparse.Namespace, cfg: RunConfig) -> int:
         run_dir = resolve_run(args.run, cfg.runs_dir)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from None
-    print(json.dumps(distill_run(run_dir, dcfg, out=args.out), indent=2))
+    print(json.dumps(distill_run(run_dir, dcfg, out=args.out, source=args.source), indent=2))
     return 0
 
 
@@ -366,6 +366,9 @@ def _distill_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--epochs", type=float, default=3.0, help="passes over the training rows (default 3)")
     sp.add_argument("--init", choices=["base", "scratch"], default="base",
                     help="start from the run's base policy (default) or a fresh tiny model")
+    sp.add_argument("--source", choices=["posteriors", "archive"], default="posteriors",
+                    help="what to train on: every scored group's posterior the verifier stage recorded (default), "
+                         "or the groups the trainer trained on, from the run's rollout archive")
 
 
 def _replay_args(sp: argparse.ArgumentParser) -> None:

@@ -21,6 +21,8 @@ Dependence = Literal["drop", "merge"]
 """Implemented by ``pipeline.algo.labelmodel.DEPENDENCE_POLICIES``."""
 PiEstimate = Literal["alternate", "levels"]
 LabelModelKind = Literal["weaver", "scores"]
+RefitSchedule = Literal["auto", "groups", "versions"]
+"""Implemented by ``pipeline.consumers.verifier.SharedLabelModel``."""
 """Implemented by ``pipeline.algo.labelmodel.PI_ESTIMATES``."""
 TrainBackendName = Literal["torch", "torchtitan"]
 """Implemented by ``pipeline.engines.make_train_engine``."""
@@ -71,7 +73,10 @@ class GeneratorConfig(Section):
     """torch: where the generator's model runs: ``cpu``, ``cuda`` (the first GPU) or ``auto``
     (cuda when torch sees a GPU)."""
     seed: int = 0
-    """Sampling seed, mixed with the worker id so replicas draw different samples."""
+    """Sampling seed. torch: each prompt's completions draw from generators seeded by it, the
+    prompt's id and the policy version, so a prompt's samples do not depend on which
+    generator takes it or what shares its batch, and replicas still draw different samples
+    (they sample different prompts). vllm: the engine's seed, mixed with the worker id."""
     vllm_dtype: VllmDtype = "auto"
     """vllm: weight and activation dtype (``auto``: the checkpoint's; ``float32``, ``bfloat16``, ``float16``)."""
     vllm_gpu_memory_utilization: float = 0.5
@@ -122,6 +127,17 @@ class VerifierConfig(Section):
     """Refit the label model after this many new groups (by whichever replica takes the lock)."""
     min_fit_rows: int = 128
     """Completions needed before the first fit."""
+    refit: RefitSchedule = "auto"
+    """When the label model is refitted, and on what. ``groups``: after every ``refit_every``
+    new groups, on the newest ``window`` completions as they arrived (which groups a fit
+    sees depends on timing). ``versions``: one fit per policy version v, on the newest
+    ``window`` completions of versions before v in a fixed order (by version, then prompt
+    id), used for every group sampled at v; while the earlier versions hold fewer than
+    ``min_fit_rows`` completions, each group is scored with a fit on them plus its own.
+    With ``trainer.max_staleness`` 0 every group of the earlier versions has been scored when
+    a group of v arrives, so a group's reward no longer depends on timing (docs/determinism.md);
+    each replica fits for itself (one fit per version and replica). ``auto``: ``versions``
+    when ``trainer.max_staleness`` is 0, else ``groups``."""
     timeout_s: float = 10.0
     """Seconds a verifier may spend on one group; past it the verifier abstains for that group
     (counted per verifier). Rule-based checks run inline, the other kinds in a worker thread."""

@@ -34,7 +34,7 @@ class Situation:
 
 LABEL_MODEL_FIELDS = ("verifier.window", "verifier.refit_every", "verifier.min_fit_rows", "verifier.dependence",
                       "verifier.sound_checks", "verifier.class_balance", "verifier.pi_estimate",
-                      "verifier.label_model", "verifier.labels")
+                      "verifier.label_model", "verifier.labels", "verifier.refit")
 VLLM_FIELDS = tuple(f"generator.{f.name}" for f in dataclasses.fields(GeneratorConfig) if f.name.startswith("vllm_"))
 
 

@@ -48,6 +48,9 @@ Run-global (``<global>`` is the global prefix; one slot when tagged):
   <global>:labelmodel:lock   string   with TTL: which verifier replica is refitting.
   <global>:votes             list     the label model's window: one raw little-endian float32
                                       blob per group, [G, m] votes (m verifiers, NaN = abstain).
+  <global>:votes:v<version>  hash     ``verifier.refit = "versions"``: the votes of the groups sampled
+                                      at one policy version (prompt id -> [G, m] float32 blob), each
+                                      replica's fit input for the versions after it.
   <global>:labels            list     the label model's labelled set (``verifier.labels``): one
                                       blob per group, [G, m + 1] float32, votes then hidden truth.
   <global>:admitted          counter  groups admitted for generation, minus those dead-lettered
@@ -214,6 +217,9 @@ class Keys:
     @property
     def votes(self) -> str:
         return f"{self._g}:votes"
+
+    def version_votes(self, version: int) -> str:
+        return f"{self._g}:votes:v{version}"
 
     @property
     def labels(self) -> str:

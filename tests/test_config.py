@@ -173,7 +173,8 @@ def test_every_fixed_choice_field_is_a_literal_and_its_validation_allows_its_val
                 load_config(overrides={f"{f.name}.{name}": "no-such-choice"})
     assert found == {"redis.appendfsync", "task.ops", "task.chat_template", "generator.backend",
                      "generator.vllm_dtype", "generator.swap", "generator.kv_on_swap", "generator.device",
-                     "verifier.dependence", "verifier.pi_estimate", "verifier.label_model", "trainer.backend",
+                     "verifier.dependence", "verifier.pi_estimate", "verifier.label_model", "verifier.refit",
+                     "trainer.backend",
                      "trainer.device",
                      "trainer.is_mode",
                      "trainer.loss_agg", "weights.payload", "chaos.targets", "chaos.kinds", "tracking.backends",

@@ -330,11 +330,12 @@ def test_the_generator_runs_episodes_token_in_token_out(redis_url, tmp_path, tok
                                                    g.env_rewards):
             ids, m = ids.tolist(), m.astype(bool)
             assert (lp[~m] == 0).all() and (lp[m] < 0).all()
-            # Split into runs: model turns (mask 1) and observations (mask 0), in order.
+            # Split into runs: model turns (mask 1, each ending at its eos; an empty observation
+            # puts two turns side by side) and observations (mask 0), in order.
             runs, i = [], 0
             while i < len(ids):
                 j = i
-                while j < len(ids) and m[j] == m[i]:
+                while j < len(ids) and m[j] == m[i] and not (m[i] and j > i and ids[j - 1] == tok.eos_id):
                     j += 1
                 runs.append((bool(m[i]), ids[i:j]))
                 i = j
@@ -351,9 +352,9 @@ def test_the_generator_runs_episodes_token_in_token_out(redis_url, tmp_path, tok
                 assert calls_of[id(g)].pop(0) == (sum(st.tool_call for st in sent),
                                                   sum(st.tool_call and st.tool_ok for st in sent))
                 for (sampled, turn), (after, obs) in zip(runs, runs[1:]):
-                    if sampled and not after:
+                    if sampled:  # a turn the calculator answered: its answer follows (nothing for a malformed call)
                         step = CalculatorEpisode(g.reference).step(tok.decode(turn[:-1]))
-                        assert not step.done and obs == tok.encode(step.observation)
+                        assert not step.done and (obs if not after else []) == tok.encode(step.observation)
                 final = model_runs[-1][-1] == tok.eos_id and not tok.decode(model_runs[-1]).strip().endswith("=")
                 assert reward == float(text.strip() == g.reference.strip()) if final else np.isnan(reward)
                 continue

@@ -11,8 +11,8 @@ import subprocess
 import pytest
 from harness import CLI, up as _up
 
-from pipeline.observe import archive as arc
-from pipeline.run.replay import ReplayError, diff, replay
+from pipeline.common import archive as arc
+from pipeline.run.replay import ReplayError, diff, read_groups, replay
 
 pytestmark = pytest.mark.slow
 STEPS = 10
@@ -126,7 +126,7 @@ def test_a_resume_moves_the_steps_no_checkpoint_held_aside(chaos_run, tmp_path):
     directory = tmp_path / "archive"
     w = arc.ArchiveWriter(directory)
     for m in arc.steps(run / "archive")[:5]:
-        groups, outcomes = arc.read_groups(m.path)
+        groups, outcomes = read_groups(m.path)
         w.write(step=m.step, parent=m.parent, groups=groups, outcomes=outcomes, weights_hash=m.weights_hash,
                 updated=m.updated)
     w.flush()
@@ -136,7 +136,19 @@ def test_a_resume_moves_the_steps_no_checkpoint_held_aside(chaos_run, tmp_path):
     assert len(list((directory / arc.ABANDONED).iterdir())) == 2
     assert arc.resumes(directory)[-1]["resumed_as"] == 9
     # The resumed trainer's next step starts from version 9, which is the checkpoint of step 3.
-    groups, outcomes = arc.read_groups(arc.segments(run / "archive")[3])
+    groups, outcomes = read_groups(arc.segments(run / "archive")[3])
     w.write(step=10, parent=9, groups=groups, outcomes=outcomes, weights_hash="x", updated=True)
     w.close()
     assert arc.lineage_problems(directory, arc.steps(directory)) == []
+
+
+def test_distill_trains_on_the_archive(chaos_run, tmp_path):
+    _, run = chaos_run
+    from pipeline.algo.distill import DistillConfig, distill_run, load_archive
+
+    groups, names = load_archive(run)
+    assert len(groups) == STEPS * 4 and names and all(len(g.completions) == 4 for g in groups)
+    assert all(g.prompt and (g.posterior >= 0).all() and (g.posterior <= 1).all() for g in groups)
+    report = distill_run(run, DistillConfig(init="scratch", epochs=1.0), out=tmp_path / "distilled", progress=None, source="archive")
+    assert report["source"] == "archive" and report["groups"] == STEPS * 4
+    assert (tmp_path / "distilled" / "model.safetensors").exists()

@@ -39,6 +39,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
 
+from pipeline.common.archive import ARCHIVE_DIR, read_columns
 from pipeline.algo.labelmodel import fit_label_model
 from pipeline.config import load_config
 from pipeline.model.qwen import ModelShape, build_model, encode_prompts, load_checkpoint, sample
@@ -178,6 +179,36 @@ def load_posteriors(path: str | Path) -> tuple[list[Group], list[str]]:
     if missing:
         votes = np.concatenate([g.votes for g in groups])
         lm = fit_label_model(votes, names)
+        for i in missing:
+            groups[i] = Group(**{**groups[i].__dict__, "posterior": lm.posterior(groups[i].votes, names).astype(np.float32)})
+    return groups, names
+
+
+def load_archive(run_dir: str | Path) -> tuple[list[Group], list[str]]:
+    """A run's trained groups from its rollout archive (``archive/``, pipeline.common.archive):
+    the prompts and completions the trainer took, their votes, truth and, where the reward was
+    Weaver's, the posterior; groups rewarded otherwise get one from a label model fitted here,
+    as ``load_posteriors`` does."""
+    directory = Path(run_dir) / ARCHIVE_DIR
+    t = read_columns(directory, ["prompt_id", "prompt_text", "completion_text", "verifier_names", "votes", "reward",
+                                 "truth", "reward_mode"])
+    if not t["prompt_id"]:
+        raise FileNotFoundError(f"{run_dir}: no rollout archive ({ARCHIVE_DIR}/ with step segments)")
+    rows: dict[str, list[int]] = {}
+    for i, pid in enumerate(t["prompt_id"]):
+        rows.setdefault(pid, []).append(i)
+    names = list(t["verifier_names"][0])
+    groups, missing = [], []
+    for pid, idx in rows.items():
+        votes = np.array([[np.nan if x is None else x for x in t["votes"][i]] for i in idx], dtype=np.float32)
+        weaver = t["reward_mode"][idx[0]] == "weaver"
+        post = np.array([t["reward"][i] for i in idx], np.float32) if weaver else np.full(len(idx), np.nan, np.float32)
+        if not weaver:
+            missing.append(len(groups))
+        groups.append(Group(pid, t["prompt_text"][idx[0]], tuple(t["completion_text"][i] for i in idx), votes, post,
+                            np.array([t["truth"][i] for i in idx], np.float32)))
+    if missing:
+        lm = fit_label_model(np.concatenate([g.votes for g in groups]), names)
         for i in missing:
             groups[i] = Group(**{**groups[i].__dict__, "posterior": lm.posterior(groups[i].votes, names).astype(np.float32)})
     return groups, names
@@ -483,13 +514,16 @@ def resolve_run(run: str, runs_dir: str | Path = "runs") -> Path:
     raise FileNotFoundError(f"--run {run!r}: neither a run directory nor a run id under {runs_dir}/")
 
 
-def distill_run(run_dir: str | Path, cfg: DistillConfig, *, out: str | Path | None = None, progress=print) -> dict:
-    """Train a distilled verifier on a run's posteriors, measure it, save it; returns the report."""
+def distill_run(run_dir: str | Path, cfg: DistillConfig, *, out: str | Path | None = None, progress=print,
+                source: str = "posteriors") -> dict:
+    """Train a distilled verifier on a run's posteriors (``source`` ``posteriors``: every scored
+    group the verifier stage recorded; ``archive``: the groups the trainer trained on, from the
+    rollout archive), measure it, save it; returns the report."""
     cfg.validate()
     run_dir = Path(run_dir)
     run_cfg = load_config(str(run_dir / "config.toml"), {}) if (run_dir / "config.toml").is_file() else None
     base_dir = run_cfg.model.base_dir if run_cfg is not None else None
-    groups, names = load_posteriors(run_dir)
+    groups, names = load_archive(run_dir) if source == "archive" else load_posteriors(run_dir)
     train_groups, heldout = split_groups(groups, heldout_fraction=cfg.heldout_fraction, seed=cfg.seed)
     if not train_groups or not heldout:
         raise ValueError(f"{run_dir}: too few prompts ({len(groups)} groups) to hold some out")
@@ -501,7 +535,7 @@ def distill_run(run_dir: str | Path, cfg: DistillConfig, *, out: str | Path | No
     t0 = time.perf_counter()
     verifier, losses = train(prompts, comps, targets, cfg, tok=tok, base_dir=base_dir, progress=progress)
     train_s = time.perf_counter() - t0
-    report = {"run": str(run_dir), "groups": len(groups), "train_groups": len(train_groups),
+    report = {"run": str(run_dir), "source": source, "groups": len(groups), "train_groups": len(train_groups),
               "train_rows": len(prompts), "train_seconds": round(train_s, 1), "steps": len(losses),
               "final_loss": round(float(np.mean(losses[-20:])), 4), "config": asdict(cfg),
               "params": sum(p.numel() for p in verifier.model.parameters()), "verifiers": names}

@@ -23,9 +23,17 @@ P(level | Y) for each:
    rows' responsibilities are held at their truth through EM, so they pull π and every table
    towards what they show (π is estimated over all rows with those held: on 32 labels the
    labelled share alone is a coarser estimate, its standard error 0.07 at π = 0.2, and
-   is reported beside), and a guard compares the fit with the best single verifier on those labels (AUC); when the
-   single verifier wins, its level table, fitted on the labels, is the posterior
-   (``ScoreModel.used`` says which).
+   is reported beside). A guard then weighs the fit against simple rules: "the mean rank
+   of the k verifiers with the highest AUC on the labels" for k in ``TOP_K`` (k = 1 is the
+   best single verifier). With a handful of positives among the labels (8 in 128 at
+   π = 0.06) the labels' own ranking of verifiers is noisy, so each is scored by its AUC out
+   of bag over ``BOOTSTRAP`` resamples of the labels, the top k chosen afresh on each
+   resample: a rule is scored as it would be used, not on the labels that picked it. The
+   highest mean wins (ties to fewer verifiers). A rule that wins keeps the raw scores' order
+   (each score's quantile in its column, no levels, so a judge's fine ranking survives),
+   calibrated on the labels by a logistic fit on the mean quantile's logit (Platt's smoothed
+   targets, a ridge towards slope 1); π is then its mean posterior over all rows
+   (``ScoreModel.used`` says which: ``fit``, ``single:<name>`` or ``rank-mean:<names>``).
 6. **Sanity** (label-free): EM converged; π is not at an edge; most verifiers favour the
    component called right; and the classes explain part of the agreement between verifiers
    of different families (their level correlation within a class is below the overall one,
@@ -48,9 +56,12 @@ SMOOTHING = 1.0
 MAX_ITER = 300
 TOL = 1e-5
 """EM stops when no responsibility moves more than this."""
-GUARD_MARGIN = 0.0
-"""The fit is used over the best single verifier unless that verifier's AUC on the labels exceeds the
-fit's by more than this."""
+TOP_K = (1, 2, 3)
+"""The guard's alternatives to the fit: the mean rank of the k verifiers with the highest AUC on the labels."""
+BOOTSTRAP = 200
+"""Resamples of the labels over which the guard compares the fit and the alternatives (out of bag)."""
+GRID = 101
+"""Quantiles of a column kept to rank its scores (the alternatives' ranks on new rows)."""
 
 
 def family(name: str) -> str:
@@ -94,8 +105,11 @@ class ScoreModel:
     weights: np.ndarray
     pi: float
     used: str = "fit"
-    """``fit``, or ``single:<name>`` when the labels' guard chose one verifier."""
-    single: tuple[int, np.ndarray] | None = None
+    """``fit``; or, when the labels' guard chose an alternative, ``single:<name>`` (one verifier)
+    or ``rank-mean:<name>,<name>,...`` (the mean rank of a few)."""
+    single: tuple[list[int], list[np.ndarray], float, float] | None = None
+    """The guard's alternative: (columns, each column's quantile grid, a, b): log-odds
+    a + b logit(mean over the columns of each score's quantile)."""
     favour: list[float] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     iterations: int = 0
@@ -111,17 +125,15 @@ class ScoreModel:
         return np.stack([_level(v[:, j], self.cuts[j]) for j in range(len(self.names))], axis=1)
 
     def log_odds(self, lv: np.ndarray) -> np.ndarray:
-        if self.single is not None:
-            j, table = self.single
-            z = np.zeros(len(lv))
-            ok = lv[:, j] >= 0
-            z[ok] = np.log(table[lv[ok, j], 1]) - np.log(table[lv[ok, j], 0])
-            return z + np.log(self.pi) - np.log1p(-self.pi)
         return _log_odds(lv, self.tables, self.weights, self.pi)
 
     def posterior(self, votes: np.ndarray, names: Sequence[str]) -> np.ndarray:
         """float64 [N] P(correct) of each row of ``votes`` (columns named by ``names``)."""
-        return 1.0 / (1.0 + np.exp(-self.log_odds(self.levels(votes, names))))
+        if self.single is not None:
+            cols, grids, a, b = self.single
+            v = np.asarray(votes, dtype=np.float64)[:, [list(names).index(self.names[j]) for j in cols]]
+            return _sigmoid(a + b * _logit(_rank_mean(v, grids)))
+        return _sigmoid(self.log_odds(self.levels(votes, names)))
 
     @property
     def sane(self) -> bool:
@@ -131,7 +143,8 @@ class ScoreModel:
         """Plain lists, floats and strings (msgpack), for the ``{ns}:labelmodel`` hash."""
         return {"kind": "scores", "names": list(self.names), "cuts": [c.tolist() for c in self.cuts],
                 "tables": [t.tolist() for t in self.tables], "weights": self.weights.tolist(), "pi": self.pi,
-                "used": self.used, "single": None if self.single is None else [self.single[0], self.single[1].tolist()],
+                "used": self.used, "single": None if self.single is None else
+                [list(self.single[0]), [g.tolist() for g in self.single[1]], self.single[2], self.single[3]],
                 "favour": list(self.favour), "warnings": list(self.warnings), "iterations": self.iterations,
                 "labels": self.labels, "label_share": self.label_share, "label_auc": dict(self.label_auc),
                 "version": self.version, "fitted_rows": self.fitted_rows}
@@ -141,7 +154,9 @@ class ScoreModel:
         return cls(tuple(d["names"]), [np.asarray(c, dtype=np.float64) for c in d["cuts"]],
                    [np.asarray(t, dtype=np.float64) for t in d["tables"]], np.asarray(d["weights"], dtype=np.float64),
                    float(d["pi"]), used=d["used"],
-                   single=None if d["single"] is None else (int(d["single"][0]), np.asarray(d["single"][1])),
+                   single=None if d["single"] is None else
+                   ([int(j) for j in d["single"][0]], [np.asarray(g, dtype=np.float64) for g in d["single"][1]],
+                    float(d["single"][2]), float(d["single"][3])),
                    favour=list(d["favour"]), warnings=list(d["warnings"]), iterations=int(d["iterations"]),
                    labels=int(d["labels"]), label_share=d["label_share"], label_auc=dict(d["label_auc"]),
                    version=int(d["version"]), fitted_rows=int(d["fitted_rows"]))
@@ -154,6 +169,82 @@ class ScoreModel:
                 "levels": {n: len(c) + 1 for n, c in zip(self.names, self.cuts)}, "iterations": self.iterations,
                 "sane": self.sane, "warnings": list(self.warnings),
                 **({"label_share": round(self.label_share, 4), "label_auc": self.label_auc} if self.labels else {})}
+
+
+def _sigmoid(z: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-z))
+
+
+def _logit(u: np.ndarray) -> np.ndarray:
+    u = np.clip(u, 1e-4, 1 - 1e-4)
+    return np.log(u) - np.log1p(-u)
+
+
+def _grid(col: np.ndarray) -> np.ndarray:
+    x = col[np.isfinite(col)]
+    return np.quantile(x, np.linspace(0.0, 1.0, GRID)) if x.size else np.zeros(1)
+
+
+def _rank_mean(v: np.ndarray, grids: Sequence[np.ndarray]) -> np.ndarray:
+    """Mean over the columns of ``v`` of each score's quantile in its column (the grid, tied
+    values at their mean quantile, linear between); an abstention counts as quantile 0."""
+    out = np.zeros(len(v))
+    for j, g in enumerate(grids):
+        values, inv = np.unique(g, return_inverse=True)
+        at = np.bincount(inv, weights=np.linspace(0.0, 1.0, len(g))) / np.bincount(inv)
+        col = v[:, j]
+        ok = np.isfinite(col)
+        out[ok] += np.interp(col[ok], values, at) if len(values) > 1 else 0.5
+    return out / max(len(grids), 1)
+
+
+def _platt(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Logistic fit P(y = 1) = sigmoid(a + b x), with Platt's smoothed targets and a ridge pulling
+    b towards 1 (``x`` is a quantile's logit, so b = 1 keeps its odds); Newton steps halved until
+    the penalised loss falls, so labels that one score separates do not send it to infinity; b > 0."""
+    pos = y.sum()
+    t = np.where(y == 1, (pos + 1) / (pos + 2), 1 / (len(y) - pos + 2))
+
+    def loss(a: float, b: float) -> float:
+        z = a + b * x
+        return float(np.sum(np.logaddexp(0, z) - t * z) + 0.5 * (b - 1) ** 2)
+
+    a, b = float(np.log(t.mean() / (1 - t.mean()))), 1.0
+    for _ in range(100):
+        p = _sigmoid(a + b * x)
+        g = np.array([np.sum(p - t), np.sum((p - t) * x) + (b - 1)])
+        w = p * (1 - p)
+        h = np.array([[w.sum() + 1e-9, (w * x).sum()], [(w * x).sum(), (w * x * x).sum() + 1.0]])
+        step = np.linalg.solve(h, g)
+        f, scale = loss(a, b), 1.0
+        while scale > 1e-6 and loss(a - scale * step[0], b - scale * step[1]) > f:
+            scale /= 2
+        a, b = a - scale * step[0], b - scale * step[1]
+        if np.abs(scale * step).max() < 1e-8:
+            break
+    return float(a), float(max(b, 1e-3))
+
+
+def _guard(fit_z: np.ndarray, raw: np.ndarray, y: np.ndarray, seed: int = 0) -> tuple[dict, int]:
+    """Out-of-bag AUC, averaged over ``BOOTSTRAP`` resamples of the labelled rows, of the fit's
+    log-odds ``fit_z`` and of each rule "the mean rank of the k verifiers with the highest AUC
+    on the resample" (``TOP_K``; ``raw`` the labelled rows' scores, already as quantiles).
+    The top k are chosen on each resample afresh, so a rule is scored as it would be used, not
+    on the labels that chose it. Returns ({candidate: mean out-of-bag AUC}, the k chosen; 0 the fit)."""
+    rng = np.random.default_rng(seed)
+    n = len(y)
+    got: dict[int, list[float]] = {k: [] for k in (0, *TOP_K)}
+    for _ in range(BOOTSTRAP):
+        bag = rng.integers(0, n, n)
+        oob = np.setdiff1d(np.arange(n), bag)
+        if len(np.unique(y[bag])) < 2 or len(np.unique(y[oob])) < 2:
+            continue
+        order = np.argsort([-_auc(raw[bag, j], y[bag]) for j in range(raw.shape[1])], kind="stable")
+        got[0].append(_auc(fit_z[oob], y[oob]))
+        for k in TOP_K:
+            got[k].append(_auc(raw[np.ix_(oob, order[:k])].mean(axis=1), y[oob]))
+    mean = {k: float(np.mean(a)) if a else 0.0 for k, a in got.items()}
+    return mean, max(mean, key=lambda k: (mean[k], -k))
 
 
 def _log_odds(lv: np.ndarray, tables: list[np.ndarray], weights: np.ndarray, pi: float) -> np.ndarray:
@@ -269,17 +360,21 @@ def fit_score_model(votes: np.ndarray, names: Sequence[str], *, sound: Sequence[
     if idx is not None:
         model.labels = len(idx)
         model.label_share = label_share
-        fit_auc = _auc(model.log_odds(lv[idx]), y_lab)
-        singles = {names_k[j]: _auc(np.where(lv[idx, j] >= 0, lv[idx, j], -1).astype(float), y_lab)
-                   for j in range(len(names_k))}
+        fit_z = model.log_odds(lv[idx])
+        grids = [_grid(v[:, j]) for j in range(v.shape[1])]
+        ranks = np.stack([_rank_mean(v[:, [j]], [grids[j]]) for j in range(v.shape[1])], axis=1)
+        singles = {names_k[j]: _auc(ranks[idx, j], y_lab) for j in range(len(names_k))}
+        oob, k = _guard(fit_z, ranks[idx], y_lab)
         best = max(singles, key=singles.get)
-        model.label_auc = {"fit": round(fit_auc, 3), "best_single": best, "best_single_auc": round(singles[best], 3)}
-        if singles[best] > fit_auc + GUARD_MARGIN:
-            j = names_k.index(best)
-            ok = lv[idx, j] >= 0
-            t = np.full((sizes[j], 2), SMOOTHING)
-            np.add.at(t[:, 1], lv[idx[ok], j], y_lab[ok])
-            np.add.at(t[:, 0], lv[idx[ok], j], 1.0 - y_lab[ok])
-            model.single = (j, t / t.sum(axis=0, keepdims=True))
-            model.used = f"single:{best}"
+        model.label_auc = {"fit": round(_auc(fit_z, y_lab), 3), "best_single": best,
+                           "best_single_auc": round(singles[best], 3),
+                           "out_of_bag": {("fit" if c == 0 else f"top{c}"): round(a, 3) for c, a in oob.items()}}
+        if k:
+            cols = sorted(range(len(names_k)), key=lambda j: -singles[names_k[j]])[:k]
+            x = _logit(ranks[:, cols].mean(axis=1))
+            a, b = _platt(x[idx], y_lab)
+            model.single = (cols, [grids[j] for j in cols], a, b)
+            model.pi = float(_sigmoid(a + b * x).mean())
+            model.used = (f"single:{names_k[cols[0]]}" if k == 1 else
+                          "rank-mean:" + ",".join(names_k[j] for j in cols))
     return model

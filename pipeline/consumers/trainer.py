@@ -5,7 +5,7 @@ consumes:     ScoredGroup records from {ns}:scored (group "trainer"), acked once
 produces:     policy version v+1 after each step ({ns}:weights, {ns}:versions); the ledger
               entry and training-log entry of every consumed prompt ({ns}:ledger,
               {ns}:trainlog); metrics.jsonl (with each step's weights hash); the rollout archive
-              (every group trained on, a Parquet segment a step: pipeline.observe.archive);
+              (every group trained on, a Parquet segment a step: pipeline.common.archive);
               checkpoints; a final HF checkpoint
 waits for:    groups_per_step (B) scored groups
 unblocked by: verifiers
@@ -42,9 +42,10 @@ from pipeline.config import RunConfig
 from pipeline.engines import TrainEngine, make_train_engine
 from pipeline.engines.episodes import summarise
 from pipeline.engines.torch_state import weights_hash
+from pipeline.envs.chat import ChatTurns
 from pipeline.envs.registry import make_env
 from pipeline.keys import TRAINER_GROUP, Keys
-from pipeline.observe.archive import ARCHIVE_DIR, ArchiveWriter
+from pipeline.common.archive import ARCHIVE_DIR, ArchiveWriter
 from pipeline.observe.logs import MetricsFile
 from pipeline.observe.tracking import Trackers
 from pipeline.records import ScoredGroup, check_group_size, check_scores, check_token_ids, check_versions
@@ -429,7 +430,9 @@ class Trainer:
             self._env = make_env(self.cfg)
         played = self.engine.play(self.heldout_ids, [item.reference for item in self.heldout], self._env,
                                   max_turns=self.cfg.env.max_turns, max_new_tokens=self.cfg.task.max_new_tokens,
-                                  texts=[item.prompt for item in self.heldout])
+                                  texts=[item.prompt for item in self.heldout],
+                                  chat=ChatTurns.of(prompt_format(self.cfg.task, self.cfg.model.base_dir),
+                                                    self.engine.tokenizer))
         for p in played:
             if p.error is not None:
                 self.log.warning("heldout_episode_failed", error=p.error)

@@ -11,7 +11,8 @@ A batch comes from rollouts shard k and goes to scored shard k.
 The loop (``Stage.run``): wait for room downstream → take rollout groups → score every
 completion with each weak verifier whose votes the reward reads (all of them for Weaver; the
 rest only on ``verifier.monitor_share`` of the groups, their columns NaN elsewhere) → add
-the votes to the label model's window and take its current version → aggregate votes into
+the votes to the label model's window and take its current version (``verifier.refit =
+"versions"``: each group's policy version's fit) → aggregate votes into
 rewards → emit the scored groups and ack the rollouts in one transaction (``Stage.emit``: the
 emit Lua script, or a MULTI/EXEC when the records come to ``stage.MULTI_BYTES`` or more) →
 append the posteriors file.
@@ -55,22 +56,49 @@ class SharedLabelModel:
     replica takes ``{ns}:labelmodel:lock`` refits on the window and stores the result
     with the next version in ``{ns}:labelmodel``; every replica then scores with that
     version, so the replicas never disagree about the reward of the same votes.
+
+    ``by_version`` (``verifier.refit = "versions"``): votes go to their policy version's hash
+    (:meth:`version_votes`) and each replica fits, once per policy version, on the earlier
+    versions' votes in a fixed order (:meth:`models`): the same inputs on every replica and
+    in every run with η = 0, so the same model.
     """
 
-    def __init__(self, r, keys: Keys, cfg: VerifierConfig, worker_id: str, log):
+    def __init__(self, r, keys: Keys, cfg: VerifierConfig, worker_id: str, log, *, by_version: bool = False):
         self.r, self.keys, self.cfg, self.worker_id, self.log = r, keys, cfg, worker_id, log
         self.model: LabelModel | None = None
         self.version = -1
+        self.by_version = by_version
+        """``verifier.refit`` resolved to ``versions``: one fit per policy version (:meth:`models`)."""
+        self.fits: dict[int, LabelModel | None] = {}
+        """``by_version``: this replica's fit for each policy version (None: too few earlier rows)."""
+        self._few: dict[int, np.ndarray] = {}
+        """``by_version``: the earlier votes of a version whose groups are each fitted with their own."""
+        self._trimmed = 0
 
-    def add_votes(self, votes: list[np.ndarray], truths: list[np.ndarray] | None = None) -> None:
-        """Append the groups' votes to the window; while the labelled set (``verifier.labels``)
-        holds fewer rows than asked, the groups' votes with their hidden truth go there too."""
+    def version_votes(self, version: int) -> str:
+        """``by_version``: the hash of the votes of the groups sampled at policy ``version``
+        (field: prompt id, value: the group's [G, m] votes as little-endian float32)."""
+        return self.keys.version_votes(version)
+
+    def add_votes(self, votes: list[np.ndarray], truths: list[np.ndarray] | None = None,
+                  groups: Sequence[RolloutGroup] | None = None) -> None:
+        """Append the groups' votes to the window (``by_version``: to their policy version's
+        hash, which needs ``groups``); while the labelled set (``verifier.labels``) holds fewer
+        rows than asked, the groups' votes with their hidden truth go there too."""
         if self.cfg.labels and truths is not None:
             have = int(self.r.llen(self.keys.labels)) * max(1, votes[0].shape[0])
             if have < self.cfg.labels:
                 self.r.rpush(self.keys.labels, *[np.ascontiguousarray(np.column_stack([v, t]), dtype="<f4").tobytes()
                                                  for v, t in zip(votes, truths)])
         pipe = self.r.pipeline(transaction=False)
+        if self.by_version:
+            if groups is None:
+                raise ValueError("verifier.refit = versions: add_votes needs the groups (their versions)")
+            for g, v in zip(groups, votes):
+                blob = np.ascontiguousarray(v, dtype="<f4").tobytes()
+                pipe.hset(self.version_votes(g.min_version), g.prompt_id, blob)
+            pipe.execute()
+            return
         for v in votes:
             pipe.lpush(self.keys.votes, np.ascontiguousarray(v, dtype="<f4").tobytes())
         max_groups = max(1, self.cfg.window // max(1, votes[0].shape[0]))
@@ -85,26 +113,79 @@ class SharedLabelModel:
             m = len(self.cfg.verifiers)
             rows = [np.frombuffer(b, dtype="<f4").reshape(-1, m) for b in self.r.lrange(self.keys.votes, 0, -1)]
             votes = np.concatenate(rows)
-            t0 = time.perf_counter()
-            sound = [n for n in self.cfg.verifiers if is_sound(n)] if self.cfg.sound_checks else []
-            if self.cfg.label_model == "scores":
-                labelled = [np.frombuffer(b, dtype="<f4").reshape(-1, m + 1)
-                            for b in self.r.lrange(self.keys.labels, 0, -1)]
-                given = None
-                if labelled:
-                    lab = np.concatenate(labelled)[: max(self.cfg.labels, 1)]
-                    given = (np.arange(len(votes), len(votes) + len(lab)), lab[:, m].astype(np.float64))
-                    votes = np.concatenate([votes, lab[:, :m]])
-                lm = fit_score_model(votes, list(self.cfg.verifiers), sound=sound, version=version + 1, labels=given)
-            else:
-                lm = fit_label_model(votes, list(self.cfg.verifiers), version=version + 1,
-                                     dependence=self.cfg.dependence, sound=sound,
-                                     class_balance=self.cfg.class_balance or None, pi_estimate=self.cfg.pi_estimate)
+            lm = self._fit(votes, version + 1)
             self.r.hset(self.keys.labelmodel, mapping={
                 "version": version + 1, "params": msgpack.packb(lm.to_dict()), "rows": len(votes), "new_groups": 0})
-            self.log.info("labelmodel_fitted", seconds=round(time.perf_counter() - t0, 4), **lm.report())
         finally:
             self.r.delete(self.keys.labelmodel_lock)
+
+    def _fit(self, votes: np.ndarray, version: int, *, log: bool = True) -> LabelModel:
+        """The configured label model fitted on ``votes`` [N, m] (with the labelled set under
+        ``label_model = "scores"``), published as ``version``."""
+        m = len(self.cfg.verifiers)
+        t0 = time.perf_counter()
+        sound = [n for n in self.cfg.verifiers if is_sound(n)] if self.cfg.sound_checks else []
+        if self.cfg.label_model == "scores":
+            labelled = [np.frombuffer(b, dtype="<f4").reshape(-1, m + 1)
+                        for b in self.r.lrange(self.keys.labels, 0, -1)]
+            given = None
+            if labelled:
+                lab = np.concatenate(labelled)[: max(self.cfg.labels, 1)]
+                given = (np.arange(len(votes), len(votes) + len(lab)), lab[:, m].astype(np.float64))
+                votes = np.concatenate([votes, lab[:, :m]])
+            lm = fit_score_model(votes, list(self.cfg.verifiers), sound=sound, version=version, labels=given)
+        else:
+            lm = fit_label_model(votes, list(self.cfg.verifiers), version=version,
+                                 dependence=self.cfg.dependence, sound=sound,
+                                 class_balance=self.cfg.class_balance or None, pi_estimate=self.cfg.pi_estimate)
+        if log:
+            self.log.info("labelmodel_fitted", seconds=round(time.perf_counter() - t0, 4), **lm.report())
+        return lm
+
+    def earlier_votes(self, version: int, group_size: int) -> np.ndarray:
+        """``by_version``: the votes the fit for policy ``version`` reads: those of the groups of
+        the versions before it, in a fixed order (version, then prompt id), the newest
+        ``window`` completions' worth of whole groups. Version hashes older than the window
+        needs (less a margin for late groups) are deleted."""
+        m = len(self.cfg.verifiers)
+        max_groups = max(1, self.cfg.window // max(1, group_size))
+        blocks: list[list[bytes]] = []
+        have, w = 0, version - 1
+        while w >= 0 and have < max_groups:
+            h = self.r.hgetall(self.version_votes(w))
+            blocks.append([h[k] for k in sorted(h)])
+            have += len(h)
+            w -= 1
+        if w > 1:  # versions at or below w are outside every later fit's window
+            stale = range(self._trimmed, w - 1)
+            if stale:
+                self.r.delete(*(self.version_votes(x) for x in stale))
+                self._trimmed = w - 1
+        groups = [b for block in reversed(blocks) for b in block][-max_groups:]
+        if not groups:
+            return np.zeros((0, m), dtype=np.float32)
+        return np.concatenate([np.frombuffer(b, dtype="<f4").reshape(-1, m) for b in groups])
+
+    def models(self, groups: Sequence[RolloutGroup], votes: list[np.ndarray]) -> list[LabelModel]:
+        """``by_version``: the label model of each group: its policy version's fit on the earlier
+        versions' votes (:meth:`earlier_votes`), fitted once per version by this replica; while
+        those hold fewer than ``min_fit_rows`` completions, a fit on them plus the group's own."""
+        out = []
+        for g, vt in zip(groups, votes):
+            v = g.min_version
+            if v not in self.fits:
+                earlier = self.earlier_votes(v, vt.shape[0])
+                self.fits[v] = self._fit(earlier, v) if len(earlier) >= self.cfg.min_fit_rows else None
+                if self.fits[v] is None:
+                    self._few[v] = earlier
+                for old in sorted(self.fits)[:-4]:  # a few versions kept for groups that come late
+                    del self.fits[old]
+                    self._few.pop(old, None)
+            lm = self.fits[v]
+            if lm is None:
+                lm = self._fit(np.concatenate([self._few[v], vt]), v, log=False)
+            out.append(lm)
+        return out
 
     def current(self) -> LabelModel:
         deadline = time.monotonic() + FIRST_MODEL_WAIT_S
@@ -124,6 +205,12 @@ class SharedLabelModel:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no label model in {self.keys.labelmodel} after {FIRST_MODEL_WAIT_S} s")
             time.sleep(0.05)  # another replica holds the lock for the first fit
+
+
+def refits_by_version(cfg: RunConfig) -> bool:
+    """``verifier.refit`` resolved: ``versions`` (``auto`` with ``trainer.max_staleness`` 0) or not."""
+    refit = cfg.verifier.refit
+    return refit == "versions" or (refit == "auto" and cfg.trainer.max_staleness == 0)
 
 
 def make_scorer(v: VerifierConfig, build: Sequence[str] | None = None) -> Scorer:
@@ -243,7 +330,8 @@ class VerifierStage:
         self.mode = reward_mode(v)
         vocab_size = model_vocab_size(cfg.model.base_dir)
         self.task = make_task(cfg.task)
-        self.shared = SharedLabelModel(r, keys, v, worker_id, log) if self.mode.needs_label_model else None
+        self.shared = SharedLabelModel(r, keys, v, worker_id, log, by_version=refits_by_version(cfg)
+                                       ) if self.mode.needs_label_model else None
         # Only the verifiers the reward reads run, and every one on the monitored share of groups.
         self.reads = self.mode.reads(v.verifiers)
         self.scorer = scorer if scorer is not None else make_scorer(v, None if v.monitor_share else self.reads)
@@ -275,20 +363,21 @@ class VerifierStage:
             costs[VERIFIER_COMPLETIONS + n] = st.completions - before[n][0]
             costs[VERIFIER_SECONDS + n] = st.seconds - before[n][1]
         truths = [self.task.correctness(g.reference, g.completions) for g in groups]
-        lm = None
+        models: list[LabelModel | None] = [None] * len(groups)
         if self.shared is not None:
-            self.shared.add_votes(votes, truths)
-            lm = self.shared.current()
-        lm_version = self.shared.version if self.shared is not None else -1
+            self.shared.add_votes(votes, truths, groups)
+            models = (self.shared.models(groups, votes) if self.shared.by_version
+                      else [self.shared.current()] * len(groups))
+        lm_version = max((lm.version for lm in models if lm is not None), default=-1)
         written, rows = [], []
-        for (e, g), vt, truth in zip(batch.good, votes, truths):
+        for (e, g), vt, truth, lm in zip(batch.good, votes, truths, models):
             rewards = self.mode(votes=vt, names=v.verifiers, completions=g.completions, label_model=lm, truth=truth,
                                 prompt=g.prompt, answer=self.task.answer, reference=g.reference,
                                 env_rewards=g.env_rewards)
             rows.append(posterior_row(g, vt, truth, lm, v.verifiers))
             rec = ScoredGroup(rollout=g, verifier_names=tuple(v.verifiers), votes=vt.astype(np.float32),
                               rewards=rewards.astype(np.float32), truth=truth.astype(np.float32),
-                              reward_mode=v.reward, labelmodel_version=lm_version,
+                              reward_mode=v.reward, labelmodel_version=-1 if lm is None else lm.version,
                               verifier_id=self.worker_id, scored_at=time.time())
             written.append((e, rec.encode()))
         self.scored += len(groups)

@@ -4,9 +4,11 @@ With ``env.kind`` set, what a run is judged on is the episode's outcome, not the
 turn's text (a calculator policy's first turn is a tool call, which single-turn accuracy
 would count wrong). :func:`play` runs the episodes on the generator's own slot sampler
 (pipeline.engines.slots), so by the generator's rules: the model samples until its eos, the
-turn's text (up to the eos) is the action, the observation's token ids are appended exactly
-as encoded, until the environment says done, ``max_turns`` model turns, or the completion's
-token budget (observation tokens included) has no room for another turn. The trainer's held-out evaluation calls it with temperature 0 when the
+turn's text (up to the eos) is the action, the observation's token ids are appended (its raw
+encoding, or with ``chat`` a turn of the chat template, pipeline.envs.chat), until the
+environment says done, ``max_turns`` model turns, or the completion's token budget
+(observation tokens included) has no room for another turn. The trainer's held-out
+evaluation calls it with temperature 0 when the
 run has an environment (``heldout_accuracy`` is then the episodes' mean environment
 reward, a missing reward counting 0, beside the held-out tool-call rate and turns).
 
@@ -27,6 +29,7 @@ import torch
 
 from pipeline.engines.slots import SlotSampler
 from pipeline.envs.base import EnvFactory, Step, encode_text, episode_seed, reset_episode
+from pipeline.envs.chat import ChatTurns
 from pipeline.records import PromptTask
 
 
@@ -41,6 +44,9 @@ class Played:
     tool_calls_ok: int
     completion: list[int]
     """The token ids after the prompt: sampled turns (each ending in eos) and observations."""
+    prompt: list[int] | None = None
+    """The prompt the completion continues (with ``chat`` and a reset text: the prompt without
+    its generation prompt, which the first observation then holds); None until it starts."""
     error: str | None = None
     """Why the episode ended early (its environment raised), else None."""
 
@@ -52,13 +58,15 @@ SLOTS = 64
 def play(model, tokenizer, prompts: list[np.ndarray], references: list[str], factory: EnvFactory, *,
          max_turns: int, max_new_tokens: int, temperature: float = 0.0,
          generator: torch.Generator | None = None, texts: list[str] | None = None,
-         seed: int = 0) -> list[Played]:
+         chat: ChatTurns | None = None, seed: int = 0) -> list[Played]:
     """One episode per prompt (token ids, as the model reads them), decoded together by the
     generator's own slot sampler (pipeline.engines.slots: its turn, turn-limit and token-budget
     rules), each ended turn stepped in the environment at once. ``texts``: the prompts as the
     task wrote them, which the environment is given (as the feeder's record gives them);
-    default: the ids decoded. ``seed``: the run seed the held-out prompt ids are hashed with into
-    each episode's reset seed (see the module docstring)."""
+    default: the ids decoded. ``chat``: the observations as turns of the checkpoint's chat
+    template (None: their raw encoding, the reset text right after the prompt). ``seed``: the
+    run seed the held-out prompt ids are hashed with into each episode's reset seed (see the
+    module docstring)."""
     n = len(prompts)
     out = [Played(reward=math.nan, turns=0, tool_calls=0, tool_calls_ok=0, completion=[]) for _ in range(n)]
     sampler = SlotSampler(model, slots=max(1, min(n, SLOTS)), temperature=temperature, eos_id=tokenizer.eos_id,
@@ -78,10 +86,15 @@ def play(model, tokenizer, prompts: list[np.ndarray], references: list[str], fac
                 pid = f"heldout-{i}"
                 episodes[i] = factory(PromptTask(prompt_id=pid, prompt=text, prompt_ids=ids,
                                                  reference=references[i], issued_at=time.time()))
-                first = encode_text(tokenizer, reset_episode(episodes[i], episode_seed(seed, pid)))
+                reset = reset_episode(episodes[i], episode_seed(seed, pid))
+                if chat is None:
+                    first = encode_text(tokenizer, reset)
+                else:
+                    ids, (first,) = chat.first(ids, [reset])
             except Exception as e:  # noqa: BLE001 - an environment that cannot start: the episode is unrewarded
                 out[i].error = f"{type(e).__name__}: {e}"
                 continue
+            out[i].prompt = [int(x) for x in ids]
             sampler.set_max_turns(i, max_turns)
             f = sampler.add(i, ids, n=1, max_new_tokens=max_new_tokens, version=0, observations=[first])
             if f is not None:
@@ -94,7 +107,9 @@ def play(model, tokenizer, prompts: list[np.ndarray], references: list[str], fac
                 step = episodes[i].step(tokenizer.decode(action))
                 if not isinstance(step, Step):
                     raise TypeError(f"step returned {type(step).__name__}, not a Step")
-                obs, done = encode_text(tokenizer, step.observation), step.done
+                obs = encode_text(tokenizer, step.observation) if chat is None \
+                    else chat.observation(step.observation, step.turn_role)
+                done = step.done
             except Exception as e:  # noqa: BLE001 - a failing step ends the episode, as env.on_error "end"
                 out[i].error = f"{type(e).__name__}: {e}"
             else:

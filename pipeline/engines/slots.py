@@ -26,6 +26,7 @@ chat models); its log-probabilities agree with the trainer's re-scoring
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from dataclasses import dataclass, field
 
@@ -33,7 +34,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pipeline.model.qwen import draw, uniforms
 from pipeline.records import Partial
+
+
+def row_generator(seed: int, member: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The generator completion ``member`` of a prompt draws its tokens from, given the
+    prompt's sampling seed (``pipeline.producers.generator.sampling_seed``): the same seed and
+    member give the same draws on any worker, in any batch."""
+    digest = hashlib.blake2b(f"{seed}:{member}".encode(), digest_size=8).digest()
+    return torch.Generator(device).manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
 @dataclass
@@ -60,6 +70,12 @@ class _Row:
     """Its turn ended; out of the slots until :meth:`SlotSampler.observe`."""
     slot: int = -1
     length: int = 0
+    u: list[float] | None = None
+    """A group added with a ``seed``: the uniforms of its own generator (:func:`row_generator`),
+    one per token it may sample, the k-th sampled token drawn at the k-th; else None (the
+    sampler's generator)."""
+    drawn: int = 0
+    """Tokens it has sampled (observation tokens not counted)."""
     """Positions in the slot's cache (prompt plus the tokens fed so far)."""
     logit_version: int = 0
     """Policy version of the forward that produced this row's next-token logits."""
@@ -227,9 +243,14 @@ class SlotSampler:
     # ------------------------------------------------------------------ groups in and out
 
     def add(self, key, prompt: np.ndarray, *, n: int, max_new_tokens: int, version: int,
-            partial: Partial | None = None, observations: list[list[int]] | None = None) -> Finished | None:
+            partial: Partial | None = None, observations: list[list[int]] | None = None,
+            seed: int | None = None) -> Finished | None:
         """Put ``n`` completions of ``prompt`` in flight (``partial``: continue them from their
         saved tokens); returns the group at once if every completion of it was already done.
+
+        ``seed``: the prompt's sampling seed; each completion then draws from its own generator
+        (:func:`row_generator`), so its tokens do not depend on the other sequences in flight.
+        None: every completion draws from the sampler's generator.
 
         ``observations`` makes the completions episodes: each one's first observation (token
         ids, possibly none) is appended after the prompt, and an eos ends a model turn
@@ -237,6 +258,10 @@ class SlotSampler:
         if key in self._groups:
             raise ValueError(f"group {key!r} is already in flight")
         rows = [_Row(key=key, member=j, prompt=prompt, budget=max_new_tokens) for j in range(n)]
+        if seed is not None:
+            drawn = uniforms([row_generator(seed, j, self.device) for j in range(n)], max_new_tokens, self.device)
+            for r, u in zip(rows, drawn.tolist()):
+                r.u = u
         if observations is not None:
             if partial is not None or len(observations) != n:
                 raise ValueError(f"an episode group needs {n} first observations and no partial")
@@ -248,6 +273,7 @@ class SlotSampler:
                 raise ValueError(f"partial has {partial.lens.size} completions, the group {n}")
             for row, (tokens, logprobs, versions, done) in zip(rows, partial.completions()):
                 row.tokens, row.logprobs, row.versions, row.mask = tokens, logprobs, versions, [1] * len(tokens)
+                row.drawn = len(tokens)
                 row.done = done or len(tokens) >= max_new_tokens
         live = [r for r in rows if not r.done]
         if len(live) > self.free:
@@ -371,11 +397,16 @@ class SlotSampler:
             nxt = logp.argmax(dim=-1)
         else:
             logp = F.log_softmax(logits / self.temperature, dim=-1)
-            nxt = torch.multinomial(logp.exp(), 1, generator=self.rng).squeeze(1)
+            if all(r.u is not None for r in self._order):
+                u = torch.tensor([r.u[min(r.drawn, len(r.u) - 1)] for r in self._order], device=self.device)
+                nxt = draw(logp.exp(), u=u)
+            else:
+                nxt = draw(logp.exp(), self.rng)
         lp = logp.gather(1, nxt.unsqueeze(1)).squeeze(1).tolist()
         ids = nxt.tolist()
         ended: list[_Row] = []
         for r, tok, l in zip(list(self._order), ids, lp):
+            r.drawn += 1
             r.tokens.append(tok)
             r.logprobs.append(l)
             r.versions.append(r.logit_version)

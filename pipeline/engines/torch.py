@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from pipeline.engines import Sampled
-from pipeline.engines.slots import SlotSampler
+from pipeline.engines.slots import SlotSampler, row_generator
 from pipeline.engines.torch_state import read_torch_state, write_torch_state
 from pipeline.config import RunConfig
 from pipeline.algo.losses import LossSettings, advantages, objective, overlong_penalty, sequence_count, truncated
@@ -51,21 +51,56 @@ def by_length(prompts: list[np.ndarray]) -> dict[int, list[int]]:
     return out
 
 
+def filler(batch: list[np.ndarray], k: int, vocab_size: int) -> list[np.ndarray]:
+    """``k`` prompts of the batch's length, distinct from each other and from ``batch`` (the
+    sampler runs each distinct prompt's forward once, so copies would not fill the batch)."""
+    seen = {p.tobytes() for p in (np.asarray(q, dtype=np.int64) for q in batch)}
+    out, base, shift = [], np.asarray(batch[-1], dtype=np.int64), 1
+    while len(out) < k and shift <= vocab_size * vocab_size:  # a tiny vocabulary may run out
+        cand = base.copy()
+        cand[0] = (cand[0] + shift) % vocab_size
+        cand[-1] = (cand[-1] + shift // vocab_size) % vocab_size
+        shift += 1
+        if cand.tobytes() not in seen:
+            seen.add(cand.tobytes())
+            out.append(cand)
+    return out
+
+
 def sample_prompts(model, prompts: list[np.ndarray], *, n: int, max_new_tokens: int, temperature: float,
-                   eos_id: int, pad_id: int, generator: torch.Generator | None = None) -> list[Sampled]:
+                   eos_id: int, pad_id: int, generator: torch.Generator | None = None,
+                   seeds: list[int] | None = None, pad_prompts: int = 0) -> list[Sampled]:
     """``n`` samples of each prompt with the torch sampler, one batch per prompt length (on the
-    model's device; ``generator`` must be a generator of that device)."""
+    model's device; ``generator`` must be a generator of that device).
+
+    ``seeds``: one sampling seed per prompt; completion j of prompt i then draws from
+    ``row_generator(seeds[i], j)`` instead of ``generator``. ``pad_prompts``: when every prompt
+    has one length, a batch of fewer is filled up to that many with prompts of its own
+    (:func:`filler`: sampled, then dropped). Together they make a prompt's samples the same whichever worker
+    samples it and whatever prompts share its batch: on the CPU a row's logits do not depend
+    on the other rows of a batch of the same shape, but can differ in the last bit between
+    batch sizes (docs/determinism.md)."""
+    if seeds is not None and len(seeds) != len(prompts):
+        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
     out: list[Sampled | None] = [None] * len(prompts)
     device = model.get_input_embeddings().weight.device
-    for idx in by_length(prompts).values():
-        ids = torch.from_numpy(np.stack([prompts[i] for i in idx]).astype(np.int64)).repeat_interleave(n, dim=0)
+    groups = by_length(prompts)
+    for idx in groups.values():
+        batch = [prompts[i] for i in idx]
+        if len(groups) == 1 and pad_prompts > len(idx):
+            batch += filler(batch, pad_prompts - len(idx), int(model.config.vocab_size))
+        ids = torch.from_numpy(np.stack(batch).astype(np.int64)).repeat_interleave(n, dim=0)
+        rngs = generator
+        if seeds is not None:
+            rngs = [row_generator(seeds[i], j, device) for i in idx for j in range(n)]
+            rngs += [row_generator(-1, j, device) for j in range(n * (len(batch) - len(idx)))]  # the filler's
         tokens, logprobs, lengths = sample(model, ids.to(device), max_new_tokens=max_new_tokens,
-                                           temperature=temperature, eos_id=eos_id, pad_id=pad_id, generator=generator)
+                                           temperature=temperature, eos_id=eos_id, pad_id=pad_id, generator=rngs)
         tokens, logprobs, lengths = tokens.cpu().numpy(), logprobs.cpu().numpy(), lengths.cpu().numpy()
         for k, i in enumerate(idx):
-            rows = slice(k * n, (k + 1) * n)
-            out[i] = Sampled(tokens=tokens[rows].astype(np.int32), logprobs=logprobs[rows].astype(np.float32),
-                             lengths=lengths[rows].astype(np.int32))
+            mine = slice(k * n, (k + 1) * n)
+            out[i] = Sampled(tokens=tokens[mine].astype(np.int32), logprobs=logprobs[mine].astype(np.float32),
+                             lengths=lengths[mine].astype(np.int32))
     return out  # type: ignore[return-value]
 
 
@@ -81,7 +116,14 @@ def greedy_decode(model, tokenizer, prompts: list[np.ndarray], *, max_new_tokens
 
 
 class TorchGenerator:
-    """``generator.backend = "torch"``."""
+    """``generator.backend = "torch"``.
+
+    ``seeded``: :meth:`generate` takes a sampling seed per prompt and the slot sampler's
+    ``add`` a seed per group (the generator stage passes them: each prompt's samples depend on
+    its seed alone, not on the worker or the batch); without them, draws come from the worker's
+    own generator (``generator.seed`` mixed with the worker id)."""
+
+    seeded = True
 
     def __init__(self, cfg: RunConfig, *, worker_id: str) -> None:
         g = cfg.generator
@@ -95,10 +137,13 @@ class TorchGenerator:
         self.vocab_size = int(self.model.config.vocab_size)
         self.rng = torch.Generator(self.device).manual_seed(g.seed * 1_000_003 + zlib.crc32(worker_id.encode()))
         self.temperature = g.temperature
+        self.batch_prompts = g.prompts_per_batch
 
-    def generate(self, prompts: list[np.ndarray], *, n: int, max_new_tokens: int, temperature: float) -> list[Sampled]:
+    def generate(self, prompts: list[np.ndarray], *, n: int, max_new_tokens: int, temperature: float,
+                 seeds: list[int] | None = None) -> list[Sampled]:
         return sample_prompts(self.model, prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
-                              eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id, generator=self.rng)
+                              eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id, generator=self.rng,
+                              seeds=seeds, pad_prompts=self.batch_prompts if seeds is not None else 0)
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         if self.adapters is not None:
@@ -342,10 +387,10 @@ class TorchEngine:
         return greedy_decode(self.model, self.tokenizer, prompts, max_new_tokens=max_new_tokens)
 
     def play(self, prompts: list[np.ndarray], references: list[str], factory, *, max_turns: int,
-             max_new_tokens: int, texts: list[str] | None = None) -> list:
+             max_new_tokens: int, texts: list[str] | None = None, chat=None) -> list:
         """Greedy held-out episodes through ``factory``'s environment (pipeline.engines.episodes)."""
         return play(self.model, self.tokenizer, prompts, references, factory, max_turns=max_turns,
-                    max_new_tokens=max_new_tokens, texts=texts)
+                    max_new_tokens=max_new_tokens, texts=texts, chat=chat)
 
     def save_state(self, directory: Path) -> dict:
         # ``steps`` seeds each step's minibatch order: a resumed trainer continues its count.

@@ -90,8 +90,9 @@ above it are passed on, so every sequence in flight can be scheduled in one step
 
 
 def engine_seed(seed: int, worker_id: str) -> int:
-    """The engine seed of one generator: ``generator.seed`` mixed with the worker id as the
-    torch backend mixes them, so replicas draw different samples (kept below 2**31)."""
+    """The engine seed of one vLLM generator: ``generator.seed`` mixed with the worker id, so
+    replicas draw different samples (kept below 2**31). The torch backend seeds each
+    prompt's completions instead (docs/determinism.md); vLLM's samples depend on the worker."""
     return (seed * 1_000_003 + zlib.crc32(worker_id.encode())) % (1 << 31)
 
 

@@ -2,11 +2,13 @@
 
 An episode alternates turns: the model samples until it ends its turn (the eos token), the
 turn's text is the *action*, the environment answers with an *observation* (text), whose
-token ids are appended to the sequence exactly as encoded, and the model samples again;
+token ids are appended to the sequence, and the model samples again;
 until the environment says done, ``env.max_turns`` model turns, or the completion's token
 budget (``task.max_new_tokens``, observation tokens included). Token in, token out: the
 sequence the trainer scores is the sampled ids and the appended observation ids, never
 re-tokenised text; observation tokens carry a loss mask of 0 and no behaviour log-prob.
+An observation's ids are its raw encoding (:func:`encode_text`), or, for a model with a chat
+template, a turn of that template (pipeline.envs.chat: ``Step.role``).
 
 An environment is a factory ``make(task: PromptTask) -> Episode``, one episode per
 completion. :class:`Episode` is OpenEnv's shape (reset, step, a reward and done with each
@@ -39,6 +41,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    import numpy as np
+
+    from pipeline.envs.chat import ChatTurns
     from pipeline.records import PromptTask  # noqa: F401 (the EnvFactory annotation)
 
 
@@ -58,11 +63,20 @@ class Step:
     tool_ok: bool | None = None
     """For a tool call: whether the environment answered it (False: malformed, unknown tool,
     or the tool failed). None counts as answered. Ignored when ``tool_call`` is False."""
+    role: str | None = None
+    """The turn the observation is, for a model with a chat template (pipeline.envs.chat):
+    None is ``tool`` after a tool call, else ``user``. Without a template it is not used."""
+
+    @property
+    def turn_role(self) -> str:
+        """The chat role of the observation: ``role``, else ``tool`` or ``user``."""
+        return self.role or ("tool" if self.tool_call else "user")
 
 
 class Episode(Protocol):
     def reset(self, seed: int | None = None) -> str:
-        """The first observation ("" for none), appended right after the prompt. ``seed``: the
+        """The first observation ("" for none), appended right after the prompt (with a chat
+        template: a user turn before the model's first, pipeline.envs.chat). ``seed``: the
         group's seed (:func:`episode_seed`); the same seed must give the same game. A ``reset``
         without the parameter is called without it."""
         ...
@@ -164,8 +178,13 @@ class EpisodeRunner:
     failing in a row, none succeeding in between, raise :class:`EnvResetsFailing` naming
     ``env.kind`` and the first of them."""
 
-    def __init__(self, factory: EnvFactory, env_cfg, tokenizer, log, *, run_seed: int = 0) -> None:
+    def __init__(self, factory: EnvFactory, env_cfg, tokenizer, log, chat: ChatTurns | None = None, *,
+                 run_seed: int = 0) -> None:
         self.factory, self.cfg, self.tok, self.log = factory, env_cfg, tokenizer, log
+        self.chat = chat
+        """The observations as chat turns (pipeline.envs.chat); None: their raw encoding."""
+        self.prompts: dict[object, np.ndarray] = {}
+        """Group key -> the prompt its episodes continue (:meth:`prompt`)."""
         self.run_seed = run_seed
         self.seeds: dict[object, int] = {}
         """Group key -> the seed its episodes were reset with."""
@@ -203,24 +222,42 @@ class EpisodeRunner:
             try:
                 ep = self.factory(task)
                 self.episodes[(key, j)] = ep
-                firsts.append(encode_text(self.tok, reset_episode(ep, seed)))
+                reset = reset_episode(ep, seed)
+                if not isinstance(reset, str):
+                    raise EnvError(f"reset returned {type(reset).__name__}, not a str")
+                firsts.append(reset if self.chat is not None else encode_text(self.tok, reset))
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
                 self._count("env_errors_total")
                 self.log.warning("env_reset_failed", member=j, seed=seed, error=error)
                 self.broken.add((key, j))
-                firsts.append([])
+                firsts.append("" if self.chat is not None else [])
                 self.failed_resets += 1
                 self.first_failure = self.first_failure or error
             else:
                 self.failed_resets, self.first_failure = 0, None
         self._count("episodes_total", n)
+        if self.chat is not None:  # the reset texts as a user turn before the model's first
+            try:
+                self.prompts[key], firsts = self.chat.first(task.prompt_ids, firsts)
+            except ValueError as e:  # a prompt not built with the template: its episodes end unrewarded
+                self._count("env_errors_total", n)
+                self.log.warning("env_reset_failed", error=str(e))
+                self.broken.update((key, j) for j in range(n))
+                firsts = [[] for _ in range(n)]
+                self.failed_resets += n
+                self.first_failure = self.first_failure or str(e)
         bound = getattr(self.cfg, "max_failed_resets", 0)
         if bound and self.failed_resets >= bound:
             raise EnvResetsFailing(
                 f"env.kind {getattr(self.cfg, 'kind', '')!r}: {self.failed_resets} episode resets failed in a row, "
                 f"none succeeded in between (env.max_failed_resets = {bound}); the first: {self.first_failure}")
         return firsts
+
+    def prompt(self, key, default: np.ndarray) -> np.ndarray:
+        """The prompt a group's episodes continue: ``default`` (the task's), or without its
+        generation prompt where the reset texts went into a user turn (:meth:`ChatTurns.first`)."""
+        return self.prompts.get(key, default)
 
     def submit(self, key, member: int, action: str, attempts: int = 0) -> None:
         if (key, member) in self.broken:  # its environment never started: the episode ends here
@@ -249,7 +286,8 @@ class EpisodeRunner:
                     step = fut.result()
                     if not isinstance(step, Step):
                         raise EnvError(f"step returned {type(step).__name__}, not a Step")
-                    obs = encode_text(self.tok, step.observation)
+                    obs = encode_text(self.tok, step.observation) if self.chat is None \
+                        else self.chat.observation(step.observation, step.turn_role)
                 except Exception as e:
                     error = f"{type(e).__name__}: {e}"
             elif now - started > self.cfg.step_timeout_s:
@@ -296,6 +334,7 @@ class EpisodeRunner:
                     self.log.warning("env_close_failed", error=f"{type(e).__name__}: {e}")
         self.calls.pop(key, None)
         self.seeds.pop(key, None)
+        self.prompts.pop(key, None)
         return self.rewards.pop(key, [float("nan")] * n)
 
     def close(self) -> None:

@@ -253,6 +253,23 @@ def _cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def uniforms(generators: Sequence[torch.Generator], count: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[len(generators), count]: each row's next ``count`` uniforms in [0, 1) from its own generator."""
+    return torch.stack([torch.rand(count, generator=g, device=device) for g in generators])
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None, u: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row of ``probs[N, V]``: ``torch.multinomial`` with ``generator``, or, given
+    ``u[N]`` (uniforms in [0, 1)), by inverting each row's cumulative distribution at its own
+    uniform: the same distribution, and a row's token depends on its probabilities and its
+    uniform alone."""
+    if u is None:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    cdf = probs.cumsum(dim=-1)
+    at = (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, at, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+
+
 @torch.no_grad()
 def sample(
     model: Qwen3ForCausalLM,
@@ -262,9 +279,13 @@ def sample(
     temperature: float,
     eos_id: int,
     pad_id: int,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample completions of equal-length prompts with the KV cache.
+
+    ``generator``: one for the whole batch, or a sequence of one per row: then row i's t-th
+    token is drawn at the t-th uniform of its generator (:func:`draw`), so that each row's
+    samples depend on its own generator alone, not on the other rows.
 
     Returns ``(tokens[N, T], logprobs[N, T], lengths[N])`` with ``T = max_new_tokens``
     (always, even when every row stopped early, so batches have a fixed shape).
@@ -306,13 +327,18 @@ def sample(
     if dedup:
         cache.reorder_cache(inverse)
         logits = logits[inverse]
+    own = None  # one generator per row: every row's uniforms, drawn now
+    if temperature != 0 and generator is not None and not isinstance(generator, torch.Generator):
+        if len(generator) != n:
+            raise ValueError(f"{len(generator)} generators for {n} rows")
+        own = uniforms(generator, max_new_tokens, device)
     for t in range(max_new_tokens):
         if temperature == 0:
             logp = F.log_softmax(logits, dim=-1)
             nxt = logp.argmax(dim=-1)
         else:
             logp = F.log_softmax(logits / temperature, dim=-1)
-            nxt = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
+            nxt = draw(logp.exp(), generator) if own is None else draw(logp.exp(), u=own[:, t])
         lp = logp.gather(1, nxt.unsqueeze(1)).squeeze(1)
         nxt = torch.where(finished, pad_id, nxt)
         tokens[:, t] = nxt

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from pipeline.observe.archive import ARCHIVE_DIR, read_columns, steps as archive_steps
+from pipeline.common.archive import ARCHIVE_DIR, read_columns, steps as archive_steps
 
 BUSY_EVENTS = {"batch_generated": "seconds", "batch_scored": "seconds", "step": "step_seconds"}
 """Log events that mark a finished unit of work, and the field holding how long it took."""

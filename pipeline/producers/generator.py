@@ -17,6 +17,7 @@ sample G completions per prompt → emit the groups and ack the prompts in that 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import sys
 import time
 from typing import TYPE_CHECKING, Callable
@@ -29,6 +30,7 @@ from pipeline.bus.streams import Entry, unacked_all
 from pipeline.common.procs import EXIT_CONFIG_FAILED
 from pipeline.config import RunConfig
 from pipeline.envs.base import EnvResetsFailing, EpisodeRunner
+from pipeline.envs.chat import ChatTurns
 from pipeline.envs.registry import make_env
 from pipeline.engines import GenerationBackend, Sampled, make_generation_backend
 from pipeline.keys import GENERATORS_GROUP, VERIFIERS_GROUP, Keys
@@ -36,10 +38,20 @@ from pipeline.model.tokenizer import model_context_length
 from pipeline.records import PromptTask, RecordError, RolloutGroup, check_token_ids, version_runs
 from pipeline.stage import Batch, Output, Stage
 from pipeline.tasks.arithmetic import prompt_length
+from pipeline.tasks.prompting import prompt_format
 from pipeline.weights import WeightsError, fetcher_options, make_fetcher
 
 if TYPE_CHECKING:
     from pipeline.engines.slots import Finished
+
+
+def sampling_seed(seed: int, prompt_id: str, version: int) -> int:
+    """The sampling seed of a prompt sampled under policy ``version``: from ``generator.seed``,
+    the prompt's id and the version, so the same prompt gets the same samples from the same
+    weights on any generator, in any batch (engines that take seeds: ``seeded``), and replicas
+    still draw different samples, since they sample different prompts."""
+    digest = hashlib.blake2b(f"{seed}:{prompt_id}:{version}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def swap_weights(fetcher, backend: GenerationBackend, version: int, log, *,
@@ -168,6 +180,13 @@ class Generator:
                                                         max_new_tokens=cfg.task.max_new_tokens,
                                                         newest=newest))
         self.version, self.produced = 0, 0
+        self.seeded = bool(getattr(self.backend, "seeded", False))
+        """The engine takes a sampling seed per prompt (:func:`sampling_seed`)."""
+
+    def seeds(self, tasks: list[PromptTask]) -> dict:
+        """``generate``'s ``seeds`` keyword for an engine that takes them, else nothing."""
+        return {"seeds": [sampling_seed(self.cfg.generator.seed, t.prompt_id, self.version) for t in tasks]
+                } if self.seeded else {}
 
     def swap_weights(self) -> None:
         self.version = swap_weights(self.fetcher, self.backend, self.version, self.log,
@@ -216,7 +235,8 @@ class Generator:
         self.stage.heartbeat("generating", version=self.version, groups=self.produced)
         t0 = time.perf_counter()
         samples = self.backend.generate([t.prompt_ids for t in tasks], n=g.group_size,
-                                        max_new_tokens=self.cfg.task.max_new_tokens, temperature=g.temperature)
+                                        max_new_tokens=self.cfg.task.max_new_tokens, temperature=g.temperature,
+                                        **self.seeds(tasks))
         groups = to_groups(tasks, samples, tok=self.backend.tokenizer, worker_id=self.worker_id,
                            batch=self.stage.batches + 1, version=self.version)
         seconds = time.perf_counter() - t0
@@ -260,8 +280,10 @@ class Streamer:
         self.inflight: dict[tuple[int, bytes], tuple[Entry, PromptTask]] = {}
         factory = make_env(gen.cfg)
         # Every episode of a group is reset with one seed, from feeder.seed and the prompt's id.
-        self.env = None if factory is None else EpisodeRunner(factory, gen.cfg.env, gen.backend.tokenizer, gen.log,
-                                                              run_seed=gen.cfg.feeder.seed)
+        self.env = None if factory is None else EpisodeRunner(
+            factory, gen.cfg.env, gen.backend.tokenizer, gen.log,
+            chat=ChatTurns.of(prompt_format(gen.cfg.task, gen.cfg.model.base_dir), gen.backend.tokenizer),
+            run_seed=gen.cfg.feeder.seed)
         self.draining = False
         self.serial = 0
         self.decode_s, self.steps, self.slot_steps = 0.0, 0, 0
@@ -330,16 +352,17 @@ class Streamer:
         for e, task in batch.good:
             key = (e.shard, e.id)
             self.inflight[key] = (e, task)
+            seed = {"seed": sampling_seed(self.g.seed, task.prompt_id, gen.version)} if gen.seeded else {}
             if self.env is not None:  # an episode per completion; the environment's first words
                 firsts = self.env.start(key, task, self.g.group_size)
-                done = self.sampler.add(key, task.prompt_ids, n=self.g.group_size,
+                done = self.sampler.add(key, self.env.prompt(key, task.prompt_ids), n=self.g.group_size,
                                         max_new_tokens=gen.cfg.task.max_new_tokens, version=gen.version,
-                                        observations=firsts)
+                                        observations=firsts, **seed)
                 self.sampler.set_max_turns(key, gen.cfg.env.max_turns)
                 continue
             done = self.sampler.add(key, task.prompt_ids, n=self.g.group_size,
                                     max_new_tokens=gen.cfg.task.max_new_tokens, version=gen.version,
-                                    partial=task.partial)
+                                    partial=task.partial, **seed)
             if task.partial is not None:
                 gen.log.info("partial_resumed", prompt_id=task.prompt_id, tokens=int(task.partial.ids.size))
             if done is not None:
@@ -359,6 +382,7 @@ class Streamer:
             env_rewards = tools = None
             if self.env is not None:
                 tools = self.env.tools(fin.key, len(fin.tokens))
+                task = dataclasses.replace(task, prompt_ids=self.env.prompt(fin.key, task.prompt_ids))
                 env_rewards = self.env.finish(fin.key, len(fin.tokens))
             grp = finished_group(task, fin, tok=gen.backend.tokenizer, worker_id=gen.worker_id, serial=self.serial,
                                  env_rewards=env_rewards, tools=tools)

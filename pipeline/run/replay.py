@@ -23,9 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.common import archive as arc
 from pipeline.config import ConfigError, RunConfig, load_config
 from pipeline.engines import make_train_engine
-from pipeline.observe import archive as arc
+from pipeline.records import ScoredGroup
 from pipeline.tasks.prompting import build_prompt, prompt_format
 from pipeline.tasks.registry import make_task
 
@@ -63,6 +64,12 @@ class ReplayResult:
                 "first_mismatch": self.first_mismatch, "counterfactual": self.counterfactual,
                 "final_hash": self.final_hash, "final_checkpoint": self.final_checkpoint,
                 "heldout_accuracy": self.heldout_accuracy, "seconds": round(self.seconds, 3), "out": self.out}
+
+
+def read_groups(path: Path) -> tuple[list[ScoredGroup], list[str]]:
+    """A segment's groups, exactly as the trainer took them, in training order, with their outcomes."""
+    records, outcomes = arc.read_records(path)
+    return [ScoredGroup.decode(r) for r in records], outcomes
 
 
 def run_config(run_dir: Path, settings: dict[str, str] | None = None) -> RunConfig:
@@ -168,7 +175,7 @@ def replay(run_dir: str | Path, *, stop_at: int | None = None, out: str | Path |
         rows = []
         with open(out / "replay.jsonl", "w") as f:
             for i, m in enumerate(metas):
-                groups, outcomes = arc.read_groups(m.path)
+                groups, outcomes = read_groups(m.path)
                 batch = [(None, g) for g in groups]
                 again = [str(k) for k in classify(batch, version=m.parent, max_staleness=cfg.trainer.max_staleness)]
                 if not settings and again != outcomes:

@@ -10,7 +10,7 @@ from pathlib import Path
 from pipeline.bus.stats import read_stats
 from pipeline.config import RunConfig
 from pipeline.consumers.evaluator import read_evals
-from pipeline.observe.archive import ARCHIVE_DIR, steps
+from pipeline.common.archive import ARCHIVE_DIR, steps
 from pipeline.observe.metrics import episode_summary
 from pipeline.verifiers.base import verifier_costs
 

@@ -27,9 +27,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from pipeline.records import ScoredGroup
+if TYPE_CHECKING:
+    from pipeline.records import ScoredGroup
 
 ARCHIVE_DIR = "archive"
 BASE = "_base.json"
@@ -49,6 +52,7 @@ COLUMNS: dict[str, str] = {
     "verifier_id": "the verifier worker that scored it",
     "min_version": "the oldest policy version among the group's tokens",
     "max_version": "the newest policy version among the group's tokens",
+    "prompt_text": "the prompt, as the task wrote it",
     "prompt_ids": "the prompt's token ids",
     "completion_ids": "the completion's token ids",
     "token_versions": "the policy version that sampled each token (several where a swap came mid-sequence)",
@@ -74,7 +78,7 @@ def _schema():
         "step": pa.int32(), "parent": pa.int32(), "position": pa.int16(), "prompt_id": pa.string(),
         "group_id": pa.string(), "outcome": pa.string(), "completion": pa.int16(), "generator_id": pa.string(),
         "verifier_id": pa.string(), "min_version": pa.int32(), "max_version": pa.int32(),
-        "prompt_ids": pa.list_(pa.int32()), "completion_ids": pa.list_(pa.int32()),
+        "prompt_text": pa.string(), "prompt_ids": pa.list_(pa.int32()), "completion_ids": pa.list_(pa.int32()),
         "token_versions": pa.list_(pa.int32()), "behaviour_logprobs": pa.list_(pa.float32()),
         "completion_text": pa.string(), "reward": pa.float32(), "truth": pa.float32(), "reward_mode": pa.string(),
         "labelmodel_version": pa.int32(), "verifier_names": pa.list_(pa.string()), "votes": pa.list_(pa.float32()),
@@ -113,7 +117,7 @@ def columns(step: int, parent: int, groups: list[ScoredGroup], outcomes: list[st
                 "step": step, "parent": parent, "position": pos, "prompt_id": ro.prompt_id, "group_id": ro.group_id,
                 "outcome": outcome, "completion": c, "generator_id": ro.generator_id, "verifier_id": g.verifier_id,
                 "min_version": ro.min_version, "max_version": ro.max_version,
-                "prompt_ids": ro.prompt_ids.astype(np.int32), "completion_ids": ids[c].astype(np.int32),
+                "prompt_text": ro.prompt, "prompt_ids": ro.prompt_ids.astype(np.int32), "completion_ids": ids[c].astype(np.int32),
                 "token_versions": vers[c].astype(np.int32), "behaviour_logprobs": lps[c].astype(np.float32),
                 "completion_text": ro.completions[c] if c < len(ro.completions) else "",
                 "reward": float(g.rewards[c]), "truth": float(g.truth[c]), "reward_mode": g.reward_mode,
@@ -267,13 +271,14 @@ def read_columns(directory: Path, columns: list[str]) -> dict[str, list]:
     return pa.concat_tables([pq.read_table(p, columns=columns) for p in paths]).to_pydict()
 
 
-def read_groups(path: Path) -> tuple[list[ScoredGroup], list[str]]:
-    """A segment's groups, exactly as the trainer took them, in training order, with their outcomes."""
+def read_records(path: Path) -> tuple[list[bytes], list[str]]:
+    """A segment's groups as the exact records the trainer took (``ScoredGroup.decode`` reads
+    them), in training order, with their outcomes."""
     import pyarrow.parquet as pq
 
     t = pq.read_table(path, columns=["position", "completion", "outcome", "record"]).to_pydict()
     rows = sorted((p, o, r) for p, c, o, r in zip(t["position"], t["completion"], t["outcome"], t["record"]) if c == 0)
-    return [ScoredGroup.decode(r) for _, _, r in rows], [o for _, o, _ in rows]
+    return [r for _, _, r in rows], [o for _, o, _ in rows]
 
 
 def lineage_problems(directory: Path, metas: list[StepMeta]) -> list[str]:
