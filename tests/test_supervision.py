@@ -64,15 +64,39 @@ class Output:
         return self.text
 
 
+def _free_ports(n: int) -> int:
+    """The first of ``n`` consecutive loopback ports free right now (the run's metrics ports are
+    metrics.base_port plus an offset per worker, and pipeline up refuses a busy one)."""
+    for _ in range(200):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = min(probe.getsockname()[1], 60000)
+        held = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise AssertionError(f"no {n} consecutive free ports found")
+
+
 def _cluster(tmp_path: Path) -> dict:
     return json.loads((tmp_path / "runs" / "cluster.json").read_text())
 
 
-def _wait_for_step(tmp_path: Path, run_id: str, p: subprocess.Popen, timeout: float = 240) -> None:
+def _wait_for_step(tmp_path: Path, run_id: str, p: subprocess.Popen, timeout: float = 240,
+                   out: Output | None = None) -> None:
     metrics = tmp_path / "runs" / run_id / "metrics.jsonl"
     deadline = time.time() + timeout
     while not metrics.exists() or '"step"' not in metrics.read_text():
-        assert time.time() < deadline and p.poll() is None, "the cluster never trained a step"
+        assert time.time() < deadline and p.poll() is None, \
+            "the cluster never trained a step" + (f":\n{out.text[-4000:]}" if out is not None else "")
         time.sleep(0.3)
 
 
@@ -135,10 +159,7 @@ def test_a_generator_sigkilled_seven_times_is_restarted_each_time_and_nothing_is
 def test_a_verifier_that_fails_on_start_is_reported_as_a_crash_loop_while_the_run_goes_on(tmp_path,
                                                                                            tiny_base_model):
     run_id = f"loop-{uuid.uuid4().hex[:6]}"
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        base = probe.getsockname()[1]
-    base = min(base, 60000)
+    base = _free_ports(16)
     p = up(tmp_path, tiny_base_model, "--run-id", run_id, "--trainer.steps", "100000",
            "--metrics.base_port", str(base), "--cluster.crash_loop_exits", "3",
            "--cluster.crash_loop_uptime_s", "30", "--cluster.restart_backoff_s", "0.5",
@@ -146,7 +167,7 @@ def test_a_verifier_that_fails_on_start_is_reported_as_a_crash_loop_while_the_ru
     out = Output(p)
     blocker = socket.socket()
     try:
-        _wait_for_step(tmp_path, run_id, p)
+        _wait_for_step(tmp_path, run_id, p, out=out)
         port = json.loads((tmp_path / "runs" / run_id / "ports.json").read_text())["ports"]["ver-1"]
         info = _cluster(tmp_path)
         r = redis.Redis.from_url(info["url"])
