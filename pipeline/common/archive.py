@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pipeline.common.checkpoint import fsync_path
+
 if TYPE_CHECKING:
     from pipeline.records import ScoredGroup
 
@@ -132,14 +134,6 @@ def columns(step: int, parent: int, groups: list[ScoredGroup], outcomes: list[st
     return out
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_segment(directory: Path, *, step: int, parent: int, groups: list[ScoredGroup], outcomes: list[str],
                   weights_hash: str, updated: bool) -> int:
     """Write one step's segment atomically (a temporary name, fsync, rename); its size in bytes."""
@@ -153,7 +147,7 @@ def write_segment(directory: Path, *, step: int, parent: int, groups: list[Score
     path = directory / segment_name(step)
     tmp = directory / f".{path.name}.tmp"
     pq.write_table(table, tmp, compression="zstd")
-    _fsync(tmp)
+    fsync_path(tmp)
     os.replace(tmp, path)
     return path.stat().st_size
 
@@ -170,8 +164,6 @@ class ArchiveWriter:
         self._pending: list[Future] = []
         self.bytes = 0
         self.groups = 0
-        self.seconds = 0.0
-        """Time the writes took, on their thread."""
 
     def base(self, weights_hash: str, *, base_dir: str) -> None:
         """Record the base's hash (a fresh start): replay checks it before the first step."""
@@ -181,13 +173,11 @@ class ArchiveWriter:
     def write(self, *, step: int, parent: int, groups: list[ScoredGroup], outcomes: list[str], weights_hash: str,
               updated: bool) -> None:
         def job() -> None:
-            t0 = time.perf_counter()
             size = write_segment(self.directory, step=step, parent=parent, groups=groups, outcomes=outcomes,
                                  weights_hash=weights_hash, updated=updated)
             self.bytes += size
             self.groups += len(groups)
             self._prune()
-            self.seconds += time.perf_counter() - t0
 
         self._pending.append(self._pool.submit(job))
 
@@ -242,6 +232,12 @@ def step_meta(path: Path) -> StepMeta:
 
 def steps(directory: Path) -> list[StepMeta]:
     return [step_meta(p) for p in segments(directory)]
+
+
+def size(metas: list[StepMeta]) -> dict:
+    """An archive's steps, bytes and bytes per group, from its segments (``steps``)."""
+    total = sum(m.path.stat().st_size for m in metas)
+    return {"steps": len(metas), "bytes": total, "bytes_per_group": total / max(1, sum(m.groups for m in metas))}
 
 
 def base_hash(directory: Path) -> str | None:

@@ -62,7 +62,8 @@ class TrainerState:
     """What the training engine's ``save_state`` returned (JSON): its schedule and optimizer settings."""
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (its entries: a rename made durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -99,7 +100,7 @@ def save(directory: Path, *, state: TrainerState, write: Callable[[Path], dict[s
     with open(pointer, "rb") as fh:
         os.fsync(fh.fileno())
     os.replace(pointer, directory / LATEST)
-    _fsync_dir(directory)
+    fsync_path(directory)
     for old in sorted(p for p in directory.glob("step-*") if p.is_dir())[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from pipeline.common.archive import ARCHIVE_DIR, read_columns, steps as archive_steps
+from pipeline.common.archive import ARCHIVE_DIR, read_columns, size as archive_size, steps as archive_steps
 
 BUSY_EVENTS = {"batch_generated": "seconds", "batch_scored": "seconds", "step": "step_seconds"}
 """Log events that mark a finished unit of work, and the field holding how long it took."""
@@ -170,11 +170,9 @@ def archive_report(run_dir: Path) -> dict | None:
     for step, reward, truth in zip(t["step"], t["reward"], t["truth"]):
         by.setdefault(step, {True: [], False: []})[truth >= 0.5].append(reward)
     versions = sorted(by)
-    size = sum(m.path.stat().st_size for m in metas)
     right = [x for v in versions for x in by[v][True]]
     wrong = [x for v in versions for x in by[v][False]]
-    return {"steps": len(metas), "bytes": size, "bytes_per_group": size / max(1, sum(m.groups for m in metas)),
-            "versions": versions, "reward_right": [_mean(by[v][True]) for v in versions],
+    return {**archive_size(metas), "versions": versions, "reward_right": [_mean(by[v][True]) for v in versions],
             "reward_wrong": [_mean(by[v][False]) for v in versions],
             "reward_right_mean": _mean(right), "reward_wrong_mean": _mean(wrong),
             "completions_right": len(right), "completions_wrong": len(wrong)}

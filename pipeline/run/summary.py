@@ -10,7 +10,7 @@ from pathlib import Path
 from pipeline.bus.stats import read_stats
 from pipeline.config import RunConfig
 from pipeline.consumers.evaluator import read_evals
-from pipeline.common.archive import ARCHIVE_DIR, steps
+from pipeline.common.archive import ARCHIVE_DIR, size, steps
 from pipeline.observe.metrics import episode_summary
 from pipeline.verifiers.base import verifier_costs
 
@@ -150,8 +150,4 @@ def write_summary(cfg: RunConfig, r, keys, accounting: dict, base_info: dict, **
 def archive_size(directory: Path) -> dict:
     """The rollout archive's steps, bytes and bytes per group ({} without one)."""
     metas = steps(directory) if directory.is_dir() else []
-    if not metas:
-        return {}
-    size = sum(m.path.stat().st_size for m in metas)
-    return {"archive_steps": len(metas), "archive_bytes": size,
-            "archive_bytes_per_group": size / max(1, sum(m.groups for m in metas))}
+    return {f"archive_{k}": v for k, v in size(metas).items()} if metas else {}
