@@ -330,9 +330,13 @@ def report(result: dict, out: Path, name: str) -> None:
             lines += [md_table(["weaver arm", "share of the single -> truth gap closed", "interval"],
                                [[k, v["share"], f"[{v['low']}, {v['high']}]"] for k, v in st["gap_share"].items()])]
         if st.get("lines"):
-            lines += [md_table(["the plan's line", "met", "by", "interval"],
-                               [[x["line"], "yes" if x["met"] else "**missed**", x["by"], x["interval"]]
-                                for x in st["lines"]])]
+            def by(x: dict) -> list[str]:
+                if "gap" in x["line"]:  # a share of the gap, not points
+                    return [str(x["by"]), f"[{x['interval'][0]}, {x['interval'][1]}]"]
+                return [pct(x["by"]), f"[{pct(x['interval'][0])}, {pct(x['interval'][1])}]"]
+
+            lines += [md_table(["the plan's line", "met", "by (points, or share of the gap)", "interval"],
+                               [[x["line"], "yes" if x["met"] else "**missed**", *by(x)] for x in st["lines"]])]
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     if any(t["runs"] for t in result["tasks"].values()):
         plot(result, out / f"{name}.png")
