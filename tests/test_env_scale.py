@@ -259,3 +259,40 @@ def test_sessions_spread_over_two_servers_and_a_stopped_one_is_skipped_naming_it
     finally:
         a.close()
         b.close()
+
+
+def test_the_exporter_serves_each_members_counters_labelled_by_its_kind():
+    from pipeline.observe.metrics import episode_families, episode_summary
+
+    stats = {"episodes_total": 12.0, "episodes_finished_total": 12.0, "env_errors_total": 1.0,
+             "env_episodes_total:calculator": 8.0, "env_finished_total:calculator": 8.0,
+             "env_reward_total:calculator": 6.0, "env_errors_total:calculator": 1.0,
+             "env_episodes_total:textarena:GuessTheNumber-v0": 4.0,
+             "env_finished_total:textarena:GuessTheNumber-v0": 4.0}
+    summary = episode_summary(stats)
+    assert summary["environments"]["calculator"] == {"episodes": 8.0, "errors": 1.0, "finished": 8.0,
+                                                     "reward": 6.0, "reward_mean": 0.75}
+    assert summary["environments"]["textarena:GuessTheNumber-v0"]["reward_mean"] == 0.0
+    families = {f.name: f for f in episode_families({"episodes": summary, "stats": stats})}
+    samples = {(s.name, s.labels["env"]): s.value for s in families["pipeline_env_member_episodes"].samples}
+    assert samples == {("pipeline_env_member_episodes_total", "calculator"): 8.0,
+                       ("pipeline_env_member_episodes_total", "textarena:GuessTheNumber-v0"): 4.0}
+    assert episode_summary({"episodes_total": 3.0}).get("environments") is None  # one environment: as before
+
+
+def test_pipeline_top_prints_a_line_per_member(redis_client):
+    from tests.busy_streams import fill_streams
+
+    from pipeline.keys import Keys
+    from pipeline.observe.metrics import snapshot
+    from pipeline.observe.top import frame_text, render
+
+    keys = Keys("mixtop")
+    fill_streams(redis_client, keys)
+    redis_client.hset(keys.shard(0).stats, mapping={
+        "episodes_total": 12, "episodes_finished_total": 12, "env_episodes_total:calculator": 8,
+        "env_finished_total:calculator": 8, "env_reward_total:calculator": 6, "env_errors_total:calculator": 1,
+        "env_episodes_total:textarena:GuessTheNumber-v0": 4, "env_finished_total:textarena:GuessTheNumber-v0": 4})
+    text = frame_text(render(snapshot(redis_client, keys)), width=200)
+    assert "env calculator   episodes 8 (finished 8)   errors 1   reward 0.750" in text, text
+    assert "env textarena:GuessTheNumber-v0   episodes 4 (finished 4)   errors 0   reward 0.000" in text, text
