@@ -20,6 +20,7 @@ say which fields cannot take effect with it (``pipeline.inert``).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
 from pathlib import Path
@@ -237,9 +238,66 @@ def env_name(kind: str) -> str:
 def _check_openenv(cfg: Any, p: str, check) -> None:
     # the shapes pipeline.envs.openenv.split_kind accepts
     target = cfg.env.kind[len("openenv:"):].strip()
-    url = target.startswith(("http://", "https://")) and bool(target.split("://", 1)[1].strip("/"))
-    check(url or plugins.is_spec(target), f"{p}.kind",
-          "openenv:http://host:port, openenv:module:app or openenv:path/to/file.py:app", cfg.env.kind)
+    urls = [u.strip() for u in target.split(",")]
+    url = all(u.startswith(("http://", "https://")) and bool(u.split("://", 1)[1].strip("/")) for u in urls)
+    check(url or plugins.is_spec(target), f"{p}.kind", "openenv:http://host:port (or several, comma-separated), "
+          "openenv:module:app or openenv:path/to/file.py:app", cfg.env.kind)
+
+
+MIX_PREFIX = "mix:"
+MIX_FORM = "mix:<kind>=<weight>,<kind>=<weight>,... (two or more environments, positive weights)"
+
+
+def parse_mix(kind: str) -> list[tuple[str, float]]:
+    """The members of ``env.kind = "mix:calculator=3,textarena:GuessTheNumber-v0=1"``: (kind,
+    weight) in order. Each member ends with ``=<weight>``; a part before a comma that has none
+    belongs to the next (``openenv:http://a:1,http://b:2=1`` is one member with two URLs).
+    ValueError saying what is wrong: fewer than two members, a weight that is not a positive
+    number, a member named twice, a mixture inside a mixture."""
+    body = kind[len(MIX_PREFIX):] if kind.startswith(MIX_PREFIX) else kind
+    members: list[tuple[str, float]] = []
+    pending: list[str] = []
+    for part in body.split(","):
+        pending.append(part)
+        name, sep, weight = part.rpartition("=")
+        if not sep:
+            continue
+        try:
+            w = float(weight)
+        except ValueError:
+            continue  # an '=' inside the member (a URL's query): its weight comes later
+        member = ",".join(pending[:-1] + [name]).strip()
+        pending = []
+        if not member:
+            raise ValueError(f"a weight {weight!r} without an environment")
+        if not (w > 0 and w != float("inf")):
+            raise ValueError(f"{member!r}: weight {weight!r} is not a positive number")
+        if member.startswith(MIX_PREFIX):
+            raise ValueError(f"{member!r}: a mixture cannot hold a mixture")
+        if any(m == member for m, _ in members):
+            raise ValueError(f"{member!r} is named twice")
+        members.append((member, w))
+    if pending and ",".join(pending).strip():
+        raise ValueError(f"{','.join(pending).strip()!r} does not end with =<weight> (a positive number)")
+    if len(members) < 2:
+        raise ValueError(f"{len(members)} environment(s); a mixture has two or more")
+    return members
+
+
+def member_config(cfg: Any, kind: str) -> Any:
+    """``cfg`` with ``env.kind`` set to one member of a mixture (what its factory and checks read)."""
+    return dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, kind=kind))
+
+
+def _check_mix(cfg: Any, p: str, check) -> None:
+    try:
+        members = parse_mix(cfg.env.kind)
+    except ValueError as e:
+        check(False, f"{p}.kind", f"{MIX_FORM}: {e}", cfg.env.kind)
+        return
+    for member, _ in members:  # each member checked as a single env.kind is
+        check(ENVS.allows(env_name(member)), f"{p}.kind", f"mixture members among {ENVS.allowed()}", member)
+        ENVS.check(env_name(member), member_config(cfg, member), p, check)
 
 
 def _check_code_env(cfg: Any, p: str, check) -> None:
@@ -253,6 +311,7 @@ ENVS.register("calculator", "pipeline.envs.calculator:calculator")
 ENVS.register("code", "pipeline.envs.code:code", check=_check_code_env)
 ENVS.register("textarena", "pipeline.envs.textarena:textarena", argument="<game id>", bare=True)
 ENVS.register("openenv", "pipeline.envs.openenv:openenv", argument="<url or app>", check=_check_openenv)
+ENVS.register("mix", "pipeline.envs.registry:mixture", argument="<kind>=<weight>,...", check=_check_mix)
 """``argument``: the kind is followed by ``:<argument>`` (``openenv:<url or app>``); ``bare``: or
 not (``textarena`` alone is a game of its choosing)."""
 

@@ -31,6 +31,7 @@ Device = Literal["auto", "cpu", "cuda"]
 WeightsPayload = Literal["full", "adapter"]
 
 EnvErrorPolicy = Literal["end", "retry"]
+EnvReturn = Literal["last", "sum", "discounted"]
 
 DEFAULT_VERIFIERS: tuple[str, ...] = ("format", "units_digit", "mod9", "magnitude", "majority", "leading_digit")
 """The weak-verifier ensemble unless configured otherwise (the verifier registry re-exports it)."""
@@ -465,7 +466,12 @@ class EnvConfig(Section):
     generator serves itself, ``servers`` processes; the calculator's is
     ``openenv:pipeline.envs.calculator_server:app``, the code environment's
     ``openenv:pipeline.envs.code_server:app``, a TextArena game's
-    ``openenv:pipeline.envs.textarena_server:app``)."""
+    ``openenv:pipeline.envs.textarena_server:app``). Several servers running elsewhere behind
+    one kind: ``openenv:http://a:1,http://b:2`` (sessions to the one with the fewest in flight,
+    one that fails skipped for a while). Several environments in one run:
+    ``mix:calculator=3,textarena:GuessTheNumber-v0=1``, each prompt's group routed to one
+    member by a hash of feeder.seed and its prompt id, in shares following the weights
+    (docs/environments.md)."""
     max_turns: int = 4
     """Model turns per episode at most (each one ends with the model's eos)."""
     workers: int = 32
@@ -496,6 +502,12 @@ class EnvConfig(Section):
     which the generator exits and the run stops, naming env.kind and the first error (an
     environment that cannot start, or whose text the tokenizer cannot encode); 0: never. The
     default, 32, is four groups of the default run (group_size 8) that all failed to start."""
+    returns: EnvReturn = "last"
+    """An episode's environment reward from the rewards its turns gave: ``last`` (the last one
+    given), ``sum`` (their sum) or ``discounted`` (the sum of discount**t × the reward of model
+    turn t, the first turn t = 0). An episode whose turns gave none has none (counts 0)."""
+    discount: float = 1.0
+    """``returns = "discounted"``: the discount per model turn, in (0, 1]."""
 
     def _validate(self, p: str) -> None:
         _check(self.max_turns >= 1, f"{p}.max_turns", ">= 1", self.max_turns)
@@ -506,5 +518,6 @@ class EnvConfig(Section):
         _check(self.servers >= 1, f"{p}.servers", ">= 1", self.servers)
         _check(self.start_timeout_s > 0, f"{p}.start_timeout_s", "> 0", self.start_timeout_s)
         _check(self.max_failed_resets >= 0, f"{p}.max_failed_resets", ">= 0", self.max_failed_resets)
+        _check(0 < self.discount <= 1, f"{p}.discount", "in (0, 1]", self.discount)
         _check(not self.observation_field or self.observation_field.isidentifier(), f"{p}.observation_field",
                "empty or a field name", self.observation_field)

@@ -178,7 +178,7 @@ def test_every_fixed_choice_field_is_a_literal_and_its_validation_allows_its_val
                      "trainer.device",
                      "trainer.is_mode",
                      "trainer.loss_agg", "weights.payload", "chaos.targets", "chaos.kinds", "tracking.backends",
-                     "tracking.wandb_mode", "env.on_error"}
+                     "tracking.wandb_mode", "env.on_error", "env.returns"}
     # A section built directly, not loaded, is refused the same way.
     with pytest.raises(ConfigError, match=r"trainer\.loss: must be decoupled_ppo\|tis\|gspo, module:function"):
         dataclasses.replace(cfg, trainer=C.TrainerConfig(loss="ppo2")).validate()

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The openenv lane: tests/test_openenv.py (env.kind = "openenv:...": OpenEnv environments served
 # by the generators or running elsewhere, docs/environments.md), tests/test_openenv_games.py (the
-# code environment and a TextArena game served over OpenEnv) and tests/test_chaos_env.py
-# (`pipeline chaos` with the generators' environment servers SIGKILLed), in a venv of its own with the
+# code environment and a TextArena game served over OpenEnv), tests/test_chaos_env.py
+# (`pipeline chaos` with the generators' environment servers SIGKILLed) and the two-server test of
+# tests/test_env_scale.py (openenv:http://a:1,http://b:2, one stopped), in a venv of its own with the
 # `openenv` extra (openenv-core 0.3.0 and its server stack: fastapi, uvicorn, gradio, fastmcp,
 # openai, huggingface_hub) and the `textarena` extra (textarena 0.7.4). The default lane skips
 # those tests because it installs neither.
@@ -38,6 +39,7 @@ print(f"openenv lane: openenv-core {md.version('openenv-core')}, textarena {md.v
       f"uvicorn {md.version('uvicorn')}, websockets {md.version('websockets')}, torch {torch.__version__}")
 PY
 if [ "$PHASE" = install ]; then exit 0; fi
-step "running tests/test_openenv.py tests/test_openenv_games.py tests/test_chaos_env.py"
-"$VENV/bin/python" -m pytest -q tests/test_openenv.py tests/test_openenv_games.py tests/test_chaos_env.py
+step "running tests/test_openenv.py tests/test_openenv_games.py tests/test_chaos_env.py, tests/test_env_scale.py's servers test"
+"$VENV/bin/python" -m pytest -q tests/test_openenv.py tests/test_openenv_games.py tests/test_chaos_env.py \
+  "tests/test_env_scale.py::test_sessions_spread_over_two_servers_and_a_stopped_one_is_skipped_naming_its_url"
 step "done"

@@ -54,7 +54,8 @@ class Step:
     observation: str
     """Appended to the sequence (as its exact token ids) before the model's next turn."""
     reward: float | None = None
-    """The environment's own score of the episode so far (the last one given is kept)."""
+    """The environment's reward for this turn; the episode's is computed over its turns'
+    rewards as ``env.returns`` says (:func:`episode_return`; ``last``: the last one given)."""
     done: bool = False
     """The episode is over: no further model turn."""
     tool_call: bool = False
@@ -140,6 +141,64 @@ def takes_seed(episode) -> bool:
     return ok
 
 
+ROUTE_SALT = "env-route"
+
+
+def route_index(run_seed: int, prompt_id: str, weights: list[float]) -> int:
+    """The member of a mixture (``env.kind = "mix:..."``) that ``prompt_id``'s group plays: a
+    blake2b draw from the run seed and the prompt id (salted apart from :func:`episode_seed`),
+    uniform in [0, 1), mapped onto the cumulative ``weights``. The same in every process, for
+    every completion of a group and in every replay; over many prompts the shares follow the
+    weights."""
+    digest = hashlib.blake2b(f"{ROUTE_SALT}:{int(run_seed)}:{prompt_id}".encode(), digest_size=8).digest()
+    u = (int.from_bytes(digest, "big") >> 11) / float(1 << 53)
+    total, acc = float(sum(weights)), 0.0
+    for i, w in enumerate(weights):
+        acc += w
+        if u * total < acc:
+            return i
+    return len(weights) - 1
+
+
+RETURNS = ("last", "sum", "discounted")
+
+
+def episode_return(rewards: list[tuple[int, float]], how: str = "last", discount: float = 1.0) -> float:
+    """An episode's environment reward from ``rewards``, the (model turn index from 0, reward)
+    of each turn whose step gave one, in order: ``last`` the last reward, ``sum`` their sum,
+    ``discounted`` the sum of ``discount ** t * reward``. NaN when no turn gave one."""
+    if not rewards:
+        return float("nan")
+    if how == "last":
+        return rewards[-1][1]
+    if how == "sum":
+        return float(sum(r for _, r in rewards))
+    if how == "discounted":
+        return float(sum(discount ** t * r for t, r in rewards))
+    raise ValueError(f"env.returns: {how!r} is not one of {', '.join(RETURNS)}")
+
+
+ENV_MEMBER_COUNTERS = ("env_episodes_total:", "env_errors_total:", "env_finished_total:", "env_reward_total:")
+"""Per member of a mixture, ``{ns}:stats`` counters named ``<prefix><member kind>``: episodes
+started, environment errors (failed resets and steps), episodes finished (their groups
+emitted) and the sum of their environment rewards (none given counts 0)."""
+
+
+def env_members(stats: dict[str, float]) -> dict[str, dict[str, float]]:
+    """The per-member counters of a mixture in ``stats``: member kind -> episodes, errors,
+    finished, reward (sum) and reward_mean (over finished episodes; None before any)."""
+    out: dict[str, dict[str, float]] = {}
+    for key, value in stats.items():
+        for prefix in ENV_MEMBER_COUNTERS:
+            if key.startswith(prefix):
+                field = prefix[len("env_"):-len("_total:")]
+                out.setdefault(key[len(prefix):], {"episodes": 0.0, "errors": 0.0, "finished": 0.0,
+                                                   "reward": 0.0})[field] = value
+    for row in out.values():
+        row["reward_mean"] = row["reward"] / row["finished"] if row["finished"] else None
+    return dict(sorted(out.items()))
+
+
 def reset_episode(episode, seed: int | None) -> str:
     """``episode.reset(seed=seed)`` where it takes a seed (:func:`takes_seed`), else ``episode.reset()``."""
     if seed is not None and takes_seed(episode):
@@ -173,6 +232,12 @@ class EpisodeRunner:
     attempt. Each episode's tool calls and the ones answered are kept until :meth:`tools`
     hands them over with its group (the generator counts them per finished episode).
 
+    Rewards: every reward a turn's step gives is kept with its model turn's index (from 0;
+    :meth:`turn_rewards`), and :meth:`finish` returns each episode's environment reward over
+    them as ``env.returns`` says (:func:`episode_return`). A factory with a ``route(task) ->
+    name`` method (a mixture, ``env.kind = "mix:..."``) has its groups counted per member as
+    well (:data:`ENV_MEMBER_COUNTERS`).
+
     Every episode of a group is reset with the group's seed, ``episode_seed(run_seed,
     prompt_id)`` (``seeds`` keeps it per group in flight). ``env.max_failed_resets`` resets
     failing in a row, none succeeding in between, raise :class:`EnvResetsFailing` naming
@@ -196,15 +261,27 @@ class EpisodeRunner:
         self.episodes: dict[tuple, Episode] = {}
         self.pending: dict[tuple, list] = {}
         """(group key, completion) -> [future, started, attempts, action text]."""
-        self.rewards: dict[object, list[float]] = {}
+        self.rewards: dict[object, list[list[tuple[int, float]]]] = {}
+        """Group key -> per completion the (model turn index, reward) of every turn that gave one."""
+        self.turns: dict[tuple, int] = {}
+        """(group key, completion) -> model turns submitted so far."""
+        self.returns = getattr(env_cfg, "returns", "last")
+        self.discount = float(getattr(env_cfg, "discount", 1.0))
+        self.route = getattr(factory, "route", None)
+        """A mixture's router (task -> member kind), else None."""
+        self.members: dict[object, str] = {}
+        """Group key -> the member of the mixture its episodes play."""
         self.calls: dict[object, list[list[int]]] = {}
         """Group key -> per completion [tool calls, tool calls answered]."""
         self.counters: dict[str, float] = {}
         self.broken: set[tuple] = set()
         """Episodes whose environment failed to start."""
 
-    def _count(self, name: str, value: float = 1) -> None:
+    def _count(self, name: str, value: float = 1, key=None) -> None:
         self.counters[name] = self.counters.get(name, 0) + value
+        member = self.members.get(key) if key is not None else None
+        if member is not None and f"{name}:" in ENV_MEMBER_COUNTERS:
+            self.counters[f"{name}:{member}"] = self.counters.get(f"{name}:{member}", 0) + value
 
     def take_counters(self) -> dict[str, float]:
         out, self.counters = self.counters, {}
@@ -215,9 +292,11 @@ class EpisodeRunner:
         environment cannot start (or whose first observation cannot be encoded) is counted as
         an error and ends at its first turn, unrewarded."""
         firsts = []
-        self.rewards[key] = [float("nan")] * n
+        self.rewards[key] = [[] for _ in range(n)]
         self.calls[key] = [[0, 0] for _ in range(n)]
         seed = self.seeds[key] = episode_seed(self.run_seed, task.prompt_id)
+        if self.route is not None:
+            self.members[key] = self.route(task)
         for j in range(n):
             try:
                 ep = self.factory(task)
@@ -228,7 +307,7 @@ class EpisodeRunner:
                 firsts.append(reset if self.chat is not None else encode_text(self.tok, reset))
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
-                self._count("env_errors_total")
+                self._count("env_errors_total", key=key)
                 self.log.warning("env_reset_failed", member=j, seed=seed, error=error)
                 self.broken.add((key, j))
                 firsts.append("" if self.chat is not None else [])
@@ -237,11 +316,13 @@ class EpisodeRunner:
             else:
                 self.failed_resets, self.first_failure = 0, None
         self._count("episodes_total", n)
+        if key in self.members:
+            self._count(f"env_episodes_total:{self.members[key]}", n)
         if self.chat is not None:  # the reset texts as a user turn before the model's first
             try:
                 self.prompts[key], firsts = self.chat.first(task.prompt_ids, firsts)
             except ValueError as e:  # a prompt not built with the template: its episodes end unrewarded
-                self._count("env_errors_total", n)
+                self._count("env_errors_total", n, key=key)
                 self.log.warning("env_reset_failed", error=str(e))
                 self.broken.update((key, j) for j in range(n))
                 firsts = [[] for _ in range(n)]
@@ -265,6 +346,8 @@ class EpisodeRunner:
             fut.set_result(Step(observation="", done=True))
         else:
             fut = self.pool.submit(self.episodes[(key, member)].step, action)
+        if not attempts:  # a retry is the same model turn
+            self.turns[(key, member)] = self.turns.get((key, member), 0) + 1
         self.pending[(key, member)] = [fut, time.monotonic(), attempts, action]
 
     @property
@@ -298,7 +381,7 @@ class EpisodeRunner:
             self._count("env_step_seconds_total", now - started)
             self._count(step_bucket(now - started))
             if error is not None:
-                self._count("env_errors_total")
+                self._count("env_errors_total", key=key)
                 self.log.warning("env_step_failed", member=member, error=error, attempt=attempts + 1)
                 if self.cfg.on_error == "retry" and attempts < self.cfg.retries:
                     self.submit(key, member, action, attempts + 1)
@@ -311,7 +394,7 @@ class EpisodeRunner:
                 calls[0] += 1
                 calls[1] += step.tool_ok is not False
             if step.reward is not None:
-                self.rewards[key][member] = float(step.reward)
+                self.rewards[key][member].append((self.turns.get((key, member), 1) - 1, float(step.reward)))
             out.append((key, member, obs, bool(step.done)))
         return out
 
@@ -321,9 +404,17 @@ class EpisodeRunner:
         calls = self.calls.get(key) or [[0, 0] for _ in range(n)]
         return [c[0] for c in calls], [c[1] for c in calls]
 
-    def finish(self, key, n: int) -> list[float]:
-        """Close a group's episodes; their environment rewards (NaN where none was given)."""
+    def turn_rewards(self, key, n: int) -> list[list[tuple[int, float]]]:
+        """A group's per-turn rewards, per completion: (model turn index from 0, reward) of each
+        turn whose step gave one (call it before :meth:`finish`)."""
+        return [list(r) for r in self.rewards.get(key) or [[] for _ in range(n)]]
+
+    def finish(self, key, n: int, *, emitted: bool = True) -> list[float]:
+        """Close a group's episodes; their environment rewards over their turns (``env.returns``;
+        NaN where no turn gave one). ``emitted``: the group is emitted (a mixture counts its
+        episodes finished and their rewards), not handed back."""
         for j in range(n):
+            self.turns.pop((key, j), None)
             self.pending.pop((key, j), None)
             self.broken.discard((key, j))
             ep = self.episodes.pop((key, j), None)
@@ -335,7 +426,13 @@ class EpisodeRunner:
         self.calls.pop(key, None)
         self.seeds.pop(key, None)
         self.prompts.pop(key, None)
-        return self.rewards.pop(key, [float("nan")] * n)
+        per_turn = self.rewards.pop(key, None) or [[] for _ in range(n)]
+        rewards = [episode_return(r, self.returns, self.discount) for r in per_turn]
+        member = self.members.pop(key, None)
+        if member is not None and emitted:
+            self._count(f"env_finished_total:{member}", n)
+            self._count(f"env_reward_total:{member}", sum(r for r in rewards if r == r))
+        return rewards
 
     def close(self) -> None:
         """Stop the steps in flight, and the factory's own resources (its servers) if it has any."""

@@ -3,7 +3,12 @@
 Two forms (docs/environments.md):
 
 - ``openenv:http://host:port``: a server running elsewhere (OpenEnv's ``create_app`` under
-  uvicorn, a container, a Space); the generator only connects to it.
+  uvicorn, a container, a Space); the generator only connects to it. Several, comma-separated
+  (``openenv:http://a:1,http://b:2``): each session opens on the one with the fewest
+  sessions of this generator in flight (ties in turn); one that cannot be reached (its
+  connection refused, a session on it lost) is down for a backoff (:data:`BACKOFF_S`,
+  doubling per failure in a row up to :data:`MAX_BACKOFF_S`) and skipped while down, unless
+  every one is; errors name the URL.
 - ``openenv:module:app`` / ``openenv:path/to/file.py:app``: an app this generator serves
   itself, ``env.servers`` uvicorn processes on loopback ports (:class:`~pipeline.envs.servers.ServerPool`:
   health-checked at start, restarted when one exits, stopped when the factory is closed or
@@ -64,20 +69,40 @@ OBSERVATION_BASE_FIELDS = ("done", "reward", "metadata")
 ACTION_BASE_FIELDS = ("metadata",)
 CONNECT_TIMEOUT_S = 10.0
 SCHEMA_TIMEOUT_S = 10.0
+BACKOFF_S = 1.0
+"""Seconds a server of several (``openenv:http://a:1,http://b:2``) is skipped after its first failure."""
+MAX_BACKOFF_S = 30.0
+"""The longest a server is skipped (the backoff doubles per failure in a row up to this)."""
 
 
 def split_kind(kind: str) -> tuple[str, str]:
-    """``("url", url)`` or ``("app", spec)`` of an ``openenv:`` kind; ValueError when it is neither."""
+    """``("url", url)`` (several comma-separated: ``"http://a:1,http://b:2"``, :func:`split_urls`)
+    or ``("app", spec)`` of an ``openenv:`` kind; ValueError when it is neither."""
     if not kind.startswith(PREFIX):
         raise ValueError(f"{kind!r} does not start with {PREFIX!r}")
     target = kind[len(PREFIX):].strip()
     if target.startswith(("http://", "https://")):
-        if target.split("://", 1)[1].strip("/"):
-            return "url", target.rstrip("/")
+        urls = [u.strip() for u in target.split(",")]
+        if all(u.startswith(("http://", "https://")) and u.split("://", 1)[1].strip("/") for u in urls):
+            return "url", ",".join(u.rstrip("/") for u in urls)
     elif is_spec(target):
         return "app", target
     raise ValueError(f"{kind!r}: after {PREFIX!r} comes a server's URL (http://host:port) or an app to serve "
                      f"(module:app or path/to/file.py:app)")
+
+
+def split_urls(target: str) -> list[str]:
+    """The URLs of a ``("url", target)`` :func:`split_kind` result."""
+    return target.split(",")
+
+
+class _Health:
+    """One server of several: sessions in flight, failures in a row, skipped until ``down_until``."""
+
+    __slots__ = ("in_flight", "failures", "down_until", "error")
+
+    def __init__(self) -> None:
+        self.in_flight, self.failures, self.down_until, self.error = 0, 0, 0.0, ""
 
 
 def _is_string(prop: dict) -> bool:
@@ -176,9 +201,15 @@ class OpenEnvEnvironments:
                 raise EnvError(str(e) if isinstance(e, ServerStartError) else f"env.kind {self.kind!r}: {e}") from e
             self.url = None
             first = self.pool.urls()[0]
+            self.remote: list[str] = []
         else:
-            self.url = first = target
+            self.remote = split_urls(target)
+            self.url = first = self.remote[0]
+        self.health = {u: _Health() for u in self.remote}
+        self._lock = threading.Lock()
         try:
+            if len(self.remote) > 1:
+                first = self._answering(self.kind)
             schema = fetch_schema(first, self.kind)
             self.action_field = action_field(schema["action"], self.kind)
             self.observation_field = observation_field(schema["observation"], cfg.env.observation_field, self.kind)
@@ -206,13 +237,60 @@ class OpenEnvEnvironments:
             fut.cancel()
             raise
 
+    def _answering(self, kind: str) -> str:
+        """The first of several URLs whose /schema answers; EnvError naming each that does not."""
+        errors = []
+        for url in self.remote:
+            try:
+                fetch_schema(url, kind)
+                return url
+            except EnvError as e:
+                errors.append(str(e))
+        raise EnvError(f"env.kind {kind!r}: none of its {len(self.remote)} servers answers: " + "; ".join(errors))
+
     def _urls(self) -> list[str]:
-        """Where to open a session, rotated so that sessions spread over the pool."""
+        """Where to open a session: the pool's, rotated so that sessions spread over it; of
+        several URLs, those up by fewest sessions in flight (ties rotated), or when every one
+        is down, all by the end of their backoff."""
+        if self.pool is None and len(self.remote) > 1:
+            now = time.monotonic()
+            k = next(self._turn)
+            order = {u: (i - k) % len(self.remote) for i, u in enumerate(self.remote)}
+            with self._lock:
+                up = [u for u in self.remote if self.health[u].down_until <= now]
+                if up:
+                    return sorted(up, key=lambda u: (self.health[u].in_flight, order[u]))
+                return sorted(self.remote, key=lambda u: self.health[u].down_until)
         urls = [self.url] if self.pool is None else self.pool.urls()
         if len(urls) > 1:
             k = next(self._turn) % len(urls)
             urls = urls[k:] + urls[:k]
         return urls
+
+    def opened(self, url: str) -> None:
+        """A session opened on ``url``: it is up, and one more is in flight there."""
+        with self._lock:
+            h = self.health.get(url)
+            if h is not None:
+                h.in_flight += 1
+                h.failures, h.down_until = 0, 0.0
+
+    def released(self, url: str | None) -> None:
+        """A session on ``url`` ended."""
+        with self._lock:
+            h = self.health.get(url)
+            if h is not None and h.in_flight > 0:
+                h.in_flight -= 1
+
+    def failed(self, url: str | None, error: str) -> None:
+        """``url`` could not be reached (or lost a session): skipped for a backoff that doubles
+        per failure in a row."""
+        with self._lock:
+            h = self.health.get(url)
+            if h is not None and len(self.remote) > 1:
+                h.failures += 1
+                h.down_until = time.monotonic() + min(BACKOFF_S * 2 ** (h.failures - 1), MAX_BACKOFF_S)
+                h.error = error
 
     async def _open(self, url: str, kwargs: dict):
         client = self._client_cls(base_url=url, connect_timeout_s=CONNECT_TIMEOUT_S,
@@ -240,6 +318,7 @@ class OpenEnvEnvironments:
             for url in urls:
                 try:
                     client, result = self.run(self._open(url, kwargs), CONNECT_TIMEOUT_S + self.step_timeout_s + 5)
+                    self.opened(url)
                     return client, url, result
                 except Exception as e:
                     said = _server_error(e)
@@ -248,11 +327,16 @@ class OpenEnvEnvironments:
                         full += 1
                     elif said is not None:  # the environment's reset itself failed: no point trying elsewhere
                         raise EnvError(f"env.kind {self.kind!r}: reset on {url} failed: {said}") from None
+                    else:  # unreachable: the next one (of several, this one skipped for a while)
+                        self.failed(url, errors[url])
             if urls and full == len(urls):
                 raise EnvError(f"env.kind {self.kind!r}: every server is at its session limit ({len(urls)} server(s)); "
                                f"raise max_concurrent_envs in the app's create_app, env.servers, or lower "
                                f"env.max_in_flight")
             if self.pool is None or time.monotonic() > deadline or self.pool.closed:
+                with self._lock:  # the servers of several skipped while down, with why
+                    errors.update({u: f"skipped while down ({h.error})" for u, h in self.health.items()
+                                   if u not in errors and h.down_until > time.monotonic()})
                 detail = "; ".join(f"{u}: {m}" for u, m in errors.items()) or "no server is up"
                 raise EnvError(f"env.kind {self.kind!r}: cannot open a session ({detail})")
             self.pool.wait_up(min(1.0, max(deadline - time.monotonic(), 0.01)))
@@ -333,6 +417,8 @@ class OpenEnvEpisode:
                            f"({type(e).__name__}: {e or 'no answer'}); the episode cannot go on")
             envs.discard(self.client)
             self.client = None
+            envs.released(self.url)
+            envs.failed(self.url, self.broken)
             raise EnvError(self.broken) from None
         reward = result.reward
         call, ok = tool_flags(result.observation)
@@ -341,6 +427,8 @@ class OpenEnvEpisode:
 
     def close(self) -> None:
         client, self.client = self.client, None
+        if client is not None:
+            self.envs.released(self.url)
         self.envs.discard(client)
 
 

@@ -43,7 +43,7 @@ from prometheus_client.utils import floatToGoString
 from pipeline.bus.flow import stop_requested
 from pipeline.keys import Keys
 from pipeline.bus.stats import read_stats
-from pipeline.envs.base import ENV_STEP_BUCKET, ENV_STEP_BUCKETS
+from pipeline.envs.base import ENV_MEMBER_COUNTERS, ENV_STEP_BUCKET, ENV_STEP_BUCKETS, env_members
 from pipeline.verifiers.base import VERIFIER_COMPLETIONS, VERIFIER_SECONDS, verifier_costs
 from pipeline.bus.streams import group_lag
 
@@ -260,7 +260,9 @@ def episode_summary(stats: dict[str, float]) -> dict | None:
     steps, errors = stats.get("env_steps_total", 0.0), stats.get("env_errors_total", 0.0)
     calls, ok = stats.get("tool_calls_total", 0.0), stats.get("tool_calls_ok_total", 0.0)
     hist = step_histogram(stats)
+    members = env_members(stats)  # a mixture's members (env.kind = "mix:..."), each on its own
     return {
+        **({"environments": members} if members else {}),
         "episodes": started, "episodes_finished": done,
         "turns_per_episode": stats.get("turns_total", 0.0) / per,
         "env_steps": steps, "env_errors": errors,
@@ -352,7 +354,7 @@ def families(snap: dict) -> Iterator:
     # Every {ns}:stats counter (dead_letters_total, dropped_stale_total, tokens_generated_total, ...),
     # but the step latency buckets (one histogram) and the per-verifier counters (labelled).
     stats = {k: v for k, v in snap["stats"].items()
-             if not k.startswith((ENV_STEP_BUCKET, VERIFIER_SECONDS, VERIFIER_COMPLETIONS))}
+             if not k.startswith((ENV_STEP_BUCKET, VERIFIER_SECONDS, VERIFIER_COMPLETIONS, *ENV_MEMBER_COUNTERS))}
     costs = verifier_costs(snap["stats"])
     for metric, field, doc in (("pipeline_verifier_seconds", "seconds", "Seconds the verifier stage spent on it."),
                                ("pipeline_verifier_completions", "completions", "Completions it scored.")):
@@ -397,6 +399,15 @@ EPISODE_GAUGES = {
 }
 
 
+ENV_MEMBER_FAMILIES = {
+    "episodes": ("pipeline_env_member_episodes", "Per environment of a mixture: episodes started."),
+    "errors": ("pipeline_env_member_errors", "Per environment of a mixture: failed resets and steps."),
+    "finished": ("pipeline_env_member_finished", "Per environment of a mixture: episodes finished (emitted)."),
+    "reward": ("pipeline_env_member_reward", "Per environment of a mixture: the sum of its finished episodes' "
+                                             "environment rewards (none given counts 0)."),
+}
+
+
 def episode_families(snap: dict) -> Iterator:
     """Multi-turn episodes (only for a run with some): the step latency histogram and the
     per-episode gauges of ``episode_summary``. The counters themselves come with every other
@@ -415,6 +426,13 @@ def episode_families(snap: dict) -> Iterator:
             g = GaugeMetricFamily(metric, doc)
             g.add_metric([], summary[field])
             yield g
+    members = summary.get("environments")
+    if members:  # a mixture: its members' counters, labelled by the member's env.kind
+        for field, (metric, doc) in ENV_MEMBER_FAMILIES.items():
+            c = CounterMetricFamily(metric, doc, labels=["env"])
+            for name, row in members.items():
+                c.add_metric([name], row[field])
+            yield c
 
 
 # ----------------------------------------------------------------------------- per-worker metrics

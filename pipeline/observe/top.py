@@ -175,6 +175,11 @@ def render(snap: dict, *, prev: dict | None = None, history: History | None = No
             "   tool-call rate ", _num(ep["tool_call_rate"]),
             "   tool-call success ", _num(ep["tool_call_success"]),
             " (", _num(ep["tool_calls_ok"], "{:.0f}"), " answered)"))
+        for name, m in (ep.get("environments") or {}).items():  # a mixture's members
+            head.append_text(Text.assemble(
+                "\n  env ", (name, "cyan"), "   episodes ", _num(m["episodes"], "{:.0f}"),
+                " (finished ", _num(m["finished"], "{:.0f}"), ")   errors ", _num(m["errors"], "{:.0f}"),
+                "   reward ", _num(m["reward_mean"])))
 
     streams = Table(title="streams", box=box.SIMPLE_HEAD, title_justify="left")
     for col in ("stream", "group", "length", "lag", "pending", "oldest pending", "consumers", "in/s", "out/s"):

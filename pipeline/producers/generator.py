@@ -419,7 +419,7 @@ class Streamer:
             e, task = self.inflight.pop(key)
             if self.env is not None:
                 # An environment's state cannot travel with the tokens: the episode starts over.
-                self.env.finish(key, self.g.group_size)
+                self.env.finish(key, self.g.group_size, emitted=False)
                 by_shard.setdefault(e.shard, []).append((e, dataclasses.replace(task, partial=None).encode()))
                 gen.log.info("episode_handed_back", prompt_id=task.prompt_id, tokens=int(partial.ids.size))
                 continue
