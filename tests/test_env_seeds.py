@@ -132,6 +132,39 @@ def test_every_episode_of_a_group_gets_the_groups_seed_and_two_groups_different_
         assert "a" not in runner.seeds
 
 
+class _SlowReset(_Seeded):
+    """A reset that waits on a server for 0.3 s."""
+
+    def reset(self, seed=None):
+        time.sleep(0.3)
+        return super().reset(seed)
+
+
+def test_a_groups_resets_run_together_on_the_pool_and_keep_their_order(tok):
+    seen: list = []
+    calls = []
+
+    def factory(task):
+        calls.append(task.prompt_id)
+        if len(calls) % 4 == 0:
+            raise RuntimeError("no session")
+        return _SlowReset(seen)
+
+    log = _Log()
+    runner = EpisodeRunner(factory, _env_cfg(workers=8), tok, log, run_seed=7)
+    t0 = time.monotonic()
+    firsts = runner.start("a", _task("p00000001"), 8)
+    took = time.monotonic() - t0
+    assert took < 1.5, f"8 resets of 0.3 s each took {took:.2f} s: they ran one after another"
+    digits = tok.encode(str(episode_seed(7, "p00000001")))
+    assert sum(f == digits for f in firsts) == 6 and sum(f == [] for f in firsts) == 2
+    assert len(runner.broken) == 2 and runner.take_counters()["env_errors_total"] == 2
+    assert [e for e, kw in log.events if e == "env_reset_failed"] == ["env_reset_failed"] * 2
+    assert len(runner.episodes) == 6, "every episode made is kept, so finish closes it"
+    runner.finish("a", 8)
+    assert not runner.episodes
+
+
 def seeded(cfg):
     return lambda task: _Seeded([])
 

@@ -297,11 +297,16 @@ class EpisodeRunner:
         seed = self.seeds[key] = episode_seed(self.run_seed, task.prompt_id)
         if self.route is not None:
             self.members[key] = self.route(task)
-        for j in range(n):
+        # The group's episodes are made and reset on the pool together (``env.workers`` at a time),
+        # so one round trip to a server costs the group once, not once per completion.
+        opened = [self.pool.submit(self._open, task, seed) for _ in range(n)]
+        for j, fut in enumerate(opened):
             try:
-                ep = self.factory(task)
-                self.episodes[(key, j)] = ep
-                reset = reset_episode(ep, seed)
+                ep, reset = fut.result()
+                if ep is not None:
+                    self.episodes[(key, j)] = ep
+                if isinstance(reset, BaseException):
+                    raise reset
                 if not isinstance(reset, str):
                     raise EnvError(f"reset returned {type(reset).__name__}, not a str")
                 firsts.append(reset if self.chat is not None else encode_text(self.tok, reset))
@@ -334,6 +339,19 @@ class EpisodeRunner:
                 f"env.kind {getattr(self.cfg, 'kind', '')!r}: {self.failed_resets} episode resets failed in a row, "
                 f"none succeeded in between (env.max_failed_resets = {bound}); the first: {self.first_failure}")
         return firsts
+
+    def _open(self, task, seed: int):
+        """One episode of ``task`` made and reset (on the pool): (episode or None, its first
+        observation or the exception that stopped it). The episode is returned even when its
+        reset failed, so :meth:`finish` closes it."""
+        try:
+            ep = self.factory(task)
+        except Exception as e:
+            return None, e
+        try:
+            return ep, reset_episode(ep, seed)
+        except Exception as e:
+            return ep, e
 
     def prompt(self, key, default: np.ndarray) -> np.ndarray:
         """The prompt a group's episodes continue: ``default`` (the task's), or without its
