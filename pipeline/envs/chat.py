@@ -21,13 +21,22 @@ first observation (``<|im_end|>\\n`` then ``<|im_start|>user\\n{reset}<|im_end|>
 assistant\\n``), masked like every observation; a group whose episodes all reset to ``""``
 keeps its prompt as it is. Without a template the observations are appended as their raw
 encoding (``pipeline.envs.base.encode_text``), the reset text right after the prompt.
+
+Tools (pipeline.envs.tools): for a factory that declares tools, :meth:`ChatTurns.for_factory`
+gives the turns of the format showing them, and :meth:`ChatTurns.first` renders each group's
+prompt again from its text with them (the feeder's prompt carries none). A step with several
+turns of its own (``Step.messages``: one ``tool`` turn per call, with the call's name and id)
+is rendered the same way as one observation (:meth:`ChatTurns.turns`).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from pipeline.envs.tools import schemas_of
 
 if TYPE_CHECKING:
     from pipeline.tasks.prompting import PromptFormat
@@ -40,12 +49,11 @@ class ChatTemplateError(ValueError):
     """The chat template cannot render an episode's turns incrementally."""
 
 
-def _render(fmt: PromptFormat, messages: list[dict[str, str]], *, generation: bool) -> str:
+def _render(fmt: PromptFormat, messages: list[dict], *, generation: bool) -> str:
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    head = [{"role": "system", "content": fmt.system_prompt}] if fmt.system_prompt else []
-    rendered, _ = render_jinja_template(conversations=[head + messages], chat_template=fmt.chat_template,
-                                        add_generation_prompt=generation, **dict(fmt.special_tokens))
+    rendered, _ = render_jinja_template(conversations=[fmt.messages(messages)], chat_template=fmt.chat_template,
+                                        add_generation_prompt=generation, **fmt.template_kwargs())
     return rendered[0]
 
 
@@ -112,6 +120,21 @@ class ChatTurns:
         """The turns of ``fmt``'s chat template; None for a plain-text format (raw observations)."""
         return None if fmt.chat_template is None else cls(fmt, tokenizer)
 
+    def for_factory(self, factory) -> ChatTurns:
+        """These turns with the prompt showing the tools an environment's factory declares
+        (pipeline.envs.tools ``schemas_of``); ``self`` when it declares none."""
+        schemas = schemas_of(factory)
+        return ChatTurns(self.fmt.with_tools(schemas), self.tok) if schemas else self
+
+    def tools_prompt(self, text: str) -> np.ndarray:
+        """The token ids of the prompt ``text`` (rendered without tools, as the feeder builds it)
+        rendered again showing this format's tools."""
+        user = replace(self.fmt, tools=()).user_of(text)
+        if user is None:
+            raise ChatTemplateError("task.chat_template: the prompt is not one the chat template rendered from a "
+                                    "user message, so it cannot be rendered again with the environment's tools")
+        return np.asarray(self.tok.encode(self.fmt.render(user)), dtype=np.int32)
+
     def _encode_wrapped(self, text: str, wrap: tuple[str, str]) -> list[int]:
         return list(self.tok.encode(wrap[0] + text + wrap[1]))
 
@@ -138,11 +161,43 @@ class ChatTurns:
         as a ``role`` turn, then the generation prompt of the model's next turn."""
         return self._encode_wrapped(text, self.wrap(role))
 
-    def first(self, prompt_ids: np.ndarray, resets: list[str]) -> tuple[np.ndarray, list[list[int]]]:
+    def turns(self, messages) -> list[int]:
+        """The token ids appended after the model's turn for several turns of their own
+        (message dicts: a tool result's ``name`` and ``tool_call_id`` beside ``role`` and
+        ``content``), then the generation prompt: the template's rendering of the conversation
+        with them, minus its rendering up to the end of the model's turn."""
+        what = "the turns " + ", ".join(repr(m.get("role")) for m in messages) + " after the model's"
+        try:
+            full = _render(self.fmt, [*self._probe, *messages], generation=True)
+        except Exception as e:  # noqa: BLE001 - the template's own refusal, reported as such
+            raise ChatTemplateError(f"task.chat_template: the checkpoint's chat template cannot render {what}: "
+                                    f"{type(e).__name__}: {e}") from None
+        if not full.startswith(self._turn):
+            raise self._unstable(f"a conversation with {what}", "the model's turn")
+        ids = list(self.tok.encode(full[len(self._turn):]))
+        if list(self.tok.encode(full)) != list(self.tok.encode(self._turn)) + ids:
+            raise self._unstable(f"the tokens of {what}", "the model's turn's")
+        return ids
+
+    def step_ids(self, step) -> list[int]:
+        """The token ids of a step's observation: its ``messages`` as turns of their own where it
+        has them (:meth:`turns`), else its text as one turn of its role (:meth:`observation`)."""
+        if step.messages:
+            return self.turns(step.messages)
+        return self.observation(step.observation, step.turn_role)
+
+    def first(self, prompt_ids: np.ndarray, resets: list[str], text: str | None = None,
+              ) -> tuple[np.ndarray, list[list[int]]]:
         """A group's prompt and its episodes' first observations, from their reset texts: all
         empty, the prompt as it is and no observation; else the prompt without its generation
         prompt, and each episode's reset text as a user turn followed by the generation prompt
-        (only the generation prompt for an empty one)."""
+        (only the generation prompt for an empty one). With tools (:meth:`for_factory`) the
+        prompt is first rendered again from its ``text`` showing them (:meth:`tools_prompt`)."""
+        if self.fmt.tools:
+            if text is None:
+                raise ChatTemplateError("task.chat_template: the environment's tools are shown by rendering the "
+                                        "prompt again, and its text was not given")
+            prompt_ids = self.tools_prompt(text)
         if not any(resets):
             return prompt_ids, [[] for _ in resets]
         g = len(self.generation_ids)
