@@ -376,8 +376,10 @@ def test_the_generator_stage_and_the_held_out_player_show_the_tools(redis_url):
         assert (mask == 1).any() and 1 <= int(turns) <= 2
     r.close()
 
+    # The held-out player: given the prompt's text, or its user message (as the trainer gives them).
     model, _ = load_checkpoint(SMOLLM2)
     text, prompt = build_prompt(fmt, tok, user)
-    (p,) = play(model.eval(), tok, [prompt], ["20"], arithmetic_tools(None), max_turns=1, max_new_tokens=8,
-                texts=[text], chat=ChatTurns.of(fmt, tok))
-    assert p.error is None and p.prompt == tok.encode(shown.render(user))
+    played = play(model.eval(), tok, [prompt, prompt], ["20", "20"], arithmetic_tools(None), max_turns=1,
+                  max_new_tokens=8, texts=[text, user], chat=ChatTurns.of(fmt, tok))
+    assert [p.error for p in played] == [None, None]
+    assert played[0].prompt == played[1].prompt == tok.encode(shown.render(user))

@@ -126,10 +126,15 @@ class ChatTurns:
         schemas = schemas_of(factory)
         return ChatTurns(self.fmt.with_tools(schemas), self.tok) if schemas else self
 
-    def tools_prompt(self, text: str) -> np.ndarray:
-        """The token ids of the prompt ``text`` (rendered without tools, as the feeder builds it)
-        rendered again showing this format's tools."""
-        user = replace(self.fmt, tools=()).user_of(text)
+    def tools_prompt(self, text: str, prompt_ids: np.ndarray) -> np.ndarray:
+        """The token ids of a prompt rendered again showing this format's tools, from its
+        ``text``: the prompt as the format rendered it without tools (the feeder's record), or
+        the user message it rendered (the held-out items the trainer hands over), whichever
+        renders to ``prompt_ids``."""
+        plain = replace(self.fmt, tools=())
+        user = plain.user_of(text)
+        if user is None and list(self.tok.encode(plain.render(text))) == [int(x) for x in prompt_ids]:
+            user = text
         if user is None:
             raise ChatTemplateError("task.chat_template: the prompt is not one the chat template rendered from a "
                                     "user message, so it cannot be rendered again with the environment's tools")
@@ -197,7 +202,7 @@ class ChatTurns:
             if text is None:
                 raise ChatTemplateError("task.chat_template: the environment's tools are shown by rendering the "
                                         "prompt again, and its text was not given")
-            prompt_ids = self.tools_prompt(text)
+            prompt_ids = self.tools_prompt(text, prompt_ids)
         if not any(resets):
             return prompt_ids, [[] for _ in resets]
         g = len(self.generation_ids)
