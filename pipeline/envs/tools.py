@@ -136,7 +136,9 @@ _CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|\Z)", re.S)
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
     """The ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks of a model turn, in
-    order (``[]``: the turn makes no call). An unclosed block, text that is not a JSON object,
+    order (``[]``: the turn makes no call). ``arguments`` may be the JSON text of the object
+    (OpenAI's form), or named ``parameters`` (as some models write it); absent, it is ``{}``.
+    An unclosed block, text that is not a JSON object,
     a missing or non-string ``name`` or ``arguments`` that are not an object (or the JSON
     text of one) give a call with ``error`` set."""
     calls = []
