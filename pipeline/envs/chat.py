@@ -32,14 +32,10 @@ is rendered the same way as one observation (:meth:`ChatTurns.turns`).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pipeline.envs.tools import schemas_of
-
-if TYPE_CHECKING:
-    from pipeline.tasks.prompting import PromptFormat
+from pipeline.tasks.prompting import PromptFormat, function_schemas
 
 _USER, _ASSISTANT, _OBS = "PROBE-USER-7f3a", "PROBE-ASSISTANT-7f3a", "PROBE-OBSERVATION-7f3a"
 """Probe contents: words no template writes, each found once in a rendering."""
@@ -121,9 +117,9 @@ class ChatTurns:
         return None if fmt.chat_template is None else cls(fmt, tokenizer)
 
     def for_factory(self, factory) -> ChatTurns:
-        """These turns with the prompt showing the tools an environment's factory declares
-        (pipeline.envs.tools ``schemas_of``); ``self`` when it declares none."""
-        schemas = schemas_of(factory)
+        """These turns with the prompt showing the tools an environment's factory declares (its
+        ``tools`` attribute, pipeline.envs.tools); ``self`` when it declares none."""
+        schemas = function_schemas(getattr(factory, "tools", None) or ())
         return ChatTurns(self.fmt.with_tools(schemas), self.tok) if schemas else self
 
     def tools_prompt(self, text: str, prompt_ids: np.ndarray) -> np.ndarray:

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pipeline.envs.base import Step, reset_episode
+from pipeline.tasks.prompting import function_schemas
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object",
                tuple: "array", type(None): "null"}
@@ -101,21 +102,8 @@ def as_tools(tools: Sequence[Tool | Callable]) -> tuple[Tool, ...]:
 def schemas_of(factory) -> list[dict]:
     """The function schemas a factory declares (its ``tools``: :class:`Tool` objects or schema
     dicts); ``[]`` for none. ValueError for a schema that is not a function with a name, or two
-    of one name."""
-    out = []
-    for t in getattr(factory, "tools", None) or ():
-        s = t.schema if isinstance(t, Tool) else t
-        fn = s.get("function") if isinstance(s, dict) else None
-        if not isinstance(fn, dict) or s.get("type") != "function" or not isinstance(fn.get("name"), str):
-            raise ValueError(f"tools: {s!r} is not a function schema "
-                             '({"type": "function", "function": {"name": ..., "parameters": ...}})')
-        json.dumps(s)  # a schema the prompt can show
-        out.append(s)
-    names = [s["function"]["name"] for s in out]
-    dup = sorted({n for n in names if names.count(n) > 1})
-    if dup:
-        raise ValueError(f"tools: two tools are named {dup[0]!r}")
-    return out
+    of one name (pipeline.tasks.prompting ``function_schemas``)."""
+    return function_schemas(getattr(factory, "tools", None) or ())
 
 
 # ----------------------------------------------------------------------------- the parser

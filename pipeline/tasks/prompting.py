@@ -157,6 +157,26 @@ For each function call, return a json object with function name and arguments wi
 """The Hermes tools text (as Qwen2.5's template writes it into its system turn)."""
 
 
+def function_schemas(tools) -> list[dict]:
+    """The OpenAI-style function schemas of ``tools`` (objects with a ``schema``, such as
+    pipeline.envs.tools ``Tool``, or schema dicts). ValueError for one that is not a function
+    with a name, cannot be written as JSON, or shares its name with another."""
+    out = []
+    for t in tools:
+        s = getattr(t, "schema", t)
+        fn = s.get("function") if isinstance(s, dict) else None
+        if not isinstance(fn, dict) or s.get("type") != "function" or not isinstance(fn.get("name"), str):
+            raise ValueError(f"tools: {s!r} is not a function schema "
+                             '({"type": "function", "function": {"name": ..., "parameters": ...}})')
+        json.dumps(s)  # a schema the prompt can show
+        out.append(s)
+    names = [s["function"]["name"] for s in out]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"tools: two tools are named {dup[0]!r}")
+    return out
+
+
 def hermes_tools_text(schemas: list[dict]) -> str:
     """The Hermes tools text of function ``schemas``: one JSON line each between ``<tools>`` tags,
     then the ``<tool_call>`` instruction."""
