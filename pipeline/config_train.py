@@ -508,6 +508,11 @@ class EnvConfig(Section):
     turn t, the first turn t = 0). An episode whose turns gave none has none (counts 0)."""
     discount: float = 1.0
     """``returns = "discounted"``: the discount per model turn, in (0, 1]."""
+    format_reward: float = 0.0
+    """An environment with tool schemas (pipeline.envs.tools ``ToolEnv``): added to the episode's
+    reward once it made a tool call, scaled by (well-formed calls − malformed calls) / calls,
+    so ``+format_reward`` when every call parsed and matched its schema and ``-format_reward``
+    when none did; 0: no shaping."""
 
     def _validate(self, p: str) -> None:
         _check(self.max_turns >= 1, f"{p}.max_turns", ">= 1", self.max_turns)
@@ -519,5 +524,6 @@ class EnvConfig(Section):
         _check(self.start_timeout_s > 0, f"{p}.start_timeout_s", "> 0", self.start_timeout_s)
         _check(self.max_failed_resets >= 0, f"{p}.max_failed_resets", ">= 0", self.max_failed_resets)
         _check(0 < self.discount <= 1, f"{p}.discount", "in (0, 1]", self.discount)
+        _check(math.isfinite(self.format_reward), f"{p}.format_reward", "a finite number", self.format_reward)
         _check(not self.observation_field or self.observation_field.isidentifier(), f"{p}.observation_field",
                "empty or a field name", self.observation_field)

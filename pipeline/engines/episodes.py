@@ -68,6 +68,7 @@ def play(model, tokenizer, prompts: list[np.ndarray], references: list[str], fac
     run seed the held-out prompt ids are hashed with into each episode's reset seed (see the
     module docstring)."""
     n = len(prompts)
+    chat = chat if chat is None else chat.for_factory(factory)
     out = [Played(reward=math.nan, turns=0, tool_calls=0, tool_calls_ok=0, completion=[]) for _ in range(n)]
     sampler = SlotSampler(model, slots=max(1, min(n, SLOTS)), temperature=temperature, eos_id=tokenizer.eos_id,
                           pad_id=tokenizer.pad_id, generator=generator)
@@ -90,7 +91,7 @@ def play(model, tokenizer, prompts: list[np.ndarray], references: list[str], fac
                 if chat is None:
                     first = encode_text(tokenizer, reset)
                 else:
-                    ids, (first,) = chat.first(ids, [reset])
+                    ids, (first,) = chat.first(ids, [reset], text=text)
             except Exception as e:  # noqa: BLE001 - an environment that cannot start: the episode is unrewarded
                 out[i].error = f"{type(e).__name__}: {e}"
                 continue
@@ -107,8 +108,7 @@ def play(model, tokenizer, prompts: list[np.ndarray], references: list[str], fac
                 step = episodes[i].step(tokenizer.decode(action))
                 if not isinstance(step, Step):
                     raise TypeError(f"step returned {type(step).__name__}, not a Step")
-                obs = encode_text(tokenizer, step.observation) if chat is None \
-                    else chat.observation(step.observation, step.turn_role)
+                obs = encode_text(tokenizer, step.observation) if chat is None else chat.step_ids(step)
                 done = step.done
             except Exception as e:  # noqa: BLE001 - a failing step ends the episode, as env.on_error "end"
                 out[i].error = f"{type(e).__name__}: {e}"

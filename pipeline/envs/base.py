@@ -68,6 +68,14 @@ class Step:
     """The turn the observation is, for a model with a chat template (pipeline.envs.chat):
     None is ``tool`` after a tool call, else ``user``. Without a template it is not used."""
 
+    messages: tuple[dict, ...] = ()
+    """The observation as chat turns of their own, for a model with a chat template: message
+    dicts (``role``, ``content``; a tool result's ``name`` and ``tool_call_id``), rendered in
+    place of ``observation`` and ``role`` (pipeline.envs.tools: one ``tool`` turn per call)."""
+    tool_errors: int = 0
+    """Malformed tool calls in the action (pipeline.envs.tools: bad JSON, unknown tool, arguments
+    not matching the schema), counted as ``env_tool_parse_errors_total``."""
+
     @property
     def turn_role(self) -> str:
         """The chat role of the observation: ``role``, else ``tool`` or ``user``."""
@@ -228,6 +236,7 @@ class EpisodeRunner:
     Counters (``take_counters``, added to ``{ns}:stats`` with the next groups emitted, or with
     the groups handed back at a stop, so every failure logged is counted):
     ``episodes_total`` (started), ``env_steps_total`` (answered), ``env_errors_total``,
+    ``env_tool_parse_errors_total`` (malformed tool calls, ``Step.tool_errors``),
     ``env_step_seconds_total`` and the latency buckets (``step_bucket``) of every step
     attempt. Each episode's tool calls and the ones answered are kept until :meth:`tools`
     hands them over with its group (the generator counts them per finished episode).
@@ -246,8 +255,9 @@ class EpisodeRunner:
     def __init__(self, factory: EnvFactory, env_cfg, tokenizer, log, chat: ChatTurns | None = None, *,
                  run_seed: int = 0) -> None:
         self.factory, self.cfg, self.tok, self.log = factory, env_cfg, tokenizer, log
-        self.chat = chat
-        """The observations as chat turns (pipeline.envs.chat); None: their raw encoding."""
+        self.chat = chat if chat is None else chat.for_factory(factory)
+        """The observations as chat turns (pipeline.envs.chat; the prompt showing the factory's
+        tools, pipeline.envs.tools); None: their raw encoding."""
         self.prompts: dict[object, np.ndarray] = {}
         """Group key -> the prompt its episodes continue (:meth:`prompt`)."""
         self.run_seed = run_seed
@@ -325,7 +335,7 @@ class EpisodeRunner:
             self._count(f"env_episodes_total:{self.members[key]}", n)
         if self.chat is not None:  # the reset texts as a user turn before the model's first
             try:
-                self.prompts[key], firsts = self.chat.first(task.prompt_ids, firsts)
+                self.prompts[key], firsts = self.chat.first(task.prompt_ids, firsts, text=task.prompt)
             except ValueError as e:  # a prompt not built with the template: its episodes end unrewarded
                 self._count("env_errors_total", n, key=key)
                 self.log.warning("env_reset_failed", error=str(e))
@@ -387,8 +397,7 @@ class EpisodeRunner:
                     step = fut.result()
                     if not isinstance(step, Step):
                         raise EnvError(f"step returned {type(step).__name__}, not a Step")
-                    obs = encode_text(self.tok, step.observation) if self.chat is None \
-                        else self.chat.observation(step.observation, step.turn_role)
+                    obs = encode_text(self.tok, step.observation) if self.chat is None else self.chat.step_ids(step)
                 except Exception as e:
                     error = f"{type(e).__name__}: {e}"
             elif now - started > self.cfg.step_timeout_s:
@@ -407,6 +416,8 @@ class EpisodeRunner:
                 out.append((key, member, [], True))
                 continue
             self._count("env_steps_total")
+            if step.tool_errors:
+                self._count("env_tool_parse_errors_total", step.tool_errors)
             if step.tool_call:
                 calls = self.calls[key][member]
                 calls[0] += 1

@@ -10,6 +10,13 @@ one), for the tool-call metrics (docs/observing.md). The tiny
 character model's alphabet (digits, ``+``, ``*``, ``=``, space) spells both, so it can
 learn to call the tool before it answers. The episode has no randomness: ``reset`` takes
 the group's seed and ignores it.
+
+The factory is a :class:`~pipeline.envs.tools.ToolEnv` declaring the same calculator as a
+function, ``calculate(expression)`` (:data:`CALCULATE`): a chat model is shown its schema
+(pipeline.envs.tools) and may call it as ``<tool_call>{"name": "calculate", "arguments":
+{"expression": "12+345"}}</tool_call>``, answered with a ``tool`` turn; every turn without
+such a call is the calculator episode's own, as above. The character model cannot spell
+``<``, and a plain-text prompt shows no tools, so its episodes are unchanged.
 """
 
 from __future__ import annotations
@@ -17,8 +24,11 @@ from __future__ import annotations
 import re
 
 from pipeline.envs.base import Step
+from pipeline.envs.tools import Tool, ToolEnv
 
-_CALL = re.compile(r"^\s*(\d{1,12}(?:\s*[+*]\s*\d{1,12}){0,8})\s*=\s*$")
+_EXPR = r"\s*(\d{1,12}(?:\s*[+*]\s*\d{1,12}){0,8})\s*"
+_CALL = re.compile(f"^{_EXPR}=\\s*$")
+_EXPRESSION = re.compile(f"^{_EXPR}=?\\s*$")
 
 
 def evaluate(expr: str) -> int:
@@ -54,6 +64,25 @@ class CalculatorEpisode:
         pass
 
 
+def calculate(expression: str) -> str:
+    """The exact value of an expression of digits joined by ``+`` and ``*`` (``*`` binds tighter)."""
+    m = _EXPRESSION.match(expression)
+    if m is None:
+        raise ValueError(f"{expression!r} is not digits joined by + and * (at most 9 numbers of 12 digits)")
+    return str(evaluate(m.group(1).replace(" ", "")))
+
+
+CALCULATE = Tool(
+    name="calculate",
+    description="The exact value of an arithmetic expression: whole numbers joined by + and * (* binds tighter).",
+    parameters={"type": "object",
+                "properties": {"expression": {"type": "string", "description": "for example 1234*5678+9"}},
+                "required": ["expression"]},
+    fn=calculate)
+"""The calculator as a function the model is shown and may call."""
+
+
 def calculator(cfg):
-    """The factory: one calculator episode per completion, knowing its prompt's reference."""
-    return lambda task: CalculatorEpisode(task.reference)
+    """The factory: one calculator episode per completion, knowing its prompt's reference, with
+    the calculator declared as a tool (:data:`CALCULATE`)."""
+    return ToolEnv([CALCULATE], lambda task: CalculatorEpisode(task.reference), cfg=cfg)

@@ -21,16 +21,21 @@ first observation (``<|im_end|>\\n`` then ``<|im_start|>user\\n{reset}<|im_end|>
 assistant\\n``), masked like every observation; a group whose episodes all reset to ``""``
 keeps its prompt as it is. Without a template the observations are appended as their raw
 encoding (``pipeline.envs.base.encode_text``), the reset text right after the prompt.
+
+Tools (pipeline.envs.tools): for a factory that declares tools, :meth:`ChatTurns.for_factory`
+gives the turns of the format showing them, and :meth:`ChatTurns.first` renders each group's
+prompt again from its text with them (the feeder's prompt carries none). A step with several
+turns of its own (``Step.messages``: one ``tool`` turn per call, with the call's name and id)
+is rendered the same way as one observation (:meth:`ChatTurns.turns`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import replace
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from pipeline.tasks.prompting import PromptFormat
+from pipeline.tasks.prompting import PromptFormat, function_schemas
 
 _USER, _ASSISTANT, _OBS = "PROBE-USER-7f3a", "PROBE-ASSISTANT-7f3a", "PROBE-OBSERVATION-7f3a"
 """Probe contents: words no template writes, each found once in a rendering."""
@@ -40,12 +45,11 @@ class ChatTemplateError(ValueError):
     """The chat template cannot render an episode's turns incrementally."""
 
 
-def _render(fmt: PromptFormat, messages: list[dict[str, str]], *, generation: bool) -> str:
+def _render(fmt: PromptFormat, messages: list[dict], *, generation: bool) -> str:
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    head = [{"role": "system", "content": fmt.system_prompt}] if fmt.system_prompt else []
-    rendered, _ = render_jinja_template(conversations=[head + messages], chat_template=fmt.chat_template,
-                                        add_generation_prompt=generation, **dict(fmt.special_tokens))
+    rendered, _ = render_jinja_template(conversations=[fmt.messages(messages)], chat_template=fmt.chat_template,
+                                        add_generation_prompt=generation, **fmt.template_kwargs())
     return rendered[0]
 
 
@@ -112,6 +116,26 @@ class ChatTurns:
         """The turns of ``fmt``'s chat template; None for a plain-text format (raw observations)."""
         return None if fmt.chat_template is None else cls(fmt, tokenizer)
 
+    def for_factory(self, factory) -> ChatTurns:
+        """These turns with the prompt showing the tools an environment's factory declares (its
+        ``tools`` attribute, pipeline.envs.tools); ``self`` when it declares none."""
+        schemas = function_schemas(getattr(factory, "tools", None) or ())
+        return ChatTurns(self.fmt.with_tools(schemas), self.tok) if schemas else self
+
+    def tools_prompt(self, text: str, prompt_ids: np.ndarray) -> np.ndarray:
+        """The token ids of a prompt rendered again showing this format's tools, from its
+        ``text``: the prompt as the format rendered it without tools (the feeder's record), or
+        the user message it rendered (the held-out items the trainer hands over), whichever
+        renders to ``prompt_ids``."""
+        plain = replace(self.fmt, tools=())
+        user = plain.user_of(text)
+        if user is None and list(self.tok.encode(plain.render(text))) == [int(x) for x in prompt_ids]:
+            user = text
+        if user is None:
+            raise ChatTemplateError("task.chat_template: the prompt is not one the chat template rendered from a "
+                                    "user message, so it cannot be rendered again with the environment's tools")
+        return np.asarray(self.tok.encode(self.fmt.render(user)), dtype=np.int32)
+
     def _encode_wrapped(self, text: str, wrap: tuple[str, str]) -> list[int]:
         return list(self.tok.encode(wrap[0] + text + wrap[1]))
 
@@ -138,11 +162,43 @@ class ChatTurns:
         as a ``role`` turn, then the generation prompt of the model's next turn."""
         return self._encode_wrapped(text, self.wrap(role))
 
-    def first(self, prompt_ids: np.ndarray, resets: list[str]) -> tuple[np.ndarray, list[list[int]]]:
+    def turns(self, messages) -> list[int]:
+        """The token ids appended after the model's turn for several turns of their own
+        (message dicts: a tool result's ``name`` and ``tool_call_id`` beside ``role`` and
+        ``content``), then the generation prompt: the template's rendering of the conversation
+        with them, minus its rendering up to the end of the model's turn."""
+        what = "the turns " + ", ".join(repr(m.get("role")) for m in messages) + " after the model's"
+        try:
+            full = _render(self.fmt, [*self._probe, *messages], generation=True)
+        except Exception as e:  # noqa: BLE001 - the template's own refusal, reported as such
+            raise ChatTemplateError(f"task.chat_template: the checkpoint's chat template cannot render {what}: "
+                                    f"{type(e).__name__}: {e}") from None
+        if not full.startswith(self._turn):
+            raise self._unstable(f"a conversation with {what}", "the model's turn")
+        ids = list(self.tok.encode(full[len(self._turn):]))
+        if list(self.tok.encode(full)) != list(self.tok.encode(self._turn)) + ids:
+            raise self._unstable(f"the tokens of {what}", "the model's turn's")
+        return ids
+
+    def step_ids(self, step) -> list[int]:
+        """The token ids of a step's observation: its ``messages`` as turns of their own where it
+        has them (:meth:`turns`), else its text as one turn of its role (:meth:`observation`)."""
+        if step.messages:
+            return self.turns(step.messages)
+        return self.observation(step.observation, step.turn_role)
+
+    def first(self, prompt_ids: np.ndarray, resets: list[str], text: str | None = None,
+              ) -> tuple[np.ndarray, list[list[int]]]:
         """A group's prompt and its episodes' first observations, from their reset texts: all
         empty, the prompt as it is and no observation; else the prompt without its generation
         prompt, and each episode's reset text as a user turn followed by the generation prompt
-        (only the generation prompt for an empty one)."""
+        (only the generation prompt for an empty one). With tools (:meth:`for_factory`) the
+        prompt is first rendered again from its ``text`` showing them (:meth:`tools_prompt`)."""
+        if self.fmt.tools:
+            if text is None:
+                raise ChatTemplateError("task.chat_template: the environment's tools are shown by rendering the "
+                                        "prompt again, and its text was not given")
+            prompt_ids = self.tools_prompt(text, prompt_ids)
         if not any(resets):
             return prompt_ids, [[] for _ in resets]
         g = len(self.generation_ids)

@@ -269,6 +269,7 @@ def episode_summary(stats: dict[str, float]) -> dict | None:
         "env_step_mean_s": stats.get("env_step_seconds_total", 0.0) / (steps + errors) if steps + errors else None,
         "env_step_p50_s": histogram_quantile(0.5, hist), "env_step_p95_s": histogram_quantile(0.95, hist),
         "tool_calls": calls, "tool_calls_ok": ok,
+        "tool_parse_errors": stats.get("env_tool_parse_errors_total", 0.0),
         "episodes_with_tool_calls": stats.get("episodes_with_tool_calls_total", 0.0),
         "tool_call_rate": stats.get("episodes_with_tool_calls_total", 0.0) / done if done else None,
         "tool_calls_per_episode": calls / done if done else None,

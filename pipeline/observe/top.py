@@ -174,7 +174,8 @@ def render(snap: dict, *, prev: dict | None = None, history: History | None = No
             "\ntool calls ", _num(ep["tool_calls"], "{:.0f}"), " (", _num(ep["tool_calls_per_episode"]), " per episode)",
             "   tool-call rate ", _num(ep["tool_call_rate"]),
             "   tool-call success ", _num(ep["tool_call_success"]),
-            " (", _num(ep["tool_calls_ok"], "{:.0f}"), " answered)"))
+            " (", _num(ep["tool_calls_ok"], "{:.0f}"), " answered)",
+            "   malformed calls ", _num(ep.get("tool_parse_errors", 0.0), "{:.0f}")))
         for name, m in (ep.get("environments") or {}).items():  # a mixture's members
             head.append_text(Text.assemble(
                 "\n  env ", (name, "cyan"), "   episodes ", _num(m["episodes"], "{:.0f}"),
