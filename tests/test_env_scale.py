@@ -126,7 +126,7 @@ def test_every_completion_of_a_group_plays_its_prompts_environment_and_each_is_c
         kinds = {type(runner.episodes[(k, j)]).__name__ for j in range(4)}
         assert len(kinds) == 1, kinds  # one environment per group
         seen[mix.route(task)] = seen.get(mix.route(task), 0) + 1
-        assert kinds == {"ScriptedEpisode" if mix.route(task).endswith(":scripted") else "CalculatorEpisode"}
+        assert kinds == {"ScriptedEpisode" if mix.route(task).endswith(":scripted") else "ToolEpisode"}  # the calculator is a ToolEnv
         # the same prompt, replayed: the same environment
         assert mix.route(task) == EnvMixture(cfg).route(_task(f"p{k}"))
         for j in range(4):
