@@ -383,3 +383,24 @@ def test_the_generator_stage_and_the_held_out_player_show_the_tools(redis_url):
                   max_new_tokens=8, texts=[text, user], chat=ChatTurns.of(fmt, tok))
     assert [p.error for p in played] == [None, None]
     assert played[0].prompt == played[1].prompt == tok.encode(shown.render(user))
+
+
+def twin_tools(cfg):
+    """``env.kind`` factory declaring two tool schemas of one name: a prompt cannot show them."""
+    def factory(task):
+        return Answer(task.reference)
+
+    factory.tools = [tool(add).schema, tool(add).schema]
+    return factory
+
+
+@needs_smollm2
+def test_the_check_before_launch_renders_the_prompt_with_the_tools():
+    from pipeline.run.preflight import env_problems
+
+    base = {"model.base_dir": str(SMOLLM2), "task.kind": "code", "generator.swap": "step"}
+    good = RunConfig().with_overrides({**base, "env.kind": f"{Path(__file__).resolve()}:arithmetic_tools"})
+    assert env_problems(good) == []
+    bad = RunConfig().with_overrides({**base, "env.kind": f"{Path(__file__).resolve()}:twin_tools"})
+    (problem,) = env_problems(bad)
+    assert "cannot show the environment's tools" in problem and "named 'add'" in problem and "env.kind" in problem

@@ -24,6 +24,7 @@ from pipeline.consumers.evaluator import set_problems
 from pipeline.consumers.verifier import panel_problems
 from pipeline.engines.titan_arch import checkpoint_problems as titan_problems
 from pipeline.envs.base import Step, encode_text, episode_seed, reset_episode
+from pipeline.envs.chat import ChatTurns
 from pipeline.envs.registry import make_env
 from pipeline.model.tokenizer import load_tokenizer, model_context_length
 from pipeline.observe.metrics import worker_ports
@@ -298,7 +299,8 @@ def env_problems(cfg: RunConfig, factory=None) -> list[str]:
     try:
         tok = load_tokenizer(base)
         item = next(iter(make_task(cfg.task).training(cfg.feeder.seed)))
-        text, ids = build_prompt(prompt_format(cfg.task, base), tok, item.prompt)
+        fmt = prompt_format(cfg.task, base)
+        text, ids = build_prompt(fmt, tok, item.prompt)
     except Exception:  # noqa: BLE001 - a task or format the other checks name
         return []
     task = PromptTask(prompt_id=prompt_id(0), prompt=text, prompt_ids=ids, reference=item.reference,
@@ -310,6 +312,16 @@ def env_problems(cfg: RunConfig, factory=None) -> list[str]:
             factory = make_env(cfg)
         except Exception as e:  # noqa: BLE001 - the factory does not build
             return [_env_error(e)]
+    chat = ChatTurns.of(fmt, tok)
+    if chat is not None:  # the prompt as the generator shows it: with the tools the factory declares
+        try:
+            shown = chat.for_factory(factory)
+            if shown is not chat:
+                shown.tools_prompt(text, ids)
+        except Exception as e:  # noqa: BLE001 - a bad schema, or a template that cannot render it
+            if owned:
+                _close_factory(factory)
+            return [f"{where}: the prompt cannot show the environment's tools ({type(e).__name__}: {e})"]
     episode = None
     try:
         stage = "reset"
