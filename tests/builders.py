@@ -1,4 +1,4 @@
-"""Keyword-only builders of valid records for tests."""
+"""Keyword-only builders of valid records for tests, and a log that keeps what a stage logs."""
 
 from __future__ import annotations
 
@@ -50,3 +50,19 @@ def build_code_model(out):
     warm_up(out, [{"problem": r["problem"], "answer": "x"} for r in rows], template="{problem}", steps=25,
             batch_size=8, seed=0)
     return out
+
+
+class RecordingLog:
+    """A stage's log (``log.info(event, **fields)``, any level) that keeps every line in
+    ``events``: ``(event, fields)``, or ``(level, event, fields)`` with ``levels=True``."""
+
+    def __init__(self, *, levels: bool = False) -> None:
+        self.levels = levels
+        self.events: list[tuple] = []
+
+    def __getattr__(self, level: str):
+        if level.startswith("__"):
+            raise AttributeError(level)
+        if self.levels:
+            return lambda event, **kw: self.events.append((level, event, kw))
+        return lambda event, **kw: self.events.append((event, kw))

@@ -66,3 +66,15 @@ def tiny_base_model(tmp_path_factory):
     pretrain(out, **settings, heldout=task.heldout_problems(n=1000, seed=1234, digits=3, ops=("+",)),
              record=recipe(**settings, heldout_size=1000, heldout_seed=1234), progress=False)
     return out
+
+
+@pytest.fixture
+def one_torch_thread():
+    """One torch thread for the test (``pytestmark = pytest.mark.usefixtures("one_torch_thread")``):
+    the machine's cores are shared, and a second torch thread only adds spin-waiting."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

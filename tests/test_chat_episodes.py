@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from pipeline.bus.connection import connect
 from pipeline.config import EnvConfig, RunConfig
@@ -30,6 +29,10 @@ from pipeline.producers.feeder import run_feeder
 from pipeline.producers.generator import Generator, Streamer
 from pipeline.records import PromptTask, RolloutGroup
 from pipeline.tasks.prompting import PLAIN, PromptFormat, build_prompt, checkpoint_format, render_chat
+try:
+    from builders import RecordingLog
+except ImportError:  # this file imported by path as an env.kind plugin (pipeline up), outside pytest
+    RecordingLog = None
 
 SMOLLM2 = Path(__file__).resolve().parents[1] / "artifacts" / "smollm2-135m-instruct"
 needs_smollm2 = pytest.mark.skipif(not (SMOLLM2 / "model.safetensors").is_file(),
@@ -38,28 +41,13 @@ needs_smollm2 = pytest.mark.skipif(not (SMOLLM2 / "model.safetensors").is_file()
 QUESTION = "Guess my number. Answer with one word."
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
 def smollm2():
     model, tok = load_checkpoint(SMOLLM2)
     return model.eval(), tok
-
-
-class _Log:
-    def __init__(self):
-        self.lines = []
-
-    def warning(self, event, **kw):
-        self.lines.append((event, kw))
-
-    info = warning
 
 
 class Scripted:
@@ -155,7 +143,7 @@ def test_the_generators_episodes_are_template_turns_with_each_episodes_own_reset
         made.append(Scripted(next(resets)))
         return made[-1]
 
-    runner = EpisodeRunner(factory, EnvConfig(), tok, _Log(), chat=chat)
+    runner = EpisodeRunner(factory, EnvConfig(), tok, RecordingLog(), chat=chat)
     task = PromptTask(prompt_id="p", prompt=text, prompt_ids=prompt, reference="42", issued_at=0.0)
     firsts = runner.start("k", task, 3)
     group_prompt = runner.prompt("k", task.prompt_ids)
@@ -219,8 +207,8 @@ def test_the_generator_stage_emits_chat_episodes_whose_prompt_lost_its_generatio
     chat = ChatTurns.of(fmt, tok)
     r = connect(redis_url, name="t")
     keys = Keys("chatep", shards=cfg.redis.shards)
-    run_feeder(cfg, r, keys, _Log(), tokenizer=tok, max_rounds=1)
-    Streamer(Generator(cfg, r, keys, "gen-a", _Log())).run(max_batches=1)
+    run_feeder(cfg, r, keys, RecordingLog(), tokenizer=tok, max_rounds=1)
+    Streamer(Generator(cfg, r, keys, "gen-a", RecordingLog())).run(max_batches=1)
     (g,) = [RolloutGroup.decode(f[b"d"]) for key in keys.stream_keys("rollouts") for _, f in r.xrange(key)]
     prompt = list(g.prompt_ids)
     assert tok.encode(g.prompt) == prompt + chat.generation_ids
@@ -263,7 +251,7 @@ def test_a_model_without_a_chat_template_keeps_the_raw_observations():
         def close(self):
             pass
 
-    runner = EpisodeRunner(lambda task: Raw(), EnvConfig(), tok, _Log())
+    runner = EpisodeRunner(lambda task: Raw(), EnvConfig(), tok, RecordingLog())
     prompt = np.array(tok.encode(" 1+2="), np.int32)
     task = PromptTask(prompt_id="p", prompt=" 1+2=", prompt_ids=prompt, reference="3", issued_at=0.0)
     assert runner.start("k", task, 2) == [tok.encode("7")] * 2
@@ -292,7 +280,7 @@ def test_chat_turns_of_the_smollm2_template_and_off():
         chat.first(prompt, ["a reset"])
     assert chat.first(prompt, ["", ""]) == (prompt, [[], []])  # no reset text: the prompt as it is
     # In the generator such a prompt ends its group's episodes at their first turn, counted.
-    runner = EpisodeRunner(lambda task: Scripted("a reset"), EnvConfig(), tok, _Log(), chat=chat)
+    runner = EpisodeRunner(lambda task: Scripted("a reset"), EnvConfig(), tok, RecordingLog(), chat=chat)
     task = PromptTask(prompt_id="p", prompt="no generation prompt", prompt_ids=prompt, reference="", issued_at=0.0)
     assert runner.start("k", task, 2) == [[], []] and runner.prompt("k", prompt) is prompt
     assert runner.take_counters()["env_errors_total"] == 2

@@ -26,16 +26,12 @@ from pipeline.producers.feeder import run_feeder
 from pipeline.producers.generator import Generator, Streamer
 from pipeline.records import Partial, PromptTask, RecordError, RolloutGroup, ScoredGroup, expand_runs, version_runs
 from pipeline.weights import make_publisher
+from builders import RecordingLog
 
 TINY = ModelShape(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture
@@ -307,14 +303,6 @@ def _gen_cfg(ns: str, base: str, **extra) -> RunConfig:
         "feeder.max_prompts": 2, "redis.claim_idle_ms": 0, "redis.block_ms": 50, **extra})
 
 
-class _Log:
-    def __init__(self):
-        self.events = []
-
-    def __getattr__(self, level):
-        return lambda event, **kw: self.events.append((event, kw))
-
-
 def _random_base(tmp_path, tok) -> str:
     """A random-weight checkpoint: its completions run long, so a stop lands mid-sequence."""
     from pipeline.model.qwen import save_checkpoint
@@ -331,8 +319,8 @@ def test_a_stopped_generator_hands_back_its_sequences_and_another_resumes_them(r
     cfg = _gen_cfg("resume", base)
     r = connect(redis_url, name="t")
     keys = Keys("resume", shards=cfg.redis.shards)
-    run_feeder(cfg, r, keys, _Log(), tokenizer=tok, max_rounds=1)
-    first = Generator(cfg, r, keys, "gen-a", _Log())
+    run_feeder(cfg, r, keys, RecordingLog(), tokenizer=tok, max_rounds=1)
+    first = Generator(cfg, r, keys, "gen-a", RecordingLog())
     st = Streamer(first)
     assert st.admit() and st.sampler.active == 6
     for _ in range(4):
@@ -356,7 +344,7 @@ def test_a_stopped_generator_hands_back_its_sequences_and_another_resumes_them(r
         p = t.partial
         assert (p.lens[~p.done] == 4).all() and (~p.done).any() and (p.lens[p.done] <= 4).all()
 
-    second = Generator(cfg, r, keys, "gen-b", _Log())
+    second = Generator(cfg, r, keys, "gen-b", RecordingLog())
     Streamer(second).run(max_batches=1)
     model = load_checkpoint(base)[0].eval()
     groups = [RolloutGroup.decode(f[b"d"]) for key in keys.stream_keys("rollouts") for _, f in r.xrange(key)]
@@ -380,8 +368,8 @@ def test_a_version_published_mid_sequence_reaches_the_next_tokens(redis_url, tmp
     cfg = _gen_cfg("inflight", base, **{"weights.transport": "shm"})
     r = connect(redis_url, name="t")
     keys = Keys("inflight", shards=cfg.redis.shards)
-    run_feeder(cfg, r, keys, _Log(), tokenizer=tok, max_rounds=1)
-    gen = Generator(cfg, r, keys, "gen-a", _Log())
+    run_feeder(cfg, r, keys, RecordingLog(), tokenizer=tok, max_rounds=1)
+    gen = Generator(cfg, r, keys, "gen-a", RecordingLog())
     st = Streamer(gen)
     assert st.admit()
     for _ in range(3):

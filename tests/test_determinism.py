@@ -30,6 +30,7 @@ from pipeline.records import RolloutGroup
 from pipeline.engines.torch import sample_prompts
 from pipeline.model.qwen import load_checkpoint
 from pipeline.producers.generator import sampling_seed
+from builders import RecordingLog
 
 DEFAULT = Path(__file__).resolve().parent.parent / "configs" / "default.toml"
 CLI = [sys.executable, "-m", "pipeline.cli"]
@@ -88,11 +89,6 @@ def test_the_slot_samplers_seeded_groups_draw_from_their_own_generators(model):
     assert slot_samples(m, tok, prompts, seeds, rng_seed=1) != slot_samples(m, tok, prompts, other, rng_seed=1)
 
 
-class _Log:
-    def __getattr__(self, level):
-        return lambda event, **kw: None
-
-
 def group(prompt_id: str, version: int, g: int = 4) -> RolloutGroup:
     return RolloutGroup(prompt_id=prompt_id, group_id=f"{prompt_id}:x:1", generator_id="x", prompt="1+1=",
                         prompt_ids=np.array([3, 4], dtype=np.int32), reference="2", completions=("2",) * g,
@@ -112,7 +108,7 @@ def test_the_version_boundary_fit_does_not_depend_on_arrival_order(redis_client)
     def run(ns: str, order: list[int]) -> dict[str, tuple]:
         """Two replicas scoring the groups in ``order``, taking turns; each group's model."""
         keys = Keys(ns)
-        reps = [SharedLabelModel(redis_client, keys, cfg.verifier, f"ver-{k}", _Log(), by_version=True)
+        reps = [SharedLabelModel(redis_client, keys, cfg.verifier, f"ver-{k}", RecordingLog(), by_version=True)
                 for k in range(2)]
         out = {}
         for n, i in enumerate(order):

@@ -21,33 +21,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from pipeline.config import ConfigError, RunConfig
 from pipeline.envs.base import EnvError, EpisodeRunner, Step, env_members, episode_return, route_index
 from pipeline.envs.registry import EnvMixture, make_env
 from pipeline.model.tokenizer import CharTokenizer
 from pipeline.records import PromptTask
+try:
+    from builders import RecordingLog
+except ImportError:  # this file imported by path as an env.kind plugin (pipeline up), outside pytest
+    RecordingLog = None
 
 HERE = Path(__file__).resolve()
 SCRIPT = (1.0, None, 0.5, 2.0)
 """The scripted environment's reward per model turn (None: that turn gives none); done after the last."""
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-class _Log:
-    def __init__(self):
-        self.events = []
-
-    def __getattr__(self, level):
-        return lambda event, **kw: self.events.append((event, kw))
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _task(pid: str) -> PromptTask:
@@ -118,7 +108,7 @@ def test_every_completion_of_a_group_plays_its_prompts_environment_and_each_is_c
     cfg = _cfg(**{"env.kind": f"mix:calculator=1,{HERE}:scripted=1", "feeder.seed": 3})
     mix = make_env(cfg)
     assert isinstance(mix, EnvMixture) and mix.kinds == ["calculator", f"{HERE}:scripted"]
-    runner = EpisodeRunner(mix, cfg.env, tok, _Log(), run_seed=cfg.feeder.seed)
+    runner = EpisodeRunner(mix, cfg.env, tok, RecordingLog(), run_seed=cfg.feeder.seed)
     seen = {}
     for k in range(40):
         task = _task(f"p{k}")
@@ -126,7 +116,8 @@ def test_every_completion_of_a_group_plays_its_prompts_environment_and_each_is_c
         kinds = {type(runner.episodes[(k, j)]).__name__ for j in range(4)}
         assert len(kinds) == 1, kinds  # one environment per group
         seen[mix.route(task)] = seen.get(mix.route(task), 0) + 1
-        assert kinds == {"ScriptedEpisode" if mix.route(task).endswith(":scripted") else "ToolEpisode"}  # the calculator is a ToolEnv
+        # the calculator is a ToolEnv: its episodes are ToolEpisodes
+        assert kinds == {"ScriptedEpisode" if mix.route(task).endswith(":scripted") else "ToolEpisode"}
         # the same prompt, replayed: the same environment
         assert mix.route(task) == EnvMixture(cfg).route(_task(f"p{k}"))
         for j in range(4):
@@ -183,7 +174,7 @@ def test_pipeline_up_runs_two_environments_in_one_run_and_counts_each(tmp_path, 
 def _play(returns: str, discount: float = 1.0, n: int = 3) -> tuple[list[float], list]:
     tok = CharTokenizer()
     env = _cfg(**{"env.kind": f"{HERE}:scripted", "env.returns": returns, "env.discount": discount}).env
-    runner = EpisodeRunner(lambda task: ScriptedEpisode(), env, tok, _Log())
+    runner = EpisodeRunner(lambda task: ScriptedEpisode(), env, tok, RecordingLog())
     runner.start("g", _task("p0"), n)
     live = set(range(n))
     while live:

@@ -22,7 +22,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
-import torch
 
 from pipeline.bus.connection import connect
 from pipeline.bus.stats import read_stats
@@ -36,30 +35,21 @@ from pipeline.producers.feeder import run_feeder
 from pipeline.producers.generator import Generator, Streamer
 from pipeline.records import PromptTask, RolloutGroup
 from pipeline.run.preflight import preflight
+try:
+    from builders import RecordingLog
+except ImportError:  # this file imported by path as an env.kind plugin (pipeline up), outside pytest
+    RecordingLog = None
 
 HERE = Path(__file__).resolve()
 SHAPE = ModelShape(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture
 def tok() -> CharTokenizer:
     return CharTokenizer()
-
-
-class _Log:
-    def __init__(self):
-        self.events = []
-
-    def __getattr__(self, level):
-        return lambda event, **kw: self.events.append((event, kw))
 
 
 def _task(pid: str) -> PromptTask:
@@ -118,7 +108,7 @@ def test_the_seed_is_a_stable_hash_of_the_run_seed_and_the_prompt_id():
 def test_every_episode_of_a_group_gets_the_groups_seed_and_two_groups_different_ones(tok):
     for cls, expect_seed in ((_Seeded, True), (_Kwargs, True), (_NoSeed, False)):
         seen: list = []
-        runner = EpisodeRunner(lambda task: cls(seen), _env_cfg(), tok, _Log(), run_seed=7)
+        runner = EpisodeRunner(lambda task: cls(seen), _env_cfg(), tok, RecordingLog(), run_seed=7)
         runner.start("a", _task("p00000001"), 4)
         runner.start("b", _task("p00000002"), 4)
         if not expect_seed:
@@ -150,7 +140,7 @@ def test_a_groups_resets_run_together_on_the_pool_and_keep_their_order(tok):
             raise RuntimeError("no session")
         return _SlowReset(seen)
 
-    log = _Log()
+    log = RecordingLog()
     runner = EpisodeRunner(factory, _env_cfg(workers=8), tok, log, run_seed=7)
     t0 = time.monotonic()
     firsts = runner.start("a", _task("p00000001"), 8)
@@ -192,8 +182,8 @@ def test_the_generator_resets_a_groups_episodes_with_one_seed_from_feeder_seed(r
                                                      "feeder.seed": 5})
     r = connect(redis_url, name="t")
     keys = Keys("seeds", shards=cfg.redis.shards)
-    run_feeder(cfg, r, keys, _Log(), tokenizer=tok, max_rounds=1)
-    Streamer(Generator(cfg, r, keys, "gen-a", _Log())).run(max_batches=1)
+    run_feeder(cfg, r, keys, RecordingLog(), tokenizer=tok, max_rounds=1)
+    Streamer(Generator(cfg, r, keys, "gen-a", RecordingLog())).run(max_batches=1)
     groups = _rollouts(r, keys)
     assert len(groups) == 2
     firsts = []
@@ -241,7 +231,7 @@ def test_resets_failing_in_a_row_past_the_bound_raise_naming_the_environment_and
     def factory(task):
         return _Refuses() if fail["on"] else _Seeded([])
 
-    runner = EpisodeRunner(factory, _env_cfg(max_failed_resets=5), tok, _Log())
+    runner = EpisodeRunner(factory, _env_cfg(max_failed_resets=5), tok, RecordingLog())
     runner.start("a", _task("p1"), 3)  # 3 in a row: under the bound
     fail["on"] = False
     runner.start("b", _task("p2"), 1)  # one that starts: the count starts again
@@ -251,7 +241,7 @@ def test_resets_failing_in_a_row_past_the_bound_raise_naming_the_environment_and
                                                r"max_failed_resets = 5.*RuntimeError: no game here"):
         runner.start("d", _task("p4"), 3)
     # 0: never.
-    runner = EpisodeRunner(lambda task: _Refuses(), _env_cfg(max_failed_resets=0), tok, _Log())
+    runner = EpisodeRunner(lambda task: _Refuses(), _env_cfg(max_failed_resets=0), tok, RecordingLog())
     for k in range(20):
         runner.start(k, _task(f"p{k}"), 4)
 
@@ -417,8 +407,8 @@ def test_every_failure_logged_is_counted_also_of_groups_handed_back_at_a_stop(re
     monkeypatch.setenv("RLPIPE_TEST_REDIS", redis_url)
     monkeypatch.setenv("RLPIPE_TEST_STOP_KEY", keys.stop)
     r = connect(redis_url, name="t")
-    run_feeder(cfg, r, keys, _Log(), tokenizer=tok, max_rounds=1)
-    log = _Log()
+    run_feeder(cfg, r, keys, RecordingLog(), tokenizer=tok, max_rounds=1)
+    log = RecordingLog()
     Streamer(Generator(cfg, r, keys, "gen-a", log)).run()
     logged = [e for e, _ in log.events if e in ("env_reset_failed", "env_step_failed")]
     assert any(e == "env_reset_failed" for e in logged) and any(e == "env_step_failed" for e in logged)

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from pipeline.bus.connection import connect
 from pipeline.config import ConfigError, EnvConfig, RunConfig
@@ -38,6 +37,10 @@ from pipeline.producers.generator import Generator, Streamer
 from pipeline.records import PromptTask, RolloutGroup
 from pipeline.tasks.prompting import (PromptFormat, build_prompt, checkpoint_format, hermes_tools_text, reads_tools,
                                       render_chat)
+try:
+    from builders import RecordingLog
+except ImportError:  # this file imported by path as an env.kind plugin (pipeline up), outside pytest
+    RecordingLog = None
 
 SMOLLM2 = Path(__file__).resolve().parents[1] / "artifacts" / "smollm2-135m-instruct"
 needs_smollm2 = pytest.mark.skipif(not (SMOLLM2 / "tokenizer.json").is_file(),
@@ -67,22 +70,7 @@ HERMES = (
 renders a run of tool results as one user turn of ``<tool_response>`` blocks."""
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-class _Log:
-    def __init__(self):
-        self.lines = []
-
-    def warning(self, event, **kw):
-        self.lines.append((event, kw))
-
-    info = warning
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def add(a: int, b: int) -> int:
@@ -134,7 +122,7 @@ def _play_scripted(fmt: PromptFormat, tok, turns: list[str], factory=None, *, ma
     an observation with done is not appended, as the slot sampler does):
     the token stream (prompt, first observation, turns and observations) and the runner."""
     factory = factory or arithmetic_tools(None)
-    runner = EpisodeRunner(factory, EnvConfig(max_turns=max_turns), tok, _Log(), chat=ChatTurns.of(fmt, tok))
+    runner = EpisodeRunner(factory, EnvConfig(max_turns=max_turns), tok, RecordingLog(), chat=ChatTurns.of(fmt, tok))
     text, prompt = build_prompt(fmt, tok, QUESTION)
     task = PromptTask(prompt_id="p", prompt=text, prompt_ids=prompt, reference="20", issued_at=0.0)
     (first,) = runner.start("k", task, 1)
@@ -235,9 +223,9 @@ def test_the_schemas_are_shown_as_each_template_expects_and_prompts_without_tool
     tok = load_tokenizer(SMOLLM2)
     text, ids = build_prompt(smol, tok, QUESTION)
     task = PromptTask(prompt_id="p", prompt=text, prompt_ids=ids, reference="20", issued_at=0.0)
-    plain = EpisodeRunner(lambda task: Answer(), EnvConfig(), tok, _Log(), chat=ChatTurns.of(smol, tok))
+    plain = EpisodeRunner(lambda task: Answer(), EnvConfig(), tok, RecordingLog(), chat=ChatTurns.of(smol, tok))
     assert plain.start("k", task, 2) == [[], []] and plain.prompt("k", task.prompt_ids) is task.prompt_ids
-    with_tools = EpisodeRunner(arithmetic_tools(None), EnvConfig(), tok, _Log(), chat=ChatTurns.of(smol, tok))
+    with_tools = EpisodeRunner(arithmetic_tools(None), EnvConfig(), tok, RecordingLog(), chat=ChatTurns.of(smol, tok))
     assert with_tools.start("k", task, 2) == [[], []]
     assert list(with_tools.prompt("k", task.prompt_ids)) == tok.encode(shown)
     other = PromptTask(prompt_id="q", prompt="not a prompt", prompt_ids=ids, reference="", issued_at=0.0)
@@ -365,8 +353,8 @@ def test_the_generator_stage_and_the_held_out_player_show_the_tools(redis_url):
     shown = fmt.with_tools(schemas_of(arithmetic_tools(None)))
     r = connect(redis_url, name="t")
     keys = Keys("tools", shards=cfg.redis.shards)
-    run_feeder(cfg, r, keys, _Log(), tokenizer=tok, max_rounds=1)
-    Streamer(Generator(cfg, r, keys, "gen-a", _Log())).run(max_batches=1)
+    run_feeder(cfg, r, keys, RecordingLog(), tokenizer=tok, max_rounds=1)
+    Streamer(Generator(cfg, r, keys, "gen-a", RecordingLog())).run(max_batches=1)
     (g,) = [RolloutGroup.decode(f[b"d"]) for key in keys.stream_keys("rollouts") for _, f in r.xrange(key)]
     user = fmt.user_of(g.prompt)
     assert user is not None and "<tools>" not in g.prompt  # the feeder's prompt: no tools

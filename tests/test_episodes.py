@@ -31,16 +31,15 @@ from pipeline.producers.feeder import run_feeder
 from pipeline.producers.generator import Generator, Streamer
 from pipeline.records import RecordError, RolloutGroup, ScoredGroup
 from pipeline.algo.rewards import parse_reward_mode
+try:
+    from builders import RecordingLog
+except ImportError:  # this file imported by path as an env.kind plugin (pipeline up), outside pytest
+    RecordingLog = None
 
 TINY = ModelShape(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture
@@ -74,7 +73,7 @@ def test_the_runner_counts_each_episodes_tool_calls_and_the_answered_ones(tok):
     from pipeline.records import PromptTask
     from pipeline.envs.calculator import calculator
 
-    runner = EpisodeRunner(calculator(None), EnvConfig(), tok, _Log())
+    runner = EpisodeRunner(calculator(None), EnvConfig(), tok, RecordingLog())
     task = PromptTask(prompt_id="p", prompt=" 12+345=", prompt_ids=np.array(tok.encode(" 12+345="), np.int32),
                       reference="357", issued_at=0.0)
     assert runner.start("k", task, 2) == [[], []]
@@ -253,14 +252,6 @@ def test_the_environment_reward_mode_reads_episode_rewards_and_needs_an_environm
 # ---------------------------------------------------------------------- the generator stage, real Redis
 
 
-class _Log:
-    def __init__(self):
-        self.events = []
-
-    def __getattr__(self, level):
-        return lambda event, **kw: self.events.append((event, kw))
-
-
 def _gen_cfg(ns: str, base: str, **extra) -> RunConfig:
     return RunConfig().with_overrides({
         "run_id": ns, "model.base_dir": base, "generator.swap": "step", "generator.group_size": 3,
@@ -310,8 +301,8 @@ def test_the_generator_runs_episodes_token_in_token_out(redis_url, tmp_path, tok
     cfg = _gen_cfg(f"ep{env}", _random_base(tmp_path, tok), **{"env.kind": spec, "env.max_turns": 3})
     r = connect(redis_url, name="t")
     keys = Keys(f"ep{env}", shards=cfg.redis.shards)
-    run_feeder(cfg, r, keys, _Log(), tokenizer=tok, max_rounds=1)
-    Streamer(Generator(cfg, r, keys, "gen-a", _Log())).run(max_batches=1)
+    run_feeder(cfg, r, keys, RecordingLog(), tokenizer=tok, max_rounds=1)
+    Streamer(Generator(cfg, r, keys, "gen-a", RecordingLog())).run(max_batches=1)
     groups = _rollouts(r, keys)
     assert len(groups) == 2
     stats = read_stats(r, keys)
@@ -411,8 +402,8 @@ def test_failing_environment_steps_end_or_retry_the_episode_and_are_counted(redi
                    **{"env.kind": spec, "env.on_error": policy, "env.retries": 2, "env.max_turns": 6})
     r = connect(redis_url, name="t")
     keys = Keys(f"flaky{policy}", shards=cfg.redis.shards)
-    run_feeder(cfg, r, keys, _Log(), tokenizer=tok, max_rounds=1)
-    log = _Log()
+    run_feeder(cfg, r, keys, RecordingLog(), tokenizer=tok, max_rounds=1)
+    log = RecordingLog()
     Streamer(Generator(cfg, r, keys, "gen-a", log)).run(max_batches=1)
     groups = _rollouts(r, keys)
     assert len(groups) == 2, "a failing environment lost a group"

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import redis
 import torch
-from builders import make_scored
+from builders import RecordingLog, make_scored
 from harness import run_stages, spawn, tiny_config
 
 from pipeline.config import ConfigError, load_config
@@ -29,14 +29,6 @@ EVAL = {"eval.max_prompts": 12, "eval.n": 4, "eval.ks": "1,2,4", "eval.every_ver
         "eval.sched_idle": False}
 
 
-class _Log:
-    def __init__(self):
-        self.events = []
-
-    def __getattr__(self, level):
-        return lambda event, **kw: self.events.append((level, event, kw))
-
-
 @contextmanager
 def _evaluator(tmp_path, base_dir, url, run_id, **overrides):
     """(cfg, publisher, eval worker) of a run: a real shm publisher and an Evaluator on one server."""
@@ -44,7 +36,7 @@ def _evaluator(tmp_path, base_dir, url, run_id, **overrides):
     r = redis.Redis.from_url(url)
     keys = Keys(cfg.run_id)
     pub = make_publisher("shm", r, keys.weights, ns=keys.ns)
-    ev = Evaluator(cfg, r, keys, "eval-0", _Log())
+    ev = Evaluator(cfg, r, keys, "eval-0", RecordingLog(levels=True))
     try:
         yield cfg, pub, ev
     finally:
@@ -64,7 +56,7 @@ def test_it_evaluates_the_first_version_then_every_nth_newest_as_pipeline_eval_w
     keys = Keys(cfg.run_id)
     base, _tok = load_checkpoint(tiny_base_model)
     pub = make_publisher("shm", r, keys.weights, ns=keys.ns)
-    ev = Evaluator(cfg, r, keys, "eval-0", _Log())
+    ev = Evaluator(cfg, r, keys, "eval-0", RecordingLog(levels=True))
     try:
         assert not ev.turn(), "nothing published yet"
         versions = {v: _noisy(base.state_dict(), v) for v in range(6)}
@@ -112,7 +104,7 @@ def test_with_adapter_payloads_it_evaluates_the_merged_policy(tmp_path, tiny_bas
     engine.train_step([make_scored(prompt_id=f"p{i:08d}", rewards=rng.random(4).astype(np.float32))
                        for i in range(4)])
     pub = make_publisher("shm", r, keys.weights, ns=keys.ns)
-    ev = Evaluator(cfg, r, keys, "eval-0", _Log())
+    ev = Evaluator(cfg, r, keys, "eval-0", RecordingLog(levels=True))
     try:
         pub.publish(1, engine.adapter_tensors())
         assert ev.turn()
@@ -164,7 +156,7 @@ def test_a_set_this_model_cannot_be_prompted_with_is_refused_naming_eval_sets(tm
     cfg, _ = tiny_config(tmp_path, tiny_base_model, redis_url, "evalbad", **EVAL,
                          **{"eval.sets": f"kind=math;dataset={data};heldout_size=2"})
     with pytest.raises(ValueError, match=r"^eval\.sets: the held-out set 'kind=math;dataset="):
-        Evaluator(cfg, redis.Redis.from_url(redis_url), Keys(cfg.run_id), "eval-0", _Log())
+        Evaluator(cfg, redis.Redis.from_url(redis_url), Keys(cfg.run_id), "eval-0", RecordingLog(levels=True))
     # pipeline up says so before it starts anything.
     from pipeline.run.preflight import preflight
 

@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 import pytest
-from builders import make_prompt, make_rollout, make_scored
+from builders import RecordingLog, make_prompt, make_rollout, make_scored
 
 import pipeline.bus.streams as streams
 import pipeline.consumers.trainer as trainer_mod
@@ -40,6 +40,11 @@ from pipeline.stage import Output, Stage
 _COMMITS = (b"$4\r\nEXEC\r\n", b"$7\r\nEVALSHA\r\n")
 _QUIET_S = 0.15
 """A swallowed reply is complete once the server has been quiet this long."""
+
+
+def _log() -> RecordingLog:
+    """A log that keeps (level, event, fields) of every line."""
+    return RecordingLog(levels=True)
 
 
 class DropReplyProxy:
@@ -196,14 +201,6 @@ def no_token_check(monkeypatch):
     return disable
 
 
-class _Log:
-    def __init__(self):
-        self.events = []
-
-    def __getattr__(self, level):
-        return lambda event, **kw: self.events.append((level, event, kw))
-
-
 def _cfg(ns: str, shards: int, **overrides) -> RunConfig:
     return RunConfig().with_overrides({"run_id": ns, "redis.shards": shards, "redis.claim_idle_ms": 0, **overrides})
 
@@ -243,7 +240,7 @@ def _emit(proxy, r0, *, shards: int, source: str, group: str, sink: str, sink_gr
     src = getattr(keys.shard(k), source)
     for pid in pids:
         r0.xadd(src, {"d": make(pid).encode()})
-    stage = Stage(r, keys, _cfg(keys.ns, shards), name=name, worker_id=f"{name}-0", log=_Log(), source=source,
+    stage = Stage(r, keys, _cfg(keys.ns, shards), name=name, worker_id=f"{name}-0", log=_log(), source=source,
                   group=group, decode=decode, sink=sink, sink_group=sink_group)
     batch = stage.take(stage.reader.read_new(10, None))
     assert len(batch.good) == 3
@@ -279,7 +276,7 @@ def scenario_dead_letter(proxy, r0, shards):
     src = keys.shard(k).prompts
     r0.xadd(src, {"d": make_prompt(prompt_id=pid).encode()})
     r0.xadd(src, {"d": b"\xc1 not msgpack"})
-    stage = Stage(r, keys, _cfg(keys.ns, shards), name="generator", worker_id="gen-0", log=_Log(), source="prompts",
+    stage = Stage(r, keys, _cfg(keys.ns, shards), name="generator", worker_id="gen-0", log=_log(), source="prompts",
                   group=GENERATORS_GROUP, decode=PromptTask.decode, sink="rollouts", sink_group=VERIFIERS_GROUP)
     batch = stage.take(stage.reader.read_new(10, None))
     assert len(batch.good) == 1 and len(batch.bad) == 1
@@ -364,7 +361,7 @@ def scenario_large_emit(proxy, r0, shards):
     for pid in pids:
         r0.xadd(src, {"d": make_prompt(prompt_id=pid).encode()})
     r0.xadd(src, {"d": b"\xc1 not msgpack"})
-    stage = Stage(r, keys, _cfg(keys.ns, shards), name="generator", worker_id="gen-0", log=_Log(), source="prompts",
+    stage = Stage(r, keys, _cfg(keys.ns, shards), name="generator", worker_id="gen-0", log=_log(), source="prompts",
                   group=GENERATORS_GROUP, decode=PromptTask.decode, sink="rollouts", sink_group=VERIFIERS_GROUP)
     batch = stage.take(stage.reader.read_new(10, None))
     assert len(batch.good) == 3 and len(batch.bad) == 1
@@ -394,7 +391,7 @@ def scenario_verifier_read_ahead(proxy, r0, shards):
     for pid in _shard_with(keys, k, 6):
         r0.xadd(src, {"d": make_rollout(prompt_id=pid).encode()})
     stage = Stage(r, keys, _cfg(keys.ns, shards, **{"redis.block_ms": 50}), name="verifier", worker_id="ver-0",
-                  log=_Log(), source="rollouts", group=VERIFIERS_GROUP, decode=RolloutGroup.decode, sink="scored",
+                  log=_log(), source="rollouts", group=VERIFIERS_GROUP, decode=RolloutGroup.decode, sink="scored",
                   sink_group=TRAINER_GROUP, prefetch=True)
     seen, drop, ahead = [], True, 0
     for _ in range(2 * shards + 6):
@@ -430,7 +427,7 @@ def scenario_feeder_write(proxy, r0, shards):
     r = connect(proxy.url, name="t")
     cfg = _cfg(keys.ns, shards, **{"feeder.max_prompts": 4, "feeder.backlog": 16})
     proxy.drop_next()
-    feeder_mod.run_feeder(cfg, r, keys, _Log(), tokenizer=_Tok(), max_rounds=1)
+    feeder_mod.run_feeder(cfg, r, keys, _log(), tokenizer=_Tok(), max_rounds=1)
     ids = [PromptTask.decode(f[b"d"]).prompt_id for f in _all(r0, keys, "prompts")]
     routes = [keys.shard_of(feeder_mod.prompt_id(i)) for i in range(4)]
     runs = 1 + sum(a != b for a, b in zip(routes, routes[1:]))  # one write per run of prompts bound for one shard
@@ -569,7 +566,7 @@ def test_emit_costs_one_round_trip(redis_url):
     ensure_all_groups(r, keys)
     for i in range(32):
         r.xadd(keys.shard(0).prompts, {"d": make_prompt(prompt_id=f"p{i:08d}").encode()})
-    stage = Stage(r, keys, _cfg(keys.ns, 1), name="generator", worker_id="g", log=_Log(), source="prompts",
+    stage = Stage(r, keys, _cfg(keys.ns, 1), name="generator", worker_id="g", log=_log(), source="prompts",
                   group=GENERATORS_GROUP, decode=PromptTask.decode, sink="rollouts", sink_group=VERIFIERS_GROUP)
     batch = stage.take(stage.reader.read_new(32, None))
     stage.emit(batch, Output(written=[(e, b"x" * 100) for e, _ in batch.good]))  # loads the script
@@ -595,7 +592,7 @@ def test_an_earlier_attempt_applied_late_aborts_the_multi(redis_client):
     ensure_all_groups(redis_client, keys)
     for i in range(3):
         redis_client.xadd(keys.shard(0).prompts, {"d": make_prompt(prompt_id=f"p{i:08d}").encode()})
-    log = _Log()
+    log = _log()
     stage = Stage(redis_client, keys, _cfg(keys.ns, 1), name="generator", worker_id="gen-0", log=log,
                   source="prompts", group=GENERATORS_GROUP, decode=PromptTask.decode, sink="rollouts",
                   sink_group=VERIFIERS_GROUP)
@@ -626,7 +623,7 @@ def test_an_earlier_attempt_applied_late_aborts_the_multi(redis_client):
 
 def _verifier(r, keys: Keys, worker: str, **overrides) -> Stage:
     return Stage(r, keys, _cfg(keys.ns, keys.shards, **{"redis.block_ms": 50, **overrides}), name="verifier",
-                 worker_id=worker, log=_Log(), source="rollouts", group=VERIFIERS_GROUP, decode=RolloutGroup.decode,
+                 worker_id=worker, log=_log(), source="rollouts", group=VERIFIERS_GROUP, decode=RolloutGroup.decode,
                  sink="scored", sink_group=TRAINER_GROUP, prefetch=True)
 
 

@@ -19,7 +19,7 @@ import msgpack
 import numpy as np
 import pytest
 import redis
-from builders import make_prompt, make_rollout, make_scored
+from builders import RecordingLog, make_prompt, make_rollout, make_scored
 from harness import spawn as _spawn
 from test_pipeline_e2e import _config
 
@@ -29,14 +29,6 @@ from pipeline.bus.server import start_local_server
 from pipeline.bus.connection import connect
 from pipeline.bus.flow import wait_for_room
 from pipeline.bus.streams import GroupReader, decode_entries, ensure_all_groups, ensure_group, trim_acked, unacked
-
-
-class _Log:
-    def __init__(self):
-        self.events = []
-
-    def __getattr__(self, level):
-        return lambda event, **kw: self.events.append((level, event, kw))
 
 
 def _ids(entries):
@@ -195,7 +187,7 @@ def test_a_step_that_fails_on_one_entry_dead_letters_it_and_the_stage_goes_on(re
                 raise ValueError("negative lag")
         return Output(written=[(e, make_rollout(prompt_id=t.prompt_id).encode()) for e, t in batch.good])
 
-    log = _Log()
+    log = RecordingLog(levels=True)
     stage = Stage(r, keys, cfg, name="generator", worker_id="gen-0", log=log, source="prompts",
                   group=GENERATORS_GROUP, decode=PromptTask.decode, sink="rollouts", sink_group=VERIFIERS_GROUP)
     assert stage.run(step, count=4, max_batches=1) == 1
@@ -268,7 +260,7 @@ def test_a_producer_waits_while_the_stream_is_past_its_bound(redis_client):
     keys = Keys("bp")
     ensure_group(r, keys.shard(0).rollouts, VERIFIERS_GROUP)
     ids = [r.xadd(keys.shard(0).rollouts, {"d": b"x"}) for _ in range(5)]
-    log = _Log()
+    log = RecordingLog(levels=True)
     assert wait_for_room(r, keys, keys.shard(0).rollouts, VERIFIERS_GROUP, bound=5, worker_id="g", stage="generator",
                          log=log) == 0.0
 

@@ -18,13 +18,7 @@ from pipeline.model.pretrain import pretrain
 TINY = ModelShape(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    # The machine has 2 shared cores; a second torch thread only adds spin-waiting.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture

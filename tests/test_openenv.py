@@ -21,7 +21,6 @@ import pytest
 
 pytest.importorskip("openenv.core", reason="the openenv lane installs openenv-core: bash ops/ci/openenv_lane.sh")
 
-import torch  # noqa: E402
 
 from pipeline.bus.connection import connect  # noqa: E402
 from pipeline.bus.stats import read_stats  # noqa: E402
@@ -36,18 +35,14 @@ from pipeline.model.tokenizer import CharTokenizer  # noqa: E402
 from pipeline.producers.feeder import run_feeder  # noqa: E402
 from pipeline.producers.generator import Generator, Streamer  # noqa: E402
 from pipeline.records import PromptTask, RolloutGroup  # noqa: E402
+from builders import RecordingLog  # noqa: E402
 
 TINY = ModelShape(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
 CALCULATOR = "openenv:pipeline.envs.calculator_server:app"
 MAX_NEW = 40
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(autouse=True)
@@ -128,14 +123,6 @@ def echo_env(tmp_path_factory) -> Path:
 # ---------------------------------------------------------------------- the generator stage, real Redis
 
 
-class _Log:
-    def __init__(self):
-        self.events = []
-
-    def __getattr__(self, level):
-        return lambda event, **kw: self.events.append((event, kw))
-
-
 def _gen_cfg(ns: str, base: str, tmp_path: Path, **extra) -> RunConfig:
     return RunConfig().with_overrides({
         "run_id": ns, "runs_dir": str(tmp_path / "runs"), "model.base_dir": base, "generator.swap": "step",
@@ -156,8 +143,8 @@ def _rollouts(r, keys) -> list[RolloutGroup]:
 
 def _run(cfg, r, tok, *, max_batches=1, log=None) -> tuple[Streamer, Keys]:
     keys = Keys(cfg.run_id, shards=cfg.redis.shards)
-    run_feeder(cfg, r, keys, _Log(), tokenizer=tok, max_rounds=1)
-    streamer = Streamer(Generator(cfg, r, keys, "gen-a", log or _Log()))
+    run_feeder(cfg, r, keys, RecordingLog(), tokenizer=tok, max_rounds=1)
+    streamer = Streamer(Generator(cfg, r, keys, "gen-a", log or RecordingLog()))
     streamer.run(max_batches=max_batches)
     return streamer, keys
 
@@ -336,7 +323,7 @@ def test_a_server_killed_mid_run_fails_its_steps_loses_nothing_and_is_restarted(
                       # last two start on the restarted server.
                       "generator.prompts_per_batch": 1, "env.max_in_flight": 6})
     r = connect(redis_url, name="t")
-    log = _Log()
+    log = RecordingLog()
     streamer, keys = _run(cfg, r, tok, max_batches=4, log=log)
     pool = streamer.env.factory.pool
     assert marker.exists(), "the server was never killed"

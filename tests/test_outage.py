@@ -19,7 +19,7 @@ from urllib.parse import urlparse
 
 import pytest
 import redis
-from builders import make_rollout
+from builders import RecordingLog, make_rollout
 from harness import spawn, tiny_config
 
 from pipeline.bus.connection import connect
@@ -35,14 +35,6 @@ OUTAGE_S = float(os.environ.get("RLPIPE_TEST_OUTAGE_S", "20"))
 BEFORE, AFTER = 160, 24
 """Rollout groups written before the outage (the verifier is still on them when the server
 dies) and after it (work that only a resumed verifier can do)."""
-
-
-class _Log:
-    def __init__(self):
-        self.events: list[tuple[str, str, dict]] = []
-
-    def __getattr__(self, level):
-        return lambda event, **kw: self.events.append((level, event, kw))
 
 
 def _wait(cond, timeout: float, what: str, proc=None) -> None:
@@ -74,7 +66,7 @@ def _ride_out(tmp_path, base_model, outage_s: float) -> None:
 
     ver = spawn(path, "verify", "--worker-id", "ver-0")
     # The trainer's reader: its Stage turns the client into one that waits forever.
-    tlog = _Log()
+    tlog = RecordingLog(levels=True)
     tr = connect(server.url, name="outage:trainer")
     stage = Stage(tr, keys, cfg, name="trainer", worker_id="trainer", log=tlog, source="scored",
                   group=TRAINER_GROUP, decode=ScoredGroup.decode, claim=False)
@@ -153,7 +145,7 @@ def test_an_unlimited_client_waits_for_a_server_that_comes_later(tmp_path):
     from pipeline.bus.server import free_port
 
     port = free_port()
-    log = _Log()
+    log = RecordingLog(levels=True)
     got: list = []
 
     def client() -> None:
@@ -302,7 +294,7 @@ def test_a_read_ahead_whose_reply_is_lost_returns_its_entries_next(redis_url):
     pids = [f"p{i:08d}" for i in range(8)]
     for pid in pids:
         r.xadd(src, {"d": make_rollout(prompt_id=pid).encode()})
-    log = _Log()
+    log = RecordingLog(levels=True)
     stage = Stage(r, keys, RunConfig().with_overrides({"run_id": keys.ns, "redis.block_ms": 50}), name="verifier",
                   worker_id="ver-0", log=log, source="rollouts", group=VERIFIERS_GROUP, decode=RolloutGroup.decode,
                   sink="scored", sink_group=TRAINER_GROUP, prefetch=True)
@@ -339,7 +331,7 @@ def test_the_trainer_collects_a_lost_delivery_and_never_what_it_holds(tmp_path, 
     group = [make_scored(prompt_id=f"p{i:08d}").encode() for i in range(6)]
     for g in group[:3]:
         r.xadd(scored, {"d": g})
-    log = _Log()
+    log = RecordingLog(levels=True)
     stage = Stage(r, keys, cfg, name="trainer", worker_id="trainer", log=log, source="scored",
                   group=TRAINER_GROUP, decode=ScoredGroup.decode, claim=False)
     first = collect_batch(stage, size=3)  # one step's groups, held unacked until it commits
