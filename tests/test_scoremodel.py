@@ -301,7 +301,8 @@ def test_the_panel_bench_compares_every_method_from_a_recorded_cache(tmp_path):
     current = "label model (current)"
     assert set(t["methods"]) == {"best single verifier", "mean", "majority vote", f"{current}, label-free",
                                  f"{current}, pi from 32 labels", f"{current}, pi from 128 labels",
-                                 "score model, label-free", "score model, 32 labels", "score model, 128 labels"}
+                                 "score model, label-free", "score model, 32 labels", "score model, 128 labels",
+                                 "score model (earlier), label-free", "score model (earlier), 128 labels"}
     for f in t["methods"].values():
         assert 0 <= f["auc"] <= 1 and 0 <= f["selection_accuracy"] <= 1 and f["pi_error"] >= 0
     assert t["members"]["a"]["seconds_per_completion"] == pytest.approx(0.1)
