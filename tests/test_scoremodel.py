@@ -310,3 +310,16 @@ def test_the_panel_bench_compares_every_method_from_a_recorded_cache(tmp_path):
     assert "## synthetic" in md and "| score model, 128 labels |" in md
     assert len(t["targets"]) == 5 and all(a["met"] in (True, False) for a in t["targets"])
     assert "| label-free pi error <= 0.05 |" in md
+
+
+def test_the_guard_scores_the_fit_on_labels_it_did_not_hold():
+    # Verifiers that say nothing: held at their truth, the labels make the fit look good on
+    # themselves; scored on labels a fit did not hold (the default guard) it is at chance.
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        y = (rng.random(2000) < 0.1).astype(float)
+        v, names = rng.random((2000, 5)), [f"n{i}" for i in range(5)]
+        labelled = rng.choice(2000, size=128, replace=False)
+        in_sample = fit_score_model(v, names, labels=(labelled, y[labelled]), guard="mean").report()["label_auc"]
+        crossed = fit_score_model(v, names, labels=(labelled, y[labelled])).report()["label_auc"]
+        assert in_sample["out_of_bag"]["fit"] > 0.6 and crossed["out_of_bag"]["fit"] < 0.6

@@ -48,7 +48,10 @@ P(level | Y) for each:
    π = 0.06) the labels' own ranking of verifiers is noisy, so each is scored by its AUC out
    of bag over ``BOOTSTRAP`` resamples of the labels, the top k chosen afresh on each
    resample: a rule is scored as it would be used, not on the labels that picked it.
-   ``guard = "simplest"`` (the default): the best single verifier is kept unless another
+   ``guard = "simplest"`` (the default) scores the fit likewise on labels it did not hold
+   (each labelled row's log-odds from a fit with the other ``FOLDS`` − 1 folds' labels held;
+   held at their truth, the labels would make the fit look good on themselves), and keeps
+   the best single verifier unless another
    candidate beats it on at least ``CLEAR`` of the resamples (paired, ties counted half),
    and then the one with the highest mean among those that do: a combination must show on
    the labels that it is better, not merely come out ahead on average when a few positives
@@ -102,6 +105,8 @@ fit (started from the mean rank, anchored by the verifiers' favour, never refuse
 GUARDS = ("simplest", "mean")
 """How the labels' guard chooses: ``simplest`` (the default) keeps the best single verifier unless
 a richer rule beats it on a clear majority of resamples; ``mean`` takes the highest mean out-of-bag AUC."""
+FOLDS = 5
+"""Folds of the labels over which ``simplest`` scores the fit on labels it did not hold."""
 CLEAR = 0.9
 """Share of the labels' resamples on which a richer rule must beat the best single verifier (``simplest``)."""
 AGREE = 0.75
@@ -430,6 +435,40 @@ def _guard(fit_z: np.ndarray, raw: np.ndarray, y: np.ndarray, rule: str = "simpl
     return mean, beats, max(clear, key=lambda k: (mean[k], -k)) if clear else 1
 
 
+def _em(lv: np.ndarray, sizes: list[int], weights: np.ndarray, sound: np.ndarray, r: np.ndarray,
+        idx: np.ndarray | None, y_lab: np.ndarray | None) -> tuple[np.ndarray, float, list[np.ndarray], int, bool]:
+    """EM from the responsibilities ``r``, the rows ``idx`` held at ``y_lab``: (r, π, tables,
+    iterations, converged)."""
+    pi = float(np.clip(r.mean(), 0.01, 0.99))
+    tables = _tables(lv, r, sizes, sound)
+    it = 0
+    for it in range(1, MAX_ITER + 1):
+        before = r
+        r = 1.0 / (1.0 + np.exp(-_log_odds(lv, tables, weights, pi)))
+        if idx is not None:
+            r[idx] = y_lab
+        pi = float(np.clip(r.mean(), 1e-3, 1 - 1e-3))
+        tables = _tables(lv, r, sizes, sound)
+        if np.max(np.abs(r - before)) < TOL:
+            return r, pi, tables, it, True
+    return r, pi, tables, it, False
+
+
+def _crossfit(lv: np.ndarray, sizes: list[int], weights: np.ndarray, sound: np.ndarray, start: np.ndarray,
+              idx: np.ndarray, y_lab: np.ndarray) -> np.ndarray:
+    """The fit's log-odds of each labelled row from a fit that did not hold its label: the labels
+    split into ``FOLDS`` folds, EM run once per fold with the other folds' labels held."""
+    z = np.zeros(len(idx))
+    order = np.random.default_rng(0).permutation(len(idx))
+    for f in range(min(FOLDS, len(idx))):
+        out, held = order[f::FOLDS], np.setdiff1d(order, order[f::FOLDS])
+        r0 = start.copy()
+        r0[idx[held]] = y_lab[held]
+        _, pi, tables, _, _ = _em(lv, sizes, weights, sound, r0, idx[held], y_lab[held])
+        z[out] = _log_odds(lv[idx[out]], tables, weights, pi)
+    return z
+
+
 def _log_odds(lv: np.ndarray, tables: list[np.ndarray], weights: np.ndarray, pi: float) -> np.ndarray:
     z = np.full(len(lv), np.log(pi) - np.log1p(-pi))
     for j, t in enumerate(tables):
@@ -519,21 +558,11 @@ def fit_score_model(votes: np.ndarray, names: Sequence[str], *, sound: Sequence[
         w = np.where(np.isfinite(mid), weights, 0.0)
         r = np.nansum(np.nan_to_num(mid) * w, axis=1) / np.maximum(w.sum(axis=1), 1e-12)
         r = np.where(w.sum(axis=1) > 0, r, 0.5)
+    start = r.copy()
     if idx is not None:
         r[idx] = y_lab
-    pi = float(np.clip(r.mean(), 0.01, 0.99))
-    tables = _tables(lv, r, sizes, sound_mask)
-    it = 0
-    for it in range(1, MAX_ITER + 1):
-        before = r
-        r = 1.0 / (1.0 + np.exp(-_log_odds(lv, tables, weights, pi)))
-        if idx is not None:
-            r[idx] = y_lab
-        pi = float(np.clip(r.mean(), 1e-3, 1 - 1e-3))
-        tables = _tables(lv, r, sizes, sound_mask)
-        if np.max(np.abs(r - before)) < TOL:
-            break
-    else:
+    r, pi, tables, it, converged = _em(lv, sizes, weights, sound_mask, r, idx, y_lab)
+    if not converged:
         warnings.append(f"EM did not converge in {MAX_ITER} iterations")
 
     favour = [float(np.dot(np.arange(k) / max(k - 1, 1), t[:, 1] - t[:, 0])) for k, t in zip(sizes, tables)]
@@ -578,7 +607,9 @@ def fit_score_model(votes: np.ndarray, names: Sequence[str], *, sound: Sequence[
         grids = [_grid(v[:, j]) for j in range(v.shape[1])]
         ranks = np.stack([_rank_mean(v[:, [j]], [grids[j]]) for j in range(v.shape[1])], axis=1)
         singles = {names_k[j]: _auc(ranks[idx, j], y_lab) for j in range(len(names_k))}
-        oob, beats, k = _guard(fit_z, ranks[idx], y_lab, guard)
+        # ``simplest`` scores the fit on labels it did not hold (``FOLDS``-fold cross-fitting).
+        oob_z = fit_z if guard == "mean" else _crossfit(lv, sizes, weights, sound_mask, start, idx, y_lab)
+        oob, beats, k = _guard(oob_z, ranks[idx], y_lab, guard)
         best = max(singles, key=singles.get)
         tag = {c: "fit" if c == 0 else f"top{c}" for c in oob}
         model.label_auc = {"fit": round(_auc(fit_z, y_lab), 3), "best_single": best,
