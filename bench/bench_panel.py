@@ -37,7 +37,9 @@ the share of members scoring above 0.5. Label model: ``pipeline.algo.labelmodel`
 verifier stage fits it (label-free; and with π given from 32 and from 128 labelled completions
 of the labelled split). Score model: ``pipeline.algo.scoremodel`` fitted on both splits' votes
 (no truth), label-free and with 32 and 128 labelled completions of the labelled split (held
-at their truth; its guard may use one verifier or the mean rank of a few). Figures on the evaluation split: AUC,
+at their truth; its guard may use one verifier or the mean rank of a few; label-free, its check may
+rank by the verifiers' common factor); beside it, label-free and with 128 labels, the score model's
+earlier fit and guard (``free="em"``, ``guard="mean"``). Figures on the evaluation split: AUC,
 selection accuracy (the top-scored completion of each group), calibration error (10
 equal-width bins), π error (a label model's π, else the mean score, against the true share)
 and the mean score on wrong answers.
@@ -325,6 +327,11 @@ def analyse_task(rows: list[dict], seed: int = 0) -> dict:
         post = sm.posterior(both, names)[ev_rows].reshape(truth[ev].shape)
         out["methods"][label] = {**figures(post, truth[ev], pi=float(sm.pi)), "used": sm.used,
                                  "warnings": sm.warnings}
+        if k in (None, 128):  # the earlier fit and guard, on the same labels, for comparison
+            sm = fit_score_model(both, names, sound=sound, labels=given, free="em", guard="mean")
+            post = sm.posterior(both, names)[ev_rows].reshape(truth[ev].shape)
+            out["methods"][label.replace("score model", "score model (earlier)")] = {
+                **figures(post, truth[ev], pi=float(sm.pi)), "used": sm.used, "warnings": sm.warnings}
     out["targets"] = targets(out["methods"])
     return out
 

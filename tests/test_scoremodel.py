@@ -24,7 +24,10 @@ def make_votes(*, n: int = 2000, pi: float = 0.2, shared: float = 0.0, seed: int
 
 def test_judges_of_one_model_are_one_family_and_count_once():
     assert family("lm_judge:artifacts/x@configs/judges/a.toml") == family("lm_judge:artifacts/x@solve")
-    assert family("self_consistency:last_number") == "self_consistency:last_number"
+    # the answer-level checks read one group's extracted answers: one family (not in the earlier fit)
+    assert family("self_consistency:last_number") == family("states_answer:last_number") == family("answer_only")
+    assert family("self_consistency:last_number", answers=False) == "self_consistency:last_number"
+    assert family("mod9") == "mod9" and family("lm_judge:tcp://h:1") == "lm_judge:tcp://h:1"
     v, _, names = make_votes()
     weights = fit_score_model(v, names).report()["weights"]
     assert weights == {"a": 1.0, "b": 1.0, "c": 1.0, **dict.fromkeys(JUDGES, 0.333)}
@@ -129,13 +132,73 @@ def test_two_equal_verifiers_are_averaged_when_the_labels_cannot_tell_them_apart
 
 
 def test_with_labels_the_fit_is_kept_when_it_wins_and_reports_the_labelled_share():
+    # The earlier guard (highest mean) keeps a fit that ties the best single verifier on 32 labels;
+    # the default keeps the simpler single verifier unless the fit beats it on a clear majority.
     v, y, names = make_votes(shared=1.5, seed=7)
     labelled = np.random.default_rng(7).choice(len(y), size=32, replace=False)
-    m = fit_score_model(v, names, labels=(labelled, y[labelled]))
+    m = fit_score_model(v, names, labels=(labelled, y[labelled]), guard="mean")
     r = m.report()
     assert m.used == "fit" and r["label_auc"]["fit"] >= r["label_auc"]["best_single_auc"]
     assert r["label_share"] == pytest.approx((y[labelled].sum() + 1) / 34, abs=1e-4)
     assert abs(m.pi - y.mean()) < 0.05
+    simple = fit_score_model(v, names, labels=(labelled, y[labelled]))
+    assert simple.used == "single:a" and simple.report()["label_auc"]["beats_top1"]["fit"] < 0.9
+    assert _auc(simple.posterior(v, names), y) >= _auc(m.posterior(v, names), y) - 0.01
+
+
+def test_with_labels_a_combination_is_kept_when_it_clearly_beats_the_best_single_verifier():
+    # five independent verifiers of equal, moderate strength: together far better than any one
+    rng = np.random.default_rng(2)
+    n = 2000
+    y = (rng.random(n) < 0.3).astype(float)
+    v = np.column_stack([1 / (1 + np.exp(-(0.9 * (2 * y - 1) + rng.normal(size=n)))) for _ in range(5)])
+    names = [f"v{i}" for i in range(5)]
+    labelled = rng.choice(n, size=128, replace=False)
+    m = fit_score_model(v, names, labels=(labelled, y[labelled]))
+    assert m.used.split(":")[0] != "single", m.report()["label_auc"]
+    assert _auc(m.posterior(v, names), y) > max(_auc(v[:, j], y) for j in range(5)) + 0.05
+
+
+def panel_votes(*, n: int = 2000, pi: float = 0.08, seed: int = 0):
+    """A panel like the recorded one: two judge models, each asked in one informative style and two
+    uninformative ones that share the model's nuisance; and the three answer-level checks, which
+    follow one shared quantity (how popular an answer is) that says little about correctness."""
+    rng = np.random.default_rng(seed)
+    y = (rng.random(n) < pi).astype(float)
+    cols, names = [], []
+    for model in ("A", "B"):
+        nuisance = rng.normal(size=n)
+        for style, s in (("qa", 1.5), ("check", 0.0), ("solve", 0.0)):
+            cols.append(1 / (1 + np.exp(-(s * (2 * y - 1) + nuisance + 0.7 * rng.normal(size=n)))))
+            names.append(f"lm_judge:{model}@{style}")
+    popular = rng.normal(size=n) + 0.3 * (2 * y - 1)
+    cols += [np.round(np.clip((popular + 2) / 4, 0, 1) * 4) / 4, (popular + 0.3 * rng.normal(size=n) > -0.5) * 1.0,
+             (popular + 0.3 * rng.normal(size=n) > 0) * 1.0]
+    names += ["self_consistency:last_number", "states_answer:last_number", "answer_only:last_number"]
+    return np.column_stack(cols), y, names
+
+
+def test_a_dependent_answer_family_that_fooled_the_earlier_fit_leaves_the_factor_to_the_judges():
+    for seed in range(3):
+        v, y, names = panel_votes(seed=seed)
+        old = fit_score_model(v, names, free="em")
+        new = fit_score_model(v, names)
+        assert _auc(old.posterior(v, names), y) < 0.8  # EM splits on the answer-level checks
+        assert new.used == "factor" and any("common factor" in w for w in new.warnings)
+        loadings = dict(zip(new.names, new.factor["loadings"]))
+        for model in ("A", "B"):
+            assert loadings[f"lm_judge:{model}@qa"] > max(0.1, *(abs(loadings[f"lm_judge:{model}@{s}"])
+                                                               for s in ("check", "solve")))
+        got = _auc(new.posterior(v, names), y)
+        assert got > 0.9 and got > _auc(v.mean(axis=1), y) + 0.1
+
+
+def test_label_free_the_factor_is_signed_by_the_verifiers_and_keeps_a_fit_that_follows_it():
+    for pi in (0.08, 0.5, 0.85):
+        v, y, names = make_votes(pi=pi, shared=1.5, seed=3)
+        m = fit_score_model(v, names)
+        assert m.used == "fit" and m.agreement >= 0.75 and sum(m.factor["loadings"]) > 0
+        assert _auc(-m.factor["loadings"][0] * v[:, 0], y) < 0.5 < _auc(m.posterior(v, names), y)
 
 
 def test_a_constant_column_is_left_out_and_none_left_is_refused():
@@ -154,6 +217,11 @@ def test_a_fit_survives_its_dict_form_as_the_verifier_stage_stores_it():
 
     v, y, names = make_votes()
     labelled = np.arange(0, 400, 5)
+    pv, _, pnames = panel_votes()
+    factor = fit_score_model(pv, pnames, sound=["states_answer:last_number"])
+    assert factor.used == "factor"
+    back = ScoreModel.from_dict(msgpack.unpackb(msgpack.packb(factor.to_dict())))
+    np.testing.assert_array_equal(back.posterior(pv, pnames), factor.posterior(pv, pnames))
     for m in (fit_score_model(v, names, version=3), fit_score_model(v, names, labels=(labelled, y[labelled]))):
         back = ScoreModel.from_dict(msgpack.unpackb(msgpack.packb(m.to_dict())))
         np.testing.assert_array_equal(back.posterior(v, names), m.posterior(v, names))
@@ -194,7 +262,8 @@ def test_the_verifier_stage_fits_the_score_model_when_configured_and_logs_which(
     fits = [json.loads(line) for line in (tmp_path / "logs" / "ver-0.jsonl").read_text().splitlines()
             if '"labelmodel_fitted"' in line]
     assert fits and fits[-1]["method"] == "scores" and fits[-1]["labels"] == labels
-    assert fits[-1]["used"] == "fit" or (labels and fits[-1]["used"].split(":")[0] in ("single", "rank-mean"))
+    assert fits[-1]["used"] in ("fit", "factor") or (labels and fits[-1]["used"].split(":")[0] in ("single",
+                                                                                                 "rank-mean"))
     assert redis_client.llen(keys.labels) == (4 if labels else 0)  # a batch of 4 groups, kept whole
     if labels:
         assert 0 < fits[-1]["label_share"] < 1 and "best_single" in fits[-1]["label_auc"]
@@ -232,7 +301,8 @@ def test_the_panel_bench_compares_every_method_from_a_recorded_cache(tmp_path):
     current = "label model (current)"
     assert set(t["methods"]) == {"best single verifier", "mean", "majority vote", f"{current}, label-free",
                                  f"{current}, pi from 32 labels", f"{current}, pi from 128 labels",
-                                 "score model, label-free", "score model, 32 labels", "score model, 128 labels"}
+                                 "score model, label-free", "score model, 32 labels", "score model, 128 labels",
+                                 "score model (earlier), label-free", "score model (earlier), 128 labels"}
     for f in t["methods"].values():
         assert 0 <= f["auc"] <= 1 and 0 <= f["selection_accuracy"] <= 1 and f["pi_error"] >= 0
     assert t["members"]["a"]["seconds_per_completion"] == pytest.approx(0.1)
@@ -240,3 +310,16 @@ def test_the_panel_bench_compares_every_method_from_a_recorded_cache(tmp_path):
     assert "## synthetic" in md and "| score model, 128 labels |" in md
     assert len(t["targets"]) == 5 and all(a["met"] in (True, False) for a in t["targets"])
     assert "| label-free pi error <= 0.05 |" in md
+
+
+def test_the_guard_scores_the_fit_on_labels_it_did_not_hold():
+    # Verifiers that say nothing: held at their truth, the labels make the fit look good on
+    # themselves; scored on labels a fit did not hold (the default guard) it is at chance.
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        y = (rng.random(2000) < 0.1).astype(float)
+        v, names = rng.random((2000, 5)), [f"n{i}" for i in range(5)]
+        labelled = rng.choice(2000, size=128, replace=False)
+        in_sample = fit_score_model(v, names, labels=(labelled, y[labelled]), guard="mean").report()["label_auc"]
+        crossed = fit_score_model(v, names, labels=(labelled, y[labelled])).report()["label_auc"]
+        assert in_sample["out_of_bag"]["fit"] > 0.6 and crossed["out_of_bag"]["fit"] < 0.6
