@@ -166,7 +166,9 @@ def run_one(task: dict, arm: str, seed: int, *, config: Path, runs_dir: Path, st
     acc = s.get("accounting", {})
     from pipeline.observe.report import label_model_fit
 
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     return {"run": str(run_dir.relative_to(ROOT)) if run_dir.is_relative_to(ROOT) else str(run_dir),
+            "commit": commit or None,
             "wall_seconds": round(wall, 1), "evals": dict(zip(map(str, x), y)),
             "final_correct": final, "final": float(np.mean(final)),
             "accounting_ok": bool(acc.get("ok", s.get("accounting_ok"))), "lost": acc.get("lost"),
