@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline_runs import RESULTS, ROOT, md_table, read_run, run_up, smooth, step_series
+from pipeline_runs import RESULTS, ROOT, accounting_of, md_table, plot_episode_curves, read_run, run_up, step_series
 
 DIGITS, OPS = 4, ("*",)
 MAX_NEW_TOKENS = 32
@@ -120,34 +120,18 @@ def summarize_run(run_dir: Path, seed: int) -> dict:
         "train_versions": train_versions, "train_env_reward": train_reward,
         "train_tool_call_rate": step_series(run, "tool_call_rate")[1],
         "steps": s.get("steps"), "wall_s": s.get("wall_seconds"),
-        "accounting": {k: s["accounting"][k] for k in ("issued", "trained", "nosignal", "stale", "lost",
-                                                        "duplicated", "unexpected", "ok")},
+        "accounting": accounting_of(s),
     }
 
 
 def plot(res: dict, path: Path) -> None:
-    import matplotlib
+    def base_line(axes) -> None:
+        axes[0].axhline(res["base"]["unaided"], color="grey", ls=":", label="base, unaided (no tool)")
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for r in res["runs"]:
-        a.plot(r["versions"], r["heldout_accuracy"], marker="o", ms=3, label=f"held-out success, seed {r['seed']}")
-        a.plot(r["train_versions"], smooth(r["train_env_reward"]), alpha=0.5, ls="--",
-               label=f"training episodes' reward (smoothed), seed {r['seed']}")
-        b.plot(r["versions"], r["heldout_tool_call_rate"], marker="o", ms=3, label=f"held-out, seed {r['seed']}")
-        b.plot(r["train_versions"], smooth(r["train_tool_call_rate"]), alpha=0.5, ls="--",
-               label=f"training episodes (smoothed), seed {r['seed']}")
-    a.axhline(res["base"]["unaided"], color="grey", ls=":", label="base, unaided (no tool)")
-    a.set(title="task success (4-digit multiplication)", xlabel="policy version", ylabel="success", ylim=(0, 1))
-    b.set(title="tool-call rate (episodes with a calculator call)", xlabel="policy version", ylabel="rate",
-          ylim=(0, 1))
-    a.legend(fontsize=6)
-    b.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plot_episode_curves(res["runs"], path, [
+        ("heldout_accuracy", "train_env_reward", "task success (4-digit multiplication)", "success", (0, 1)),
+        ("heldout_tool_call_rate", "train_tool_call_rate", "tool-call rate (episodes with a calculator call)", "rate",
+         (0, 1))], guide=base_line)
 
 
 def report(res: dict) -> str:

@@ -91,3 +91,37 @@ def md_table(header: list[str], rows: list[list[object]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(lines) + "\n"
+
+
+ACCOUNTING = ("issued", "trained", "nosignal", "stale", "lost", "duplicated", "unexpected", "ok")
+
+
+def accounting_of(summary: dict) -> dict:
+    """The run's accounting as the experiments report it (summary.json's ``accounting``)."""
+    return {k: summary["accounting"][k] for k in ACCOUNTING}
+
+
+def plot_episode_curves(runs: list[dict], path: Path, panels: list[tuple[str, str, str, str, tuple]],
+                        *, smoothing: int = 10, guide=None) -> None:
+    """Two panels of per-seed curves from an episode experiment: each panel is (held-out key,
+    training key, title, y label, y limits), the held-out evaluations as markers and the
+    training episodes' series smoothed and dashed. ``guide(axes)`` draws extra lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(11, 4))
+    for ax, (held, train, title, ylabel, ylim) in zip(axes, panels):
+        for r in runs:
+            ax.plot(r["versions"], r[held], marker="o", ms=3, label=f"held-out, seed {r['seed']}")
+            ax.plot(r["train_versions"], smooth(r[train], smoothing), alpha=0.5, ls="--",
+                    label=f"training episodes (smoothed), seed {r['seed']}")
+        ax.set(title=title, xlabel="policy version", ylabel=ylabel, ylim=ylim)
+    if guide is not None:
+        guide(axes)
+    for ax in axes:
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -190,3 +190,47 @@ def test_pipeline_up_runs_the_code_task_on_the_code_server(tmp_path, code_model,
     assert logs, "the generator started no environment server"
     assert not env_servers_of({f.name.split("-")[2] for f in logs}), "environment servers outlived their generator"
     print(f"pipeline up, code task on the code server: {time.monotonic() - t0:.1f} s")
+
+
+# ---------------------------------------------------------------------- Number Hunt, from OpenEnv's template
+
+
+def test_number_hunt_written_from_openenvs_template_plays_from_outside_the_repository(tmp_path):
+    """examples/number_hunt (bench/game.py's game), copied outside the repository and named in
+    config alone: a seed is a game, a binary search on its answers wins every game within four
+    guesses, a reply without a number costs a guess, and the fourth wrong guess ends it with 0."""
+    import shutil
+
+    root = Path(__file__).resolve().parent.parent
+    game = shutil.copytree(root / "examples" / "number_hunt", tmp_path / "outside" / "number_hunt")
+    served = _served(f"openenv:{game}/server/app.py:app", tmp_path)
+    assert (served.action_field, served.observation_field) == ("guess", "message")
+
+    def search(seed: int) -> list[tuple[int, Step]]:
+        ep = served(_task(prompt_id=f"p{seed}"))
+        assert "whole number from 1 to 10" in ep.reset(seed=seed)
+        lo, hi, played = 1, 10, []
+        while not played or not played[-1][1].done:
+            guess = (lo + hi) // 2
+            step = ep.step(f"My guess is {guess}.")
+            played.append((guess, step))
+            lo, hi = (guess + 1, hi) if step.observation == "Higher." else (lo, guess - 1)
+        ep.close()
+        return played
+
+    secrets = set()
+    for seed in range(12):
+        played = search(seed)
+        assert played == search(seed)  # the same seed, the same game
+        assert len(played) <= 4 and played[-1][1].reward == 1.0 and played[-1][1].observation.startswith("Right!")
+        assert all(s.reward == 0.0 and not s.done for _, s in played[:-1])
+        secrets.add(played[-1][0])
+    assert len(secrets) > 3, "the seeds drew too few numbers"
+    ep = served(_task(prompt_id="p-lose"))
+    ep.reset(seed=0)
+    answers = [ep.step(a) for a in ("no idea", "11", "0", "-")]
+    assert answers[0].observation == "Reply with one number from 1 to 10." and not answers[0].done
+    assert answers[1].observation == "Lower." and answers[2].observation == "Higher."
+    assert answers[3].done and answers[3].reward == 0.0 and "No guesses left" in answers[3].observation
+    ep.close()
+    served.close()

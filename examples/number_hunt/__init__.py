@@ -1,0 +1,16 @@
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""Number Hunt Environment."""
+
+from .client import NumberHuntEnv
+from .models import NumberHuntAction, NumberHuntObservation
+
+__all__ = [
+    "NumberHuntAction",
+    "NumberHuntObservation",
+    "NumberHuntEnv",
+]
