@@ -152,6 +152,8 @@ def report(res: dict) -> str:
         f"training prompt has), greedy, evaluated every {res['eval_every']} steps.\n\n"
         f"Held-out success gain: median **{g['median']:+.1f}** points (range {g['min']:+.1f} to {g['max']:+.1f}); "
         f"success {res['base']['median']:.3f} → median {res['final']['median']:.3f}.\n\n"
+        + ("" if res["n"] >= 3 else f"Only {res['n']} of the three seeds so far: not yet a result (`python bench/game.py "
+           "--resume` runs the missing ones).\n\n")
         + table + "\n![success and turns over training](game.png)\n\n"
         "Left: held-out success (greedy, markers) and the sampled training episodes' reward (dashed, smoothed "
         "over 5 steps). Right: turns per episode, the same two ways. Servers left: game server processes alive "
