@@ -40,7 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline_runs import RESULTS, ROOT, accounting_of, md_table, plot_episode_curves, read_run, run_up, step_series
+from pipeline_runs import (RESULTS, ROOT, RunFailed, accounting_of, md_table, plot_episode_curves, read_run, run_up,
+                           step_series)
 
 GAME = ROOT / "examples" / "number_hunt"
 PROMPT = "Let us play a guessing game. Answer every time with a single number and nothing else."
@@ -93,13 +94,13 @@ def summarize_run(run_dir: Path, seed: int, left: list[str]) -> dict:
     acc = [e["heldout_accuracy"] for e in ev]
     turns = [e["heldout_turns_mean"] for e in ev]
     s = run["summary"]
+    train_versions, train_reward = step_series(run, "env_reward_mean")
     return {
         "seed": seed, "run": str(run_dir.relative_to(ROOT)) if run_dir.is_relative_to(ROOT) else str(run_dir),
         "base": acc[0], "final": float(np.mean(acc[-3:])), "base_turns": turns[0],
         "final_turns": float(np.mean(turns[-3:])), "versions": [e["version"] for e in ev],
         "heldout_success": acc, "heldout_turns": turns, "heldout_env_errors": [e.get("heldout_env_errors") for e in ev],
-        "train_versions": step_series(run, "env_reward_mean")[0],
-        "train_env_reward": step_series(run, "env_reward_mean")[1],
+        "train_versions": train_versions, "train_env_reward": train_reward,
         "train_turns": step_series(run, "turns_mean")[1],
         "steps": s.get("steps"), "wall_s": s.get("wall_seconds"), "servers_left": left, "status": s.get("status"),
         "restarts": s.get("restarts"),
@@ -152,8 +153,8 @@ def report(res: dict) -> str:
         f"training prompt has), greedy, evaluated every {res['eval_every']} steps.\n\n"
         f"Held-out success gain: median **{g['median']:+.1f}** points (range {g['min']:+.1f} to {g['max']:+.1f}); "
         f"success {res['base']['median']:.3f} → median {res['final']['median']:.3f}.\n\n"
-        + ("" if res["n"] >= 3 else f"Only {res['n']} of the three seeds so far: not yet a result (`python bench/game.py "
-           "--resume` runs the missing ones).\n\n")
+        + ("" if res["n"] >= 3 else f"Only {res['n']} of the three seeds so far: not yet a result "
+           "(`python bench/game.py --resume` runs the missing ones).\n\n")
         + table + "\n![success and turns over training](game.png)\n\n"
         "Left: held-out success (greedy, markers) and the sampled training episodes' reward (dashed, smoothed "
         "over 5 steps). Right: turns per episode, the same two ways. Servers left: game server processes alive "
@@ -183,10 +184,9 @@ def main(argv: list[str] | None = None) -> dict:
                          "lane's venv: bash ops/ci/openenv_lane.sh install)") from None
     out = Path(a.out)
     game = copy_game(Path(a.game_dir))
-    kept = {}
+    runs = {}
     if a.resume and out.exists():
-        kept = {r["seed"]: r for r in json.loads(out.read_text())["runs"] if r.get("planned") == [a.steps, a.lr]}
-    runs = dict(kept)
+        runs = {r["seed"]: r for r in json.loads(out.read_text())["runs"] if r.get("planned") == [a.steps, a.lr]}
     given = {int(k): Path(v) for k, v in (x.split("=", 1) for x in a.read.split(",") if x)}
     for seed in [int(x) for x in a.seeds.split(",") if x]:
         if seed in runs:
@@ -199,8 +199,8 @@ def main(argv: list[str] | None = None) -> dict:
                 run_dir = run_up(f"game-s{seed}", overrides(game, seed=seed, steps=a.steps,
                                                             heldout_size=a.heldout_size, eval_every=a.eval_every,
                                                             lr=a.lr), runs_dir=ROOT / a.runs_dir)
-            except RuntimeError as e:  # a run that stopped early is kept, with its status, if it left a summary
-                run_dir = ROOT / a.runs_dir / str(e).split()[1]
+            except RunFailed as e:  # a run that stopped early is kept, with its status, if it left a summary
+                run_dir = e.run_dir
                 if not (run_dir / "summary.json").exists():
                     raise
                 print(f"[game-s{seed}] {e}; recording it as it ended", flush=True)

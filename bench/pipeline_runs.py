@@ -21,12 +21,20 @@ RESULTS = ROOT / "bench" / "results"
 PIPELINE = [sys.executable, "-m", "pipeline.cli"]
 
 
+class RunFailed(RuntimeError):
+    """A run that exited with an error or left no summary.json; ``run_dir`` is where it wrote."""
+
+    def __init__(self, message: str, run_dir: Path) -> None:
+        super().__init__(message)
+        self.run_dir = run_dir
+
+
 def run_up(label: str, overrides: dict[str, object], *, runs_dir: Path, nice: int = 10,
            config: Path | None = None) -> Path:
     """Run `pipeline up` with ``overrides`` (dotted config fields) under a fresh run id, from the TOML
     file ``config`` when given; returns the run dir.
 
-    Raises RuntimeError if the run fails or leaves no summary.json.
+    Raises RunFailed (a RuntimeError) if the run fails or leaves no summary.json.
     """
     run_id = f"{label}-{time.strftime('%m%d-%H%M%S')}"
     cmd = [*PIPELINE, "up", "--run-id", run_id, "--runs_dir", str(runs_dir)]
@@ -47,7 +55,7 @@ def run_up(label: str, overrides: dict[str, object], *, runs_dir: Path, nice: in
         rc = p.wait()
     run_dir = runs_dir / run_id
     if rc != 0 or not (run_dir / "summary.json").exists():
-        raise RuntimeError(f"run {run_id} failed (exit {rc}); see {run_dir}/logs")
+        raise RunFailed(f"run {run_id} failed (exit {rc}); see {run_dir}/logs", run_dir)
     return run_dir
 
 

@@ -13,6 +13,7 @@ on the code server.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -199,8 +200,6 @@ def test_number_hunt_written_from_openenvs_template_plays_from_outside_the_repos
     """examples/number_hunt (bench/game.py's game), copied outside the repository and named in
     config alone: a seed is a game, a binary search on its answers wins every game within four
     guesses, a reply without a number costs a guess, and the fourth wrong guess ends it with 0."""
-    import shutil
-
     root = Path(__file__).resolve().parent.parent
     game = shutil.copytree(root / "examples" / "number_hunt", tmp_path / "outside" / "number_hunt")
     served = _served(f"openenv:{game}/server/app.py:app", tmp_path)
