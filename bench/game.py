@@ -21,6 +21,7 @@ evaluations), the curves, the accounting, and whether any game server outlived i
     python bench/game.py                    # seeds 0,1,2 (needs the openenv extra: its lane's venv)
     python bench/game.py --seeds 0 --steps 6
     python bench/game.py --resume           # keep the runs in game.json, run the missing seeds
+    python bench/game.py --resume --redo 0 --why "..."   # run seed 0 again; the old record stays, marked
 
 Writes bench/results/game.json, game.md and game.png (each seed's result as it lands).
 """
@@ -118,7 +119,7 @@ def plot(res: dict, path: Path) -> None:
         smoothing=5, guide=no_feedback)
 
 
-def aggregate(runs: list[dict], a) -> dict:
+def aggregate(runs: list[dict], a, earlier: list[dict] = ()) -> dict:
     gains = [100 * (r["final"] - r["base"]) for r in runs]
     seeds = ",".join(str(r["seed"]) for r in runs)
     return {"n": len(runs), "runs": runs, "steps": a.steps, "heldout_size": a.heldout_size, "lr": a.lr,
@@ -126,7 +127,7 @@ def aggregate(runs: list[dict], a) -> dict:
             "date": time.strftime("%Y-%m-%d"),
             "gain_points": {"median": statistics.median(gains), "min": min(gains), "max": max(gains)},
             "final": {"median": statistics.median(r["final"] for r in runs)},
-            "base": {"median": statistics.median(r["base"] for r in runs)}}
+            "base": {"median": statistics.median(r["base"] for r in runs)}, "earlier": list(earlier)}
 
 
 def report(res: dict) -> str:
@@ -159,7 +160,20 @@ def report(res: dict) -> str:
         "Left: held-out success (greedy, markers) and the sampled training episodes' reward (dashed, smoothed "
         "over 5 steps). Right: turns per episode, the same two ways. Servers left: game server processes alive "
         "after the run ended (`pgrep -f <game dir>`).\n"
+        + earlier_section(res.get("earlier", []))
     )
+
+
+def earlier_section(earlier: list[dict]) -> str:
+    """The attempts a seed's counted run replaced (``--redo``), with the reason given: reported, not counted."""
+    if not earlier:
+        return ""
+    rows = [[r["seed"], r.get("status", "—"), f"{r['base']:.3f}", f"{r['final']:.3f}",
+             f"{100 * (r['final'] - r['base']):+.1f}", r["steps"], r.get("restarts", "—"), r.get("redo_why", "—")]
+            for r in earlier]
+    return ("\n## Earlier attempts (reported, not counted)\n\n"
+            + md_table(["seed", "status", "base", "final", "gain (points)", "steps", "worker restarts",
+                        "why run again"], rows) + "\n")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -173,6 +187,9 @@ def main(argv: list[str] | None = None) -> dict:
                    help="where the game is copied (outside the repository)")
     p.add_argument("--runs-dir", default="runs")
     p.add_argument("--resume", action="store_true", help="keep the runs in game.json and run only the missing seeds")
+    p.add_argument("--redo", default="", metavar="SEEDS",
+                   help="with --resume: run these seeds again; their kept records move to 'earlier' with --why")
+    p.add_argument("--why", default="", help="why the --redo seeds run again (recorded and reported)")
     p.add_argument("--read", default="", metavar="SEED=RUN_DIR,...",
                    help="record these finished (or stopped) runs instead of running those seeds")
     p.add_argument("--out", default=str(RESULTS / "game.json"))
@@ -184,9 +201,16 @@ def main(argv: list[str] | None = None) -> dict:
                          "lane's venv: bash ops/ci/openenv_lane.sh install)") from None
     out = Path(a.out)
     game = copy_game(Path(a.game_dir))
-    runs = {}
+    runs, earlier = {}, []
     if a.resume and out.exists():
-        runs = {r["seed"]: r for r in json.loads(out.read_text())["runs"] if r.get("planned") == [a.steps, a.lr]}
+        old = json.loads(out.read_text())
+        runs = {r["seed"]: r for r in old["runs"] if r.get("planned") == [a.steps, a.lr]}
+        earlier = old.get("earlier", [])
+    redo = {int(x) for x in a.redo.split(",") if x}
+    if redo and not a.why:
+        raise SystemExit("--redo needs --why: the reason a seed runs again is recorded next to its old result")
+    for seed in sorted(redo & set(runs)):
+        earlier.append({**runs.pop(seed), "redo_why": a.why})
     given = {int(k): Path(v) for k, v in (x.split("=", 1) for x in a.read.split(",") if x)}
     for seed in [int(x) for x in a.seeds.split(",") if x]:
         if seed in runs:
@@ -207,13 +231,13 @@ def main(argv: list[str] | None = None) -> dict:
             time.sleep(2)  # the generators stop their servers on the way out; give the last one a moment
         runs[seed] = summarize_run(run_dir, seed, servers_left(game))
         runs[seed]["planned"] = [a.steps, a.lr]
-        res = aggregate([runs[s] for s in sorted(runs)], a)
+        res = aggregate([runs[s] for s in sorted(runs)], a, earlier)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(res, indent=2) + "\n")
         plot(res, out.with_suffix(".png"))
         out.with_suffix(".md").write_text(report(res))
         print(f"[game-s{seed}] base {runs[seed]['base']:.3f} -> final {runs[seed]['final']:.3f}", flush=True)
-    res = aggregate([runs[s] for s in sorted(runs)], a)
+    res = aggregate([runs[s] for s in sorted(runs)], a, earlier)
     print(out.with_suffix(".md").read_text())
     return res
 
