@@ -474,6 +474,11 @@ class EnvConfig(Section):
     (docs/environments.md)."""
     max_turns: int = 4
     """Model turns per episode at most (each one ends with the model's eos)."""
+    max_turn_tokens: int = 0
+    """Tokens one model turn may sample at most; a turn that reaches it without an eos ends
+    there (its text so far is the action; an eos the model did not sample, masked, closes it
+    before the observation) and is counted in ``env_turns_cut_total``. 0: no limit but the
+    completion's (``task.max_new_tokens``, observations included)."""
     workers: int = 32
     """Environment steps run at once per generator (threads), overlapping generation."""
     step_timeout_s: float = 30.0
@@ -516,6 +521,7 @@ class EnvConfig(Section):
 
     def _validate(self, p: str) -> None:
         _check(self.max_turns >= 1, f"{p}.max_turns", ">= 1", self.max_turns)
+        _check(self.max_turn_tokens >= 0, f"{p}.max_turn_tokens", ">= 0", self.max_turn_tokens)
         _check(self.workers >= 1, f"{p}.workers", ">= 1", self.workers)
         _check(self.step_timeout_s > 0, f"{p}.step_timeout_s", "> 0", self.step_timeout_s)
         _check(self.retries >= 0, f"{p}.retries", ">= 0", self.retries)

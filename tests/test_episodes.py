@@ -99,13 +99,13 @@ def test_the_runner_counts_each_episodes_tool_calls_and_the_answered_ones(tok):
 # ---------------------------------------------------------------------- the slot sampler
 
 
-def _episodes(model, tok, *, observation: str, max_turns=3, slots=6, seed=0):
+def _episodes(model, tok, *, observation: str, max_turns=3, slots=6, seed=0, turn_tokens=0):
     s = SlotSampler(model, slots=slots, temperature=1.0, eos_id=tok.eos_id, pad_id=tok.pad_id,
                     generator=torch.Generator().manual_seed(seed))
     prompts = [np.array(tok.encode(" 12+34="), np.int32), np.array(tok.encode(" 5*6="), np.int32)]
     for k, p in enumerate(prompts):
         s.add(k, p, n=3, max_new_tokens=40, version=0, observations=[tok.encode("7")] * 3)
-        s.set_max_turns(k, max_turns)
+        s.set_max_turns(k, max_turns, turn_tokens)
     done, actions = [], []
     while len(done) < 2:
         done += s.step(0)
@@ -139,6 +139,46 @@ def test_episode_logprobs_of_sampled_tokens_equal_the_trainers_over_the_interlea
             assert torch.allclose(re[torch.from_numpy(m)], torch.tensor(lp, dtype=torch.float32)[m], atol=1e-4)
             assert all(x == 0.0 for x, keep in zip(lp, m) if not keep)
     assert multi, "no episode took a second turn"
+
+
+def test_a_turn_reaching_the_per_turn_token_limit_ends_there_closed_by_a_masked_eos(tok):
+    model = _model(tok, seed=5)
+    prompts, done, actions = _episodes(model, tok, observation="99", max_turns=3, turn_tokens=3)
+    assert actions and all(len(a) <= 3 for a in actions)
+    obs_ids, first = tok.encode("99"), tok.encode("7")
+    cut_seen = 0
+    for f in done:
+        p = torch.from_numpy(prompts[f.key].astype(np.int64))
+        for t, lp, m, turns, cut in zip(f.tokens, f.logprobs, f.masks, f.turns, f.turns_cut):
+            m = np.asarray(m, dtype=bool)
+            # Walk the stream turn by turn: sampled runs of at most 3 tokens, each either ending
+            # in its own eos or followed by an eos the model did not sample, then the observation.
+            i, n_turns, n_cut = len(first), 0, 0
+            while i < len(t):
+                j = i
+                while j < len(t) and m[j]:
+                    j += 1
+                run = t[i:j]
+                assert 1 <= len(run) <= 3, run
+                n_turns += 1
+                if run[-1] != tok.eos_id:  # cut at the limit (the budget, 40, is never reached:
+                    assert len(run) == 3    # three turns of at most 3 + 1 + 2 tokens)
+                    n_cut += 1
+                    if j < len(t):
+                        assert t[j] == tok.eos_id and not m[j] and lp[j] == 0.0
+                        j += 1
+                if j < len(t):
+                    assert t[j: j + len(obs_ids)] == obs_ids and not m[j: j + len(obs_ids)].any()
+                    j += len(obs_ids)
+                i = j
+            assert (n_turns, n_cut) == (turns, cut)
+            cut_seen += cut
+            re = ragged_completion_logprobs(model, [p], torch.tensor([t]), pad_id=tok.pad_id)[0]
+            assert torch.allclose(re[torch.from_numpy(m)], torch.tensor(lp, dtype=torch.float32)[m], atol=1e-4)
+    assert cut_seen, "no turn reached the limit: nothing was cut"
+    # Without the limit the same sampler's turns run past three tokens.
+    _, _, free = _episodes(model, tok, observation="99", max_turns=3)
+    assert max(len(a) for a in free) > 3
 
 
 def test_an_episode_ends_at_the_turn_limit_and_a_done_observation(tok):
@@ -388,6 +428,46 @@ class _Flaky:
 
     def close(self):
         pass
+
+
+def test_the_generator_cuts_turns_at_the_per_turn_limit_and_counts_them(redis_url, tmp_path, tok):
+    spec = f"{Path(__file__).resolve()}:counter"
+    cfg = _gen_cfg("epcut", _random_base(tmp_path, tok), **{"env.kind": spec, "env.max_turns": 3,
+                                                            "env.max_turn_tokens": 2})
+    r = connect(redis_url, name="t")
+    keys = Keys("epcut", shards=cfg.redis.shards)
+    run_feeder(cfg, r, keys, RecordingLog(), tokenizer=tok, max_rounds=1)
+    Streamer(Generator(cfg, r, keys, "gen-a", RecordingLog())).run(max_batches=1)
+    groups = _rollouts(r, keys)
+    assert len(groups) == 2
+    cut = 0
+    for g in groups:
+        for ids, m, turns in zip(g.split(g.completion_ids), g.split(g.loss_mask), g.turns):
+            ids, m = ids.tolist(), m.astype(bool).tolist()
+            runs = [ids[i:j] for i, j in _sampled_runs(m)]
+            assert len(runs) == turns and all(1 <= len(x) <= 2 for x in runs)
+            for (i, j), run in zip(_sampled_runs(m), runs):
+                if run[-1] != tok.eos_id:
+                    cut += 1
+                    if j < len(ids):  # closed by an eos the model did not sample, then the counter's answer
+                        assert ids[j] == tok.eos_id and not m[j]
+                        assert tok.decode(ids[j + 1: j + 2]) == str(len(run))
+    assert cut > 0 and read_stats(r, keys)["env_turns_cut_total"] == cut
+
+
+def _sampled_runs(mask: list[bool]) -> list[tuple[int, int]]:
+    """[start, end) of each maximal run of sampled tokens (the counter's answers are never empty)."""
+    out, i = [], 0
+    while i < len(mask):
+        if mask[i]:
+            j = i
+            while j < len(mask) and mask[j]:
+                j += 1
+            out.append((i, j))
+            i = j
+        else:
+            i += 1
+    return out
 
 
 def flaky(cfg):

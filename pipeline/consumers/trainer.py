@@ -431,6 +431,7 @@ class Trainer:
         played = self.engine.play(self.heldout_ids, [item.reference for item in self.heldout], self._env,
                                   max_turns=self.cfg.env.max_turns, max_new_tokens=self.cfg.task.max_new_tokens,
                                   texts=[item.prompt for item in self.heldout],
+                                  max_turn_tokens=self.cfg.env.max_turn_tokens,
                                   chat=ChatTurns.of(prompt_format(self.cfg.task, self.cfg.model.base_dir),
                                                     self.engine.tokenizer))
         for p in played:

@@ -117,7 +117,7 @@ class TrainEngine(Protocol):
         ...
 
     def play(self, prompts: list[np.ndarray], references: list[str], factory, *, max_turns: int,
-             max_new_tokens: int, texts: list[str] | None = None, chat=None) -> list:
+             max_new_tokens: int, texts: list[str] | None = None, chat=None, max_turn_tokens: int = 0) -> list:
         """The held-out prompts as greedy episodes through ``factory``'s environment, one
         ``pipeline.engines.episodes.Played`` each (a run with ``env.kind``; ``chat``: the
         observations as chat-template turns, pipeline.envs.chat)."""

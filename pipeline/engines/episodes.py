@@ -7,7 +7,8 @@ would count wrong). :func:`play` runs the episodes on the generator's own slot s
 turn's text (up to the eos) is the action, the observation's token ids are appended (its raw
 encoding, or with ``chat`` a turn of the chat template, pipeline.envs.chat), until the
 environment says done, ``max_turns`` model turns, or the completion's token budget
-(observation tokens included) has no room for another turn. The trainer's held-out
+(observation tokens included) has no room for another turn; a turn reaching
+``max_turn_tokens`` without an eos ends there. The trainer's held-out
 evaluation calls it with temperature 0 when the
 run has an environment (``heldout_accuracy`` is then the episodes' mean environment
 reward, a missing reward counting 0, beside the held-out tool-call rate and turns).
@@ -58,7 +59,7 @@ SLOTS = 64
 def play(model, tokenizer, prompts: list[np.ndarray], references: list[str], factory: EnvFactory, *,
          max_turns: int, max_new_tokens: int, temperature: float = 0.0,
          generator: torch.Generator | None = None, texts: list[str] | None = None,
-         chat: ChatTurns | None = None, seed: int = 0) -> list[Played]:
+         chat: ChatTurns | None = None, seed: int = 0, max_turn_tokens: int = 0) -> list[Played]:
     """One episode per prompt (token ids, as the model reads them), decoded together by the
     generator's own slot sampler (pipeline.engines.slots: its turn, turn-limit and token-budget
     rules), each ended turn stepped in the environment at once. ``texts``: the prompts as the
@@ -66,7 +67,8 @@ def play(model, tokenizer, prompts: list[np.ndarray], references: list[str], fac
     default: the ids decoded. ``chat``: the observations as turns of the checkpoint's chat
     template (None: their raw encoding, the reset text right after the prompt). ``seed``: the
     run seed the held-out prompt ids are hashed with into each episode's reset seed (see the
-    module docstring)."""
+    module docstring). ``max_turn_tokens``: tokens per model turn at most (``env.max_turn_tokens``;
+    0: none)."""
     n = len(prompts)
     chat = chat if chat is None else chat.for_factory(factory)
     out = [Played(reward=math.nan, turns=0, tool_calls=0, tool_calls_ok=0, completion=[]) for _ in range(n)]
@@ -96,7 +98,7 @@ def play(model, tokenizer, prompts: list[np.ndarray], references: list[str], fac
                 out[i].error = f"{type(e).__name__}: {e}"
                 continue
             out[i].prompt = [int(x) for x in ids]
-            sampler.set_max_turns(i, max_turns)
+            sampler.set_max_turns(i, max_turns, max_turn_tokens)
             f = sampler.add(i, ids, n=1, max_new_tokens=max_new_tokens, version=0, observations=[first])
             if f is not None:
                 finished(f)

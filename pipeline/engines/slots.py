@@ -68,6 +68,11 @@ class _Row:
     """Index in ``tokens`` where the current model turn began."""
     waiting: bool = False
     """Its turn ended; out of the slots until :meth:`SlotSampler.observe`."""
+    cut: bool = False
+    """Its current turn ended at the per-turn token limit, not at an eos (``observe`` closes it
+    with an eos before the observation)."""
+    turns_cut: int = 0
+    """Its turns that ended at the per-turn token limit."""
     slot: int = -1
     length: int = 0
     u: list[float] | None = None
@@ -95,6 +100,8 @@ class Finished:
     """Episodes: model turns per completion."""
     last_turns: list[list[int]] | None = None
     """Episodes: the tokens of each completion's last model turn (its final answer)."""
+    turns_cut: list[int] | None = None
+    """Episodes: each completion's turns that ended at the per-turn token limit (``env.max_turn_tokens``)."""
 
 
 class SlotSampler:
@@ -124,6 +131,7 @@ class SlotSampler:
         self._ready: list[_Row] = []
         self._turns: list[tuple[object, int, list[int]]] = []
         self._max_turns: dict[object, int] = {}
+        self._turn_tokens: dict[object, int] = {}
 
     # ------------------------------------------------------------------ occupancy
 
@@ -326,12 +334,14 @@ class SlotSampler:
     def _finish(self, key) -> Finished:
         rows = self._groups.pop(key)
         self._max_turns.pop(key, None)
+        self._turn_tokens.pop(key, None)
         episodic = any(r.episodic for r in rows)
         return Finished(key=key, tokens=[r.tokens for r in rows], logprobs=[r.logprobs for r in rows],
                         versions=[r.versions for r in rows],
                         masks=[r.mask for r in rows] if episodic else None,
                         turns=[r.turns for r in rows] if episodic else None,
-                        last_turns=[r.tokens[r.turn_start:] for r in rows] if episodic else None)
+                        last_turns=[r.tokens[r.turn_start:] for r in rows] if episodic else None,
+                        turns_cut=[r.turns_cut for r in rows] if episodic else None)
 
     def _append_observation(self, r: _Row, obs: list[int], version: int) -> None:
         version = r.versions[-1] if r.versions else version
@@ -352,13 +362,17 @@ class SlotSampler:
         turn after ``observation``, or ``env.max_turns`` reached) ends it; otherwise the
         observation's ids are appended and the completion takes a slot again (the first free
         one: a waiting completion holds none, so more episodes than slots can be in flight
-        and their environments' latency overlaps decoding). Returns its group if that was
-        the group's last completion."""
+        and their environments' latency overlaps decoding). A turn cut at the per-turn token
+        limit is closed first with an eos the model did not sample (masked like the
+        observation), so the transcript reads as turns. Returns its group if that was the
+        group's last completion."""
         r = self._groups[key][member]
         if not r.waiting:
             raise ValueError(f"completion {member} of group {key!r} is not waiting for an observation")
         r.waiting = False
         self._waiting -= 1
+        if r.cut:
+            observation, r.cut = [self.eos_id, *observation], False
         if done or r.turns >= self._max_turns.get(key, 1 << 30) or len(r.tokens) + len(observation) >= r.budget:
             r.done = True
         else:
@@ -411,11 +425,15 @@ class SlotSampler:
             r.logprobs.append(l)
             r.versions.append(r.logit_version)
             r.mask.append(1)
-            if r.episodic and tok == self.eos_id and len(r.tokens) < r.budget:
+            limit = self._turn_tokens.get(r.key, 0) if r.episodic else 0
+            cut = limit > 0 and tok != self.eos_id and len(r.tokens) - r.turn_start >= limit
+            if r.episodic and (tok == self.eos_id or cut) and len(r.tokens) < r.budget:
                 r.turns += 1
                 r.waiting = True
+                r.cut = cut
+                r.turns_cut += cut
                 self._waiting += 1
-                self._turns.append((r.key, r.member, r.tokens[r.turn_start:-1]))
+                self._turns.append((r.key, r.member, r.tokens[r.turn_start:] if cut else r.tokens[r.turn_start:-1]))
                 ended.append(r)
             elif tok == self.eos_id or len(r.tokens) >= r.budget:
                 r.done = True
@@ -443,9 +461,12 @@ class SlotSampler:
         return [(key, Partial.of([r.tokens for r in rows], [r.logprobs for r in rows], [r.versions for r in rows],
                                  [r.done for r in rows])) for key, rows in self._groups.items()]
 
-    def set_max_turns(self, key, turns: int) -> None:
-        """An episode group's limit of model turns per completion."""
+    def set_max_turns(self, key, turns: int, turn_tokens: int = 0) -> None:
+        """An episode group's limit of model turns per completion, and of tokens per model turn
+        (``turn_tokens``; 0: none but the completion's budget). A turn that reaches
+        ``turn_tokens`` without an eos ends there: its tokens so far are the action."""
         self._max_turns[key] = turns
+        self._turn_tokens[key] = turn_tokens
 
     def clear(self) -> None:
         """Drop every group in flight."""
@@ -453,5 +474,6 @@ class SlotSampler:
         self._groups.clear()
         self._turns.clear()
         self._max_turns.clear()
+        self._turn_tokens.clear()
         self._ready.clear()
         self._waiting = 0

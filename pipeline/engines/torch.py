@@ -387,10 +387,10 @@ class TorchEngine:
         return greedy_decode(self.model, self.tokenizer, prompts, max_new_tokens=max_new_tokens)
 
     def play(self, prompts: list[np.ndarray], references: list[str], factory, *, max_turns: int,
-             max_new_tokens: int, texts: list[str] | None = None, chat=None) -> list:
+             max_new_tokens: int, texts: list[str] | None = None, chat=None, max_turn_tokens: int = 0) -> list:
         """Greedy held-out episodes through ``factory``'s environment (pipeline.engines.episodes)."""
         return play(self.model, self.tokenizer, prompts, references, factory, max_turns=max_turns,
-                    max_new_tokens=max_new_tokens, texts=texts, chat=chat)
+                    max_new_tokens=max_new_tokens, texts=texts, chat=chat, max_turn_tokens=max_turn_tokens)
 
     def save_state(self, directory: Path) -> dict:
         # ``steps`` seeds each step's minibatch order: a resumed trainer continues its count.

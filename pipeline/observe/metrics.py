@@ -265,6 +265,7 @@ def episode_summary(stats: dict[str, float]) -> dict | None:
         **({"environments": members} if members else {}),
         "episodes": started, "episodes_finished": done,
         "turns_per_episode": stats.get("turns_total", 0.0) / per,
+        "turns_cut": stats.get("env_turns_cut_total", 0.0),
         "env_steps": steps, "env_errors": errors,
         "env_step_mean_s": stats.get("env_step_seconds_total", 0.0) / (steps + errors) if steps + errors else None,
         "env_step_p50_s": histogram_quantile(0.5, hist), "env_step_p95_s": histogram_quantile(0.95, hist),

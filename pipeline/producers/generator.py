@@ -358,7 +358,7 @@ class Streamer:
                 done = self.sampler.add(key, self.env.prompt(key, task.prompt_ids), n=self.g.group_size,
                                         max_new_tokens=gen.cfg.task.max_new_tokens, version=gen.version,
                                         observations=firsts, **seed)
-                self.sampler.set_max_turns(key, gen.cfg.env.max_turns)
+                self.sampler.set_max_turns(key, gen.cfg.env.max_turns, gen.cfg.env.max_turn_tokens)
                 continue
             done = self.sampler.add(key, task.prompt_ids, n=self.g.group_size,
                                     max_new_tokens=gen.cfg.task.max_new_tokens, version=gen.version,
@@ -402,7 +402,8 @@ class Streamer:
         gen.produced += len(finished)
         # Environment counters go with the first shard's transaction.
         extra = {} if self.env is None else {**self.env.take_counters(), **episodes,
-                                              "turns_total": sum(sum(f.turns or ()) for f in finished)}
+                                              "turns_total": sum(sum(f.turns or ()) for f in finished),
+                                              "env_turns_cut_total": sum(sum(f.turns_cut or ()) for f in finished)}
         for shard, written in by_shard.items():
             seconds, self.decode_s = self.decode_s, 0.0
             st.emit(Batch(shard=gen.keys.shard(shard), good=[], bad=[]),
