@@ -233,3 +233,124 @@ def test_number_hunt_written_from_openenvs_template_plays_from_outside_the_repos
     assert answers[3].done and answers[3].reward == 0.0 and "No guesses left" in answers[3].observation
     ep.close()
     served.close()
+
+
+# ---------------------------------------------------------------------- MCP tools of an OpenEnv environment
+
+VAULT_APP = '''
+"""A guessing game with MCP tools (OpenEnv's MCPEnvironment): probe the hidden number with the
+``compare`` tool, then answer it as text."""
+from fastmcp import FastMCP
+from openenv.core.env_server.http_server import create_app
+from openenv.core.env_server.mcp_environment import MCPEnvironment
+from openenv.core.env_server.types import Action, Observation, State
+
+
+class VaultAction(Action):
+    answer: str = ""
+
+
+class VaultObservation(Observation):
+    message: str = ""
+
+
+class Vault(MCPEnvironment):
+    SUPPORTS_CONCURRENT_SESSIONS = True
+
+    def __init__(self):
+        mcp = FastMCP("vault")
+        self.secret, self.probes = 0, 0
+
+        @mcp.tool
+        def compare(n: int) -> str:
+            """Compare n with the hidden number: higher (it is above n), lower or equal."""
+            self.probes += 1
+            return "equal" if n == self.secret else "higher" if self.secret > n else "lower"
+
+        @mcp.tool
+        def jammed() -> str:
+            """A tool that always fails."""
+            raise ValueError("the dial is jammed")
+
+        super().__init__(mcp)
+
+    def reset(self, seed=None, episode_id=None, **kwargs):
+        self.secret, self.probes = 1 + (seed or 0) % 10, 0
+        return VaultObservation(message="Find the number from 1 to 10.", done=False, reward=0.0)
+
+    def _step_impl(self, action, timeout_s=None, **kwargs):
+        right = action.answer.strip() == str(self.secret)
+        return VaultObservation(message=f"{'Right' if right else 'Wrong'} after {self.probes} probes.",
+                                done=True, reward=1.0 if right else 0.0)
+
+    @property
+    def state(self):
+        return State(step_count=self.probes)
+
+
+app = create_app(Vault, VaultAction, VaultObservation, env_name="vault", max_concurrent_envs=16)
+'''
+
+
+def _call(name: str, **arguments) -> str:
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+
+
+def test_an_openenv_environments_mcp_tools_are_shown_checked_and_run_in_the_episodes_session(tmp_path):
+    """An MCPEnvironment's tools (tools/list) become the factory's schemas; a call in the
+    template's format runs as tools/call in the episode's own session (the tool sees the state
+    the episode's reset made) and comes back as a tool turn; malformed calls are answered and
+    counted without reaching the server; a tool that raises is answered with its error; a turn
+    without a call is the environment's step; and a game without MCP has no tools."""
+    from pipeline.envs.tools import schemas_of
+
+    app = tmp_path / "outside" / "vault_app.py"
+    app.parent.mkdir()
+    app.write_text(VAULT_APP)
+    served = _served(f"openenv:{app}:app", tmp_path, **{"env.format_reward": 0.5})
+    schemas = {s["function"]["name"]: s["function"] for s in schemas_of(served)}
+    assert set(schemas) == {"compare", "jammed"}
+    assert schemas["compare"]["parameters"]["properties"]["n"]["type"] == "integer"
+    assert "hidden number" in schemas["compare"]["description"]
+
+    def play(seed: int) -> tuple[list[Step], int]:
+        ep = served(_task(prompt_id=f"v{seed}"))
+        assert ep.reset(seed=seed) == "Find the number from 1 to 10."
+        lo, hi, steps = 1, 10, []
+        while lo < hi:  # a binary search on the tool's answers, each a tool turn
+            mid = (lo + hi) // 2
+            step = ep.step(f"Let me check. {_call('compare', n=mid)}")
+            assert step.tool_call and step.tool_ok and step.role == "tool" and not step.done
+            (msg,) = step.messages
+            assert msg["role"] == "tool" and msg["name"] == "compare" and msg["tool_call_id"]
+            assert step.observation == f"<tool_response>\n{msg['content']}\n</tool_response>"
+            lo, hi = (mid + 1, hi) if msg["content"] == "higher" else (lo, mid)
+            steps.append(step)
+        last = ep.step(str(lo))
+        ep.close()
+        assert last.done and last.reward == 1.0 + 0.5  # right, and every call well-formed
+        assert last.observation == f"Right after {len(steps)} probes."  # the probes counted in this session
+        return steps, lo
+
+    found = {play(seed)[1] for seed in range(6)}
+    assert found == {1 + s % 10 for s in range(6)}
+
+    ep = served(_task(prompt_id="v-bad"))
+    ep.reset(seed=3)
+    bad = ep.step(_call("compare", n="four") + _call("open_sesame") + "<tool_call>{not json</tool_call>")
+    assert bad.tool_call and bad.tool_ok is False and bad.tool_errors == 3
+    assert all(m["content"].startswith("error:") for m in bad.messages)
+    jammed = ep.step(_call("jammed"))
+    assert jammed.tool_ok is False and jammed.tool_errors == 0 and "jammed" in jammed.messages[0]["content"]
+    last = ep.step("4")
+    # No probe reached the server (the malformed calls never left), the answer is right, and the
+    # format reward counts 1 well-formed call of 4: 0.5 * (4 - 2 * 3) / 4.
+    assert last.observation == "Right after 0 probes." and last.reward == 1.0 + 0.5 * (4 - 6) / 4
+    ep.close()
+    served.close()
+
+    root = Path(__file__).resolve().parent.parent
+    game = shutil.copytree(root / "examples" / "number_hunt", tmp_path / "outside" / "number_hunt")
+    plain = _served(f"openenv:{game}/server/app.py:app", tmp_path)
+    assert schemas_of(plain) == [] and type(plain(_task())).__name__ == "OpenEnvEpisode"
+    plain.close()

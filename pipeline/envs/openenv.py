@@ -22,6 +22,17 @@ what the model reads next, its ``reward`` and ``done`` are the step's. Both fiel
 from the server's ``/schema`` when the factory starts; an Action without exactly one string
 field, or with other required fields, is refused there, naming env.kind.
 
+MCP tools (OpenEnv's ``MCPEnvironment``, RFC 003): the factory asks the server for its tools
+(``tools/list`` on ``POST /mcp``) when it starts; an environment that declares some is
+wrapped in a :class:`~pipeline.envs.tools.ToolEnv`, so the model is shown their schemas (each
+tool's ``inputSchema`` as an OpenAI-style function), its ``<tool_call>`` blocks are parsed and
+checked against them, and each well-formed call runs as ``tools/call`` over the episode's own
+WebSocket session (the same environment instance its ``reset`` and ``step`` reach, so a tool
+sees the episode's state); the result comes back as a tool turn. A turn without a call is the
+environment's ``step`` as usual. An environment whose Action has no text field (only tool
+calls) is refused when the factory starts: a model's final answer needs one. A server without
+MCP (``Environment does not support MCP``, or no ``/mcp`` route) has no tools.
+
 Tool calls (docs/observing.md): an Observation with a boolean field ``tool_call`` (and
 ``tool_ok``, a boolean or null) says whether the action was a tool call and whether it was
 answered; the step carries them (``Step.tool_call``, ``Step.tool_ok``). Without those fields
@@ -57,6 +68,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.envs.base import EnvError, Step
 from pipeline.envs.servers import RECORD_DIR, ServerPool, ServerStartError, http_get
+from pipeline.envs.tools import Tool, ToolEpisode
 from pipeline.plugins import is_spec
 
 if TYPE_CHECKING:
@@ -157,6 +169,57 @@ def fetch_schema(url: str, kind: str) -> dict:
     return schema
 
 
+def mcp_tools(url: str, kind: str) -> tuple[Tool, ...]:
+    """The MCP tools the environment at ``url`` declares (``tools/list`` on ``POST /mcp``), as
+    :class:`~pipeline.envs.tools.Tool` schemas to show (none runs here: see :class:`OpenEnvEpisode`);
+    ``()`` for a server without MCP. EnvError when the server answers with another error."""
+    import urllib.error
+
+    try:
+        raw = http_get(url + "/mcp", timeout=SCHEMA_TIMEOUT_S,
+                       json_body={"jsonrpc": "2.0", "method": "tools/list", "params": {}, "id": 0})
+    except urllib.error.HTTPError as e:
+        if e.code in (404, 405):  # an openenv-core without the /mcp route
+            return ()
+        raise EnvError(f"env.kind {kind!r}: tools/list on {url}/mcp failed (HTTP {e.code})") from e
+    except OSError as e:
+        raise EnvError(f"env.kind {kind!r}: tools/list on {url}/mcp failed ({type(e).__name__}: {e})") from e
+    try:
+        answer = json.loads(raw)
+    except ValueError as e:
+        raise EnvError(f"env.kind {kind!r}: {url}/mcp answered tools/list with no JSON ({e})") from e
+    error = answer.get("error") if isinstance(answer, dict) else None
+    if error:
+        message = str(error.get("message", error)) if isinstance(error, dict) else str(error)
+        if "does not support MCP" in message:
+            return ()
+        raise EnvError(f"env.kind {kind!r}: tools/list on {url}/mcp failed: {message}")
+    listed = (answer.get("result") or {}).get("tools") or []
+    tools = []
+    for t in listed:
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not t["name"]:
+            raise EnvError(f"env.kind {kind!r}: {url}/mcp lists a tool without a name: {t!r}")
+        params = t.get("inputSchema") or t.get("input_schema") or {"type": "object", "properties": {}}
+        tools.append(Tool(name=t["name"], description=str(t.get("description") or ""), parameters=params))
+    return tuple(tools)
+
+
+def mcp_result(result):
+    """The text of a ``tools/call`` result: FastMCP's structured ``data`` where it has one, else
+    its text content joined; RuntimeError with that text when the tool reported an error."""
+    if not isinstance(result, dict):
+        return result
+    texts = [c.get("text", "") for c in result.get("content") or () if isinstance(c, dict) and c.get("type") == "text"]
+    if result.get("is_error") or result.get("isError"):
+        raise RuntimeError("\n".join(texts) or "the tool failed")
+    data = result.get("data")
+    if data is not None:
+        return data
+    if result.get("structured_content") is not None:
+        return result["structured_content"]
+    return "\n".join(texts)
+
+
 def tool_flags(observation) -> tuple[bool, bool | None]:
     """``(tool_call, tool_ok)`` of an Observation (as the client's dict): its boolean ``tool_call``
     and ``tool_ok`` fields when it has them, else no tool call."""
@@ -211,20 +274,34 @@ class OpenEnvEnvironments:
             if len(self.remote) > 1:
                 first = self._answering(self.kind)
             schema = fetch_schema(first, self.kind)
-            self.action_field = action_field(schema["action"], self.kind)
+            self.tools = mcp_tools(first, self.kind)
+            try:
+                self.action_field = action_field(schema["action"], self.kind)
+            except EnvError as e:
+                if not self.tools:
+                    raise
+                raise EnvError(f"{e}. It declares MCP tools ({', '.join(t.name for t in self.tools)}), which run "
+                               f"as tools/call; the model's turns without a call still need a text field") from None
             self.observation_field = observation_field(schema["observation"], cfg.env.observation_field, self.kind)
         except BaseException:
             if self.pool is not None:
                 self.pool.close()
             raise
+        self.format_reward = cfg.env.format_reward
+        self._rpc = itertools.count(1)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="openenv-client", daemon=True)
         self._thread.start()
         self._turn = itertools.count()
         self._finalizer = weakref.finalize(self, _shutdown, self.loop, self._thread, self.pool)
 
-    def __call__(self, task: PromptTask) -> "OpenEnvEpisode":
-        return OpenEnvEpisode(self, task)
+    def __call__(self, task: PromptTask):
+        """The episode of one completion: its session, and with MCP tools a ToolEpisode around
+        it that runs the model's calls in that session (module docstring)."""
+        episode = OpenEnvEpisode(self, task)
+        if not self.tools:
+            return episode
+        return ToolEpisode(self.tools, episode, format_reward=self.format_reward)
 
     # ------------------------------------------------------------------ sessions
 
@@ -403,6 +480,52 @@ class OpenEnvEpisode:
             raise EnvError(self.broken) from None
         return self.envs.text(result.observation)
 
+    @property
+    def tools(self) -> tuple[Tool, ...]:
+        """The environment's MCP tools, each run as ``tools/call`` in this episode's session
+        (what :class:`~pipeline.envs.tools.ToolEpisode` calls after checking the arguments)."""
+        return tuple(Tool(t.name, t.description, t.parameters, fn=self._caller(t.name)) for t in self.envs.tools)
+
+    def _caller(self, name: str):
+        return lambda **arguments: self.call_tool(name, arguments)
+
+    def call_tool(self, name: str, arguments: dict):
+        """One MCP ``tools/call`` over this episode's WebSocket: the result (:func:`mcp_result`).
+        RuntimeError when the server or the tool answered with an error (the model reads it);
+        EnvError when the session is lost (the episode cannot go on)."""
+        if self.broken is not None:
+            raise EnvError(self.broken)
+        envs = self.envs
+        request = {"type": "mcp", "data": {"jsonrpc": "2.0", "method": "tools/call",
+                                           "params": {"name": name, "arguments": arguments}, "id": next(envs._rpc)}}
+        try:
+            # openenv-core's client has no public call for a session's MCP message; its WebSocket
+            # exchange (the one reset and step use) carries it.
+            answer = envs.run(self.client._send_and_receive(request), envs.step_timeout_s)
+        except Exception as e:
+            said = _server_error(e)
+            if said is not None:
+                raise RuntimeError(said) from None
+            self._lost(e)
+        data = answer.get("data") if isinstance(answer, dict) else None
+        if not isinstance(data, dict):
+            raise RuntimeError(f"{self.url} answered tools/call with {answer!r}")
+        if data.get("error"):
+            err = data["error"]
+            raise RuntimeError(str(err.get("message", err)) if isinstance(err, dict) else str(err))
+        return mcp_result(data.get("result"))
+
+    def _lost(self, e: BaseException):
+        """The session is gone: every later step raises why."""
+        envs = self.envs
+        self.broken = (f"env.kind {envs.kind!r}: the session on {self.url} was lost "
+                       f"({type(e).__name__}: {e or 'no answer'}); the episode cannot go on")
+        envs.discard(self.client)
+        self.client = None
+        envs.released(self.url)
+        envs.failed(self.url, self.broken)
+        raise EnvError(self.broken) from None
+
     def step(self, action: str) -> Step:
         if self.broken is not None:
             raise EnvError(self.broken)
@@ -413,13 +536,7 @@ class OpenEnvEpisode:
             said = _server_error(e)
             if said is not None:  # the environment's step raised; the session goes on
                 raise EnvError(f"env.kind {envs.kind!r}: step on {self.url} failed: {said}") from None
-            self.broken = (f"env.kind {envs.kind!r}: the session on {self.url} was lost "
-                           f"({type(e).__name__}: {e or 'no answer'}); the episode cannot go on")
-            envs.discard(self.client)
-            self.client = None
-            envs.released(self.url)
-            envs.failed(self.url, self.broken)
-            raise EnvError(self.broken) from None
+            self._lost(e)
         reward = result.reward
         call, ok = tool_flags(result.observation)
         return Step(observation=envs.text(result.observation), reward=None if reward is None else float(reward),

@@ -85,11 +85,14 @@ _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 """Loopback requests never go through an HTTP proxy the environment variables name."""
 
 
-def http_get(url: str, timeout: float) -> bytes:
-    """GET ``url``; the body of a 2xx answer (loopback addresses bypass any proxy)."""
+def http_get(url: str, timeout: float, *, json_body: dict | None = None) -> bytes:
+    """GET ``url`` (POST ``json_body`` as JSON, where given); the body of a 2xx answer
+    (loopback addresses bypass any proxy)."""
     host = urllib.request.urlparse(url).hostname or ""
     opener = _DIRECT if host in ("127.0.0.1", "localhost", "::1") else urllib.request.build_opener()
-    with opener.open(url, timeout=timeout) as resp:
+    req = url if json_body is None else urllib.request.Request(
+        url, data=json.dumps(json_body).encode(), headers={"Content-Type": "application/json"}, method="POST")
+    with opener.open(req, timeout=timeout) as resp:
         return resp.read()
 
 

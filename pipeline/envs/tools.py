@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pipeline.envs.base import Step, reset_episode
+from pipeline.envs.base import EnvError, Step, reset_episode
 from pipeline.tasks.prompting import function_schemas
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object",
@@ -232,6 +232,8 @@ def run_call(tools: dict[str, Tool], call: ToolCall) -> ToolResult:
         return ToolResult(call.name, f"error: the tool {call.name!r} cannot run here", ok=False, well_formed=True)
     try:
         out = t.fn(**call.arguments)
+    except EnvError:  # the environment itself failed (a lost session), not the tool: env.on_error applies
+        raise
     except Exception as e:  # noqa: BLE001 - the tool's own failure is the model's answer
         return ToolResult(call.name, f"error: {type(e).__name__}: {e}", ok=False, well_formed=True)
     text = out if isinstance(out, str) else json.dumps(out, ensure_ascii=False, default=str)
