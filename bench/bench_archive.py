@@ -57,9 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     scratch.mkdir()
     rows = []
     metas = arc.steps(run / "archive")
+    idle = {m.step for m in metas if not m.updated}  # the trainer's staleness skips the steps that trained nothing
     for i, m in enumerate(metas):
         groups, outcomes = read_groups(m.path)
-        s = sort_step([(None, g) for g in groups], version=m.parent, max_staleness=cfg.trainer.max_staleness)
+        s = sort_step([(None, g) for g in groups], version=m.parent, max_staleness=cfg.trainer.max_staleness,
+                      idle=idle)
         t1 = time.perf_counter()
         if s.signal:
             engine.train_step(s.signal)

@@ -41,7 +41,7 @@ samples, scores, trains or moves bytes on its own (docs/api.md has the full page
   ``verifier.verifiers``, the shared Weaver label model, the reward mode ``verifier.reward``).
 - ``run.learner()`` → ``Learner``, the trainer stage's own parts (``consumers.trainer.Trainer``):
   ``step(groups) -> dict`` is ``Trainer.step`` (groups: ``Queue.get``'s (entry, group) pairs or
-  bare ScoredGroups; groups with ``version − min_version > trainer.max_staleness`` are dropped
+  bare ScoredGroups; groups more than ``trainer.max_staleness`` updates behind are dropped
   and the invariant re-checked, ``consumers.trainer.sort_step``; one optimizer step; the row is
   the trainer's ``metrics.jsonl`` row), ``commit() -> Path | None`` is ``Trainer.durable`` (a
   checkpoint, then per shard one script with each step's ledger and training-log entries, the

@@ -235,7 +235,9 @@ class TrainerConfig(Section):
     groups_per_step: int = 32
     """Prompt groups consumed per step (B)."""
     max_staleness: int = 1
-    """η: a group is trained only if trainer version − its min version <= η. 0 = synchronous on-policy."""
+    """η: a group is trained only if it is at most η updates behind: trainer version − its min
+    version, less the versions in between whose step trained nothing (docs/design.md). 0 =
+    synchronous on-policy."""
     lr: float = 1e-4
     """AdamW learning rate of the policy (peak, after warm-up)."""
     warmup_steps: int = 20

@@ -92,6 +92,52 @@ def test_a_stale_group_is_refused_and_the_commit_is_the_stages(path, tmp_path, t
         assert trainlog_counts(redis_client, keys) == {pid: 1 for pid in ledger}  # resuming re-applied nothing
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_a_step_that_trains_nothing_does_not_age_the_groups_and_a_resume_keeps_it(path, tmp_path, tiny_base_model,
+                                                                                   redis_url, redis_client):
+    """Staleness counts updates: a version whose step trained nothing has its parent's weights, so
+    a group from before it is no further behind (a trainer that drops a stale batch would
+    otherwise age every group in flight, and drop the next batch too)."""
+    with api.Run(overrides=_overrides(tmp_path, tiny_base_model, redis_url, f"idle-{path}", **{"trainer.steps": 3,
+                                                                                               "trainer.checkpoint_every": 3}),
+                 build_base_model=False) as run:
+        # Step 1 (0 → 1): no group has signal, no update: version 1 is idle. Step 2 (1 → 2), η = 0:
+        # a group of version 0 is 0 updates behind and trains. Step 3 (2 → 3): a group of version 1
+        # is 1 update behind (step 2's) and is stale; one of version 2 trains.
+        _put(run, [make_scored(prompt_id="p00000000", rewards=[1, 1, 1, 1]),
+                   make_scored(prompt_id="p00000001", rewards=[0, 0, 0, 0]),
+                   make_scored(prompt_id="p00000002"), make_scored(prompt_id="p00000003", rewards=[1, 1, 1, 1]),
+                   make_scored(prompt_id="p00000004", version=1), make_scored(prompt_id="p00000005", version=2)])
+        if path == "stage":
+            trainer = Trainer(run.cfg, run.r, run.keys, run.logger("trainer", "trainer"), run_dir=run.cfg.run_dir)
+            try:
+                assert trainer.run()["version"] == 3
+            finally:
+                trainer.close()
+        else:
+            learner, scored = run.learner(), run.queue("scored")
+            for _ in range(3):
+                got: list = []
+                while len(got) < 2:
+                    got += scored.get(2 - len(got), consumer="trainer", block_ms=50)
+                learner.step(got)
+            assert learner.commit() is not None
+        ledger = {k.decode(): v.decode() for k, v in redis_client.hgetall(run.keys.shard(0).ledger).items()}
+        assert ledger == {"p00000000": "nosignal:1", "p00000001": "nosignal:1", "p00000002": "trained:2",
+                          "p00000003": "nosignal:2", "p00000004": "stale:3", "p00000005": "trained:3"}
+        ckpt = checkpoint.latest(run.cfg.run_dir / "checkpoints")
+        assert checkpoint.load(ckpt).idle_versions == [1]
+        again = Trainer(run.cfg, run.r, run.keys, run.logger("trainer", "trainer"), run_dir=run.cfg.run_dir)
+        try:
+            assert again.resume() == ckpt and again.idle_versions == {1}
+            # The resumed trainer sorts as the first did: at version 3, a group of version 0 is 2 updates behind.
+            old = make_scored(prompt_id="p00000009", version=0)
+            assert again.sort([(None, old)]).kinds == [Outcome.STALE]
+            assert trainer_mod.staleness(0, version=3, idle={1}) == 2
+        finally:
+            again.close()
+
+
 @pytest.mark.parametrize("path", ["stage", "api-step", "api-batch"])
 def test_the_staleness_invariant_is_checked_by_every_path(path, tmp_path, tiny_base_model, redis_url,
                                                           monkeypatch):

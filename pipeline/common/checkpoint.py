@@ -57,6 +57,8 @@ class TrainerState:
     evals: dict[int, float]
     uncommitted: list[StepRecord]
     labelmodel_versions: list[int] = field(default_factory=list)
+    idle_versions: list[int] = field(default_factory=list)
+    """Versions whose step trained nothing (no optimizer update): they do not count in a group's staleness."""
     saved_at: float = 0.0
     engine: dict[str, Any] = field(default_factory=dict)
     """What the training engine's ``save_state`` returned (JSON): its schedule and optimizer settings."""
@@ -125,5 +127,6 @@ def load(path: Path) -> TrainerState:
     return TrainerState(
         version=int(meta["version"]), evals={int(k): float(v) for k, v in meta["evals"].items()},
         uncommitted=[StepRecord(**s) for s in meta["uncommitted"]],
-        labelmodel_versions=list(meta.get("labelmodel_versions", [])), saved_at=float(meta.get("saved_at", 0.0)),
+        labelmodel_versions=list(meta.get("labelmodel_versions", [])),
+        idle_versions=[int(v) for v in meta.get("idle_versions", [])], saved_at=float(meta.get("saved_at", 0.0)),
             engine=dict(meta["engine"]))

@@ -9,8 +9,9 @@ produces:     policy version v+1 after each step ({ns}:weights, {ns}:versions); 
               checkpoints; a final HF checkpoint
 waits for:    groups_per_step (B) scored groups
 unblocked by: verifiers
-Staleness is checked at consumption: a group with v − min_version > η is dropped
-(acked, counted, recorded), and the invariant is re-checked on what is trained.
+Staleness is checked at consumption: a group more than η updates behind (v − min_version,
+less the versions in between whose step trained nothing) is dropped (acked, counted,
+recorded), and the invariant is re-checked on what is trained.
 A restarted trainer resumes from its latest checkpoint (model, optimizer, schedule, RNG,
 version) and retrains only the groups no checkpoint holds; SIGTERM finishes the current
 step, checkpoints it and exits.
@@ -21,7 +22,7 @@ shards that already have it. After each commit the scored entries every group ac
 trimmed.
 
 The loop (``Trainer.run``): collect B new groups (dead-lettering defects, acking
-duplicates) → classify each (stale: v − min_version > η; nosignal: equal rewards;
+duplicates) → classify each (stale: more than η updates behind, ``staleness``; nosignal: equal rewards;
 trained) → one optimizer step on the groups with signal → version v+1 → checkpoint and
 commit every ``checkpoint_every`` steps → publish the weights → evaluate now and then.
 """
@@ -29,6 +30,7 @@ commit every ``checkpoint_every`` steps → publish the weights → evaluate now
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -65,7 +67,7 @@ class Outcome(StrEnum):
     NOSIGNAL = "nosignal"
     """All rewards equal: no GRPO gradient; counted toward the batch, not trained on."""
     STALE = "stale"
-    """v − min_version > η: dropped by the staleness bound."""
+    """More than η updates behind (``staleness``): dropped by the staleness bound."""
 
 
 def check_scored(g: ScoredGroup, *, vocab_size: int, group_size: int | None = None, version: int | None = None) -> None:
@@ -122,9 +124,17 @@ def has_signal(g: ScoredGroup) -> bool:
     return float(np.std(g.rewards)) >= NO_SIGNAL_STD
 
 
-def classify(batch: list[tuple], *, version: int, max_staleness: int) -> list[Outcome]:
-    """Each consumed group's outcome: stale (v − min_version > η), trained or nosignal."""
-    return [Outcome.STALE if version - g.rollout.min_version > max_staleness
+def staleness(min_version: int, *, version: int, idle: Collection[int] = ()) -> int:
+    """How many policy updates a group generated from ``min_version`` is behind ``version``: the
+    versions after its own up to ``version``, less those whose step trained nothing (``idle``:
+    their weights are their parent's, so a group is no more off-policy for them). Without idle
+    versions, ``version − min_version``. A version lost in a crash counts (its step is unknown)."""
+    return version - min_version - sum(1 for v in idle if min_version < v <= version)
+
+
+def classify(batch: list[tuple], *, version: int, max_staleness: int, idle: Collection[int] = ()) -> list[Outcome]:
+    """Each consumed group's outcome: stale (``staleness`` > η), trained or nosignal."""
+    return [Outcome.STALE if staleness(g.rollout.min_version, version=version, idle=idle) > max_staleness
             else (Outcome.TRAINED if has_signal(g) else Outcome.NOSIGNAL) for _, g in batch]
 
 
@@ -140,13 +150,13 @@ class Sorted:
     """The fresh groups whose rewards differ: the ones the step trains on."""
 
 
-def sort_step(batch: list[tuple], *, version: int, max_staleness: int) -> Sorted:
+def sort_step(batch: list[tuple], *, version: int, max_staleness: int, idle: Collection[int] = ()) -> Sorted:
     """Classify a step's (entry, group) pairs and re-check the staleness invariant on what is
     to be trained: the one place the trainer stage and ``pipeline.api.Learner`` both sort a step."""
-    kinds = classify(batch, version=version, max_staleness=max_staleness)
+    kinds = classify(batch, version=version, max_staleness=max_staleness, idle=idle)
     fresh = [g for (_, g), k in zip(batch, kinds) if k != Outcome.STALE]
     signal = [g for (_, g), k in zip(batch, kinds) if k == Outcome.TRAINED]
-    if any(version - g.rollout.min_version > max_staleness for g in signal):
+    if any(staleness(g.rollout.min_version, version=version, idle=idle) > max_staleness for g in signal):
         raise RuntimeError(f"staleness invariant violated at version {version}")
     return Sorted(kinds=kinds, fresh=fresh, signal=signal)
 
@@ -157,7 +167,8 @@ def sample_accuracy(fresh) -> float:
     return float(truth.mean()) if truth.size else 0.0
 
 
-def step_metrics(batch, fresh, signal, *, version: int, stats: dict, wait_s: float, step_s: float) -> dict:
+def step_metrics(batch, fresh, signal, *, version: int, stats: dict, wait_s: float, step_s: float,
+                 idle: Collection[int] = ()) -> dict:
     """One metrics.jsonl row: the step's counts, reward and hidden accuracy, staleness, timing, loss stats."""
     rewards = np.concatenate([g.rewards for g in fresh]) if fresh else np.zeros(0)
     # Each token's own version (in-flight swaps give a group several): its lag behind the policy trained.
@@ -169,8 +180,10 @@ def step_metrics(batch, fresh, signal, *, version: int, stats: dict, wait_s: flo
         "groups_stale": len(batch) - len(fresh), "reward_mean": float(rewards.mean()) if rewards.size else 0.0,
         "reward_std": float(rewards.std()) if rewards.size else 0.0,
         "sample_accuracy": sample_accuracy(fresh),
-        # Staleness as consumed: against the version before this step (row["version"] is after it).
-        "staleness_hist": np.bincount([version - 1 - g.rollout.min_version for _, g in batch]).tolist(),
+        # Staleness as consumed (updates behind, ``staleness``): against the version before this
+        # step (row["version"] is after it).
+        "staleness_hist": np.bincount([staleness(g.rollout.min_version, version=version - 1, idle=idle)
+                                       for _, g in batch]).tolist(),
         "wait_seconds": wait_s, "step_seconds": step_s,
         "labelmodel_versions": sorted({g.labelmodel_version for g in fresh}), **episode_metrics(fresh), **stats,
     }
@@ -349,6 +362,8 @@ class Trainer:
         """Extra reads of the last step under dynamic sampling."""
         self.held: set[str] = set()
         self.labelmodel_versions: set[int] = set()
+        self.idle_versions: set[int] = set()
+        """Versions whose step trained nothing (``staleness`` does not count them)."""
         self._env = None
         """The environment factory of the held-out episodes (``env.kind``), built at the first evaluation."""
         self.init_s = round(time.perf_counter() - t0, 3)
@@ -370,6 +385,7 @@ class Trainer:
         commit(r, keys, reapply)
         self.version, self.evals = state.version, state.evals
         self.labelmodel_versions.update(state.labelmodel_versions)
+        self.idle_versions = set(state.idle_versions)
         announced = int(r.hget(keys.trainer, "version") or 0)
         if announced > self.version:
             # Steps after the checkpoint published versions whose model died with the
@@ -396,7 +412,8 @@ class Trainer:
             path = checkpoint.save(self.ckpt_dir, write=self.engine.save_state, keep=self.cfg.trainer.keep_checkpoints,
                             state=checkpoint.TrainerState(
                                 version=self.version, evals=self.evals, uncommitted=list(self.uncommitted),
-                                labelmodel_versions=sorted(self.labelmodel_versions)))
+                                labelmodel_versions=sorted(self.labelmodel_versions),
+                                idle_versions=sorted(self.idle_versions)))
         commit(self.r, self.keys, self.uncommitted)
         self.uncommitted.clear()
         self.held.clear()
@@ -454,7 +471,8 @@ class Trainer:
 
     def sort(self, batch: list[tuple]) -> Sorted:
         """The step's groups by outcome at the current version, the staleness invariant checked (``sort_step``)."""
-        return sort_step(batch, version=self.version, max_staleness=self.cfg.trainer.max_staleness)
+        return sort_step(batch, version=self.version, max_staleness=self.cfg.trainer.max_staleness,
+                         idle=self.idle_versions)
 
     def step(self, batch: list[tuple], *, wait_s: float) -> dict:
         """Classify the batch, train on the groups with signal, and record the step (not yet committed)."""
@@ -476,11 +494,14 @@ class Trainer:
             self.engine.lr_step()
         parent = self.version
         self.version += 1
+        if not updated:
+            self.idle_versions.add(self.version)
         digest = weights_hash(self.engine.weights())
         if self.archive is not None:
             self.archive.write(step=self.version, parent=parent, groups=[g for _, g in batch],
                                outcomes=[str(k) for k in s.kinds], weights_hash=digest, updated=updated)
         row = step_metrics(batch, s.fresh, s.signal, version=self.version, stats=stats, wait_s=wait_s,
+                           idle=self.idle_versions,
                            step_s=time.perf_counter() - started)
         row["groups_consumed"] = len(batch)
         row["weights_hash"] = digest
@@ -504,7 +525,7 @@ class Trainer:
         t = self.cfg.trainer
         self.refills = 0
         for n in range(t.max_refills):
-            kinds = classify(batch, version=self.version, max_staleness=t.max_staleness)
+            kinds = classify(batch, version=self.version, max_staleness=t.max_staleness, idle=self.idle_versions)
             missing = t.groups_per_step - sum(kind == Outcome.TRAINED for kind in kinds)
             if missing <= 0:
                 break

@@ -173,16 +173,20 @@ def replay(run_dir: str | Path, *, stop_at: int | None = None, out: str | Path |
                               "started from (its weights hash is not the recorded one); replay from the directory "
                               "the run was started in, with its base unchanged")
         rows = []
+        idle: set[int] = set()  # the steps that trained nothing, as the trainer kept them (staleness)
         with open(out / "replay.jsonl", "w") as f:
             for i, m in enumerate(metas):
                 groups, outcomes = read_groups(m.path)
                 batch = [(None, g) for g in groups]
-                again = [str(k) for k in classify(batch, version=m.parent, max_staleness=cfg.trainer.max_staleness)]
+                again = [str(k) for k in classify(batch, version=m.parent, max_staleness=cfg.trainer.max_staleness,
+                                                  idle=idle)]
                 if not settings and again != outcomes:
                     raise ReplayError(f"step {m.step}: the groups' outcomes at version {m.parent} are not the recorded "
                                       f"ones ({again} against {outcomes}); the run's config.toml is not the one it ran")
-                sorted_ = sort_step(batch, version=m.parent, max_staleness=cfg.trainer.max_staleness)
+                sorted_ = sort_step(batch, version=m.parent, max_staleness=cfg.trainer.max_staleness, idle=idle)
                 stats = engine.train_step(sorted_.signal) if sorted_.signal else {}
+                if not sorted_.signal:
+                    idle.add(m.step)
                 if sorted_.signal:
                     engine.lr_step()
                 digest = weights_hash(engine.weights())
