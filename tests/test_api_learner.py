@@ -34,17 +34,17 @@ def _put(run, groups) -> None:
     assert run.queue("scored").put(groups) == len(groups)
 
 
-def _learn(run, path: str) -> None:
-    """Two steps of two groups, then the commit: by the trainer stage's loop, or by the API."""
+def _learn(run, path: str, steps: int = 2) -> None:
+    """``steps`` steps of two groups, then the commit: by the trainer stage's loop, or by the API."""
     if path == "stage":
         trainer = Trainer(run.cfg, run.r, run.keys, run.logger("trainer", "trainer"), run_dir=run.cfg.run_dir)
         try:
-            assert trainer.run()["version"] == 2
+            assert trainer.run()["version"] == steps
         finally:
             trainer.close()
         return
     learner, scored = run.learner(), run.queue("scored")
-    for _ in range(2):
+    for _ in range(steps):
         got: list = []
         while len(got) < 2:
             got += scored.get(2 - len(got), consumer="trainer", block_ms=50)
@@ -108,20 +108,7 @@ def test_a_step_that_trains_nothing_does_not_age_the_groups_and_a_resume_keeps_i
                    make_scored(prompt_id="p00000001", rewards=[0, 0, 0, 0]),
                    make_scored(prompt_id="p00000002"), make_scored(prompt_id="p00000003", rewards=[1, 1, 1, 1]),
                    make_scored(prompt_id="p00000004", version=1), make_scored(prompt_id="p00000005", version=2)])
-        if path == "stage":
-            trainer = Trainer(run.cfg, run.r, run.keys, run.logger("trainer", "trainer"), run_dir=run.cfg.run_dir)
-            try:
-                assert trainer.run()["version"] == 3
-            finally:
-                trainer.close()
-        else:
-            learner, scored = run.learner(), run.queue("scored")
-            for _ in range(3):
-                got: list = []
-                while len(got) < 2:
-                    got += scored.get(2 - len(got), consumer="trainer", block_ms=50)
-                learner.step(got)
-            assert learner.commit() is not None
+        _learn(run, path, steps=3)
         ledger = {k.decode(): v.decode() for k, v in redis_client.hgetall(run.keys.shard(0).ledger).items()}
         assert ledger == {"p00000000": "nosignal:1", "p00000001": "nosignal:1", "p00000002": "trained:2",
                           "p00000003": "nosignal:2", "p00000004": "stale:3", "p00000005": "trained:3"}
