@@ -68,10 +68,11 @@ def copy_game(dest: Path) -> Path:
     return game
 
 
-def overrides(game: Path, *, seed: int, steps: int, heldout_size: int, eval_every: int, lr: float) -> dict:
-    return {"model.base_dir": ROOT / "artifacts" / "smollm2-135m-instruct", "task.kind": "math",
+def overrides(game: Path, *, seed: int, steps: int, heldout_size: int, eval_every: int, lr: float,
+              max_new_tokens: int = MAX_NEW_TOKENS, max_turn_tokens: int = 0) -> dict:
+    return {**({"env.max_turn_tokens": max_turn_tokens} if max_turn_tokens else {}),"model.base_dir": ROOT / "artifacts" / "smollm2-135m-instruct", "task.kind": "math",
             "task.dataset": game.parent / "prompts.jsonl", "task.heldout_size": heldout_size,
-            "task.max_new_tokens": MAX_NEW_TOKENS, "env.kind": f"openenv:{game}/server/app.py:app",
+            "task.max_new_tokens": max_new_tokens, "env.kind": f"openenv:{game}/server/app.py:app",
             "env.max_turns": MAX_TURNS, "generator.swap": "step", "verifier.reward": "environment",
             "generator.prompts_per_batch": 8, "trainer.groups_per_step": 8, "trainer.lr": lr,
             "trainer.warmup_steps": 0, "trainer.threads": 1, "trainer.steps": steps, "trainer.eval_every": eval_every,
@@ -119,11 +120,22 @@ def plot(res: dict, path: Path) -> None:
         smoothing=5, guide=no_feedback)
 
 
+def plan_key(a) -> list:
+    """What a kept run must have been run with to count for these arguments (``--resume``)."""
+    if (a.max_new_tokens, a.max_turn_tokens) == (MAX_NEW_TOKENS, 0):
+        return [a.steps, a.lr]
+    return [a.steps, a.lr, a.max_new_tokens, a.max_turn_tokens]
+
+
 def aggregate(runs: list[dict], a, earlier: list[dict] = ()) -> dict:
     gains = [100 * (r["final"] - r["base"]) for r in runs]
     seeds = ",".join(str(r["seed"]) for r in runs)
+    extra = "" if len(plan_key(a)) == 2 else f" --max-new-tokens {a.max_new_tokens} --max-turn-tokens {a.max_turn_tokens}"
+    if Path(a.out).resolve() != (RESULTS / "game.json").resolve():
+        extra += f" --out {Path(a.out).resolve().relative_to(ROOT) if Path(a.out).resolve().is_relative_to(ROOT) else a.out}"
     return {"n": len(runs), "runs": runs, "steps": a.steps, "heldout_size": a.heldout_size, "lr": a.lr,
-            "eval_every": a.eval_every, "command": f"python bench/game.py --seeds {seeds} --steps {a.steps}",
+            "max_new_tokens": a.max_new_tokens, "max_turn_tokens": a.max_turn_tokens,
+            "eval_every": a.eval_every, "command": f"python bench/game.py --seeds {seeds} --steps {a.steps}{extra}",
             "date": time.strftime("%Y-%m-%d"),
             "gain_points": {"median": statistics.median(gains), "min": min(gains), "max": max(gains)},
             "final": {"median": statistics.median(r["final"] for r in runs)},
@@ -150,7 +162,11 @@ def report(res: dict) -> str:
         f"the episode's seed, {MAX_TURNS} guesses, \"Higher.\"/\"Lower.\" after each, reward 1 for the right "
         "number; without the feedback at most 0.4 of the games can be won.\n\n"
         f"RL: `pipeline up`, the environment's reward, GRPO with groups of 8, 8 groups per step, lr {res['lr']}, "
-        f"{res['steps']} steps; held-out: the same {res['heldout_size']} games for every seed (seeds from ids no "
+        f"{res['steps']} steps; a completion's token budget (`task.max_new_tokens`, observations included) "
+        f"{res.get('max_new_tokens', MAX_NEW_TOKENS)}, "
+        + (f"a turn cut at {res['max_turn_tokens']} tokens (`env.max_turn_tokens`)" if res.get("max_turn_tokens")
+           else "no per-turn limit") +
+        f"; held-out: the same {res['heldout_size']} games for every seed (seeds from ids no "
         f"training prompt has), greedy, evaluated every {res['eval_every']} steps.\n\n"
         f"Held-out success gain: median **{g['median']:+.1f}** points (range {g['min']:+.1f} to {g['max']:+.1f}); "
         f"success {res['base']['median']:.3f} → median {res['final']['median']:.3f}.\n\n"
@@ -183,6 +199,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--heldout-size", type=int, default=100)
     p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS,
+                   help="task.max_new_tokens: an episode's token budget, observations included")
+    p.add_argument("--max-turn-tokens", type=int, default=0, help="env.max_turn_tokens (0: no per-turn limit)")
     p.add_argument("--game-dir", default=os.path.join(tempfile.gettempdir(), "rlpipe-number-hunt"),
                    help="where the game is copied (outside the repository)")
     p.add_argument("--runs-dir", default="runs")
@@ -204,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
     runs, earlier = {}, []
     if a.resume and out.exists():
         old = json.loads(out.read_text())
-        runs = {r["seed"]: r for r in old["runs"] if r.get("planned") == [a.steps, a.lr]}
+        runs = {r["seed"]: r for r in old["runs"] if r.get("planned") == plan_key(a)}
         earlier = old.get("earlier", [])
     redo = {int(x) for x in a.redo.split(",") if x}
     if redo and not a.why:
@@ -222,7 +241,9 @@ def main(argv: list[str] | None = None) -> dict:
             try:
                 run_dir = run_up(f"game-s{seed}", overrides(game, seed=seed, steps=a.steps,
                                                             heldout_size=a.heldout_size, eval_every=a.eval_every,
-                                                            lr=a.lr), runs_dir=ROOT / a.runs_dir)
+                                                            lr=a.lr, max_new_tokens=a.max_new_tokens,
+                                                            max_turn_tokens=a.max_turn_tokens),
+                            runs_dir=ROOT / a.runs_dir)
             except RunFailed as e:  # a run that stopped early is kept, with its status, if it left a summary
                 run_dir = e.run_dir
                 if not (run_dir / "summary.json").exists():
@@ -230,7 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"[game-s{seed}] {e}; recording it as it ended", flush=True)
             time.sleep(2)  # the generators stop their servers on the way out; give the last one a moment
         runs[seed] = summarize_run(run_dir, seed, servers_left(game))
-        runs[seed]["planned"] = [a.steps, a.lr]
+        runs[seed]["planned"] = plan_key(a)
         res = aggregate([runs[s] for s in sorted(runs)], a, earlier)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(res, indent=2) + "\n")
