@@ -46,16 +46,20 @@ def run_up(label: str, overrides: dict[str, object], *, runs_dir: Path, nice: in
         cmd = ["nice", "-n", str(nice), *cmd]
     print(f"[{label}] {' '.join(cmd)}", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    last: list[str] = []
     with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as p:
         assert p.stdout is not None
         for line in p.stdout:
             # Progress lines only; the summary is read back from the run directory.
             if line.startswith("[") or "error" in line.lower() or "Traceback" in line:
                 print(f"[{label}] {line.rstrip()}", flush=True)
+            last = [*last[-4:], line.rstrip()]
         rc = p.wait()
     run_dir = runs_dir / run_id
     if rc != 0 or not (run_dir / "summary.json").exists():
-        raise RunFailed(f"run {run_id} failed (exit {rc}); see {run_dir}/logs", run_dir)
+        # A run refused before it started has no logs yet: its last words say why.
+        said = "; ".join(x for x in last if x) if not (run_dir / "logs").exists() else ""
+        raise RunFailed(f"run {run_id} failed (exit {rc}); " + (said or f"see {run_dir}/logs"), run_dir)
     return run_dir
 
 
