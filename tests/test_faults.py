@@ -366,6 +366,48 @@ def test_a_trainer_killed_mid_run_resumes_from_its_checkpoint_losing_and_repeati
     assert (cfg.run_dir / "checkpoints" / "latest").read_text().strip() == f"step-{steps:06d}"
 
 
+def test_a_trainer_killed_before_its_first_checkpoint_starts_again_past_the_versions_it_published(
+        tmp_path, tiny_base_model, redis_url):
+    """Its published versions died with it, but generators hold them and verifiers check groups
+    against the newest: the base comes back as the version after the last one announced (never
+    version 0 again), the groups of the lost steps are trained again, each once."""
+    steps, b = 8, 2
+    cfg, path = _config(tmp_path, tiny_base_model, redis_url, "nockpt",
+                        **{"trainer.steps": steps, "trainer.groups_per_step": b, "trainer.eval_every": 100,
+                           "trainer.max_staleness": 100, "trainer.checkpoint_every": 100})
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cfg.run_id)
+    ensure_all_groups(r, keys)
+    prompts = [f"p{i:08d}" for i in range(steps * b)]
+    for i, pid in enumerate(prompts):
+        r.xadd(keys.shard(0).scored, {"d": make_scored(prompt_id=pid, rewards=[1, 0, i % 2, 0]).encode()})
+    p = _trainer_cmd(path)
+    deadline = time.time() + 120
+    while int(r.hget(keys.trainer, "version") or 0) < 2:
+        assert p.poll() is None and time.time() < deadline, p.stdout.read().decode()[-3000:]
+        time.sleep(0.02)
+    p.kill()
+    p.wait()
+    assert not (cfg.run_dir / "checkpoints" / "latest").exists() and not r.hget(keys.trainer, "committed_version")
+    announced_at_kill = int(r.hget(keys.trainer, "version"))
+    p = _trainer_cmd(path)
+    out = p.communicate(timeout=180)[0].decode()
+    assert p.returncode == 0, out[-3000:]
+    events = [json.loads(x) for x in (cfg.run_dir / "logs" / "trainer.jsonl").read_text().splitlines()]
+    lost = [e for e in events if e["event"] == "versions_lost_in_crash"]
+    assert len(lost) == 1 and lost[0]["checkpoint"] == 0 and lost[0]["resume_as"] == announced_at_kill + 1
+    starts = [e for e in events if e["event"] == "trainer_started"]
+    assert [e["version"] for e in starts] == [0, announced_at_kill + 1] and starts[1]["resumed"]
+    announced = [int(f[b"version"]) for _, f in r.xrange(keys.versions)]
+    assert announced == sorted(announced) and announced[-1] == steps, "versions never went back"
+    # The second attempt, from version announced + 1 to steps, trained the groups its predecessor
+    # took and never committed first; nothing twice.
+    trained = [f[b"prompt_id"].decode() for _, f in r.xrange(keys.shard(0).trainlog)]
+    assert len(trained) == len(set(trained)) == (steps - announced_at_kill - 1) * b
+    assert trained == prompts[: len(trained)]
+    assert r.hget(keys.trainer, "state") == b"finished"
+
+
 FAILING_LOSS = """
 import os
 

@@ -204,7 +204,7 @@ class ArchiveWriter:
                 (self.directory / ABANDONED).mkdir(exist_ok=True)
                 os.replace(path, self.directory / ABANDONED / f"{path.stem}-{int(time.time() * 1000)}.parquet")
                 moved.append(step)
-        if checkpoint_version > 0 or moved:
+        if checkpoint_version > 0 or moved or resumed_as != checkpoint_version:
             with open(self.directory / RESUMES, "a") as f:
                 f.write(json.dumps({"checkpoint": checkpoint_version, "resumed_as": resumed_as,
                                     "abandoned": moved, "at": time.time()}) + "\n")

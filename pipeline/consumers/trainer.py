@@ -364,6 +364,8 @@ class Trainer:
         self.labelmodel_versions: set[int] = set()
         self.idle_versions: set[int] = set()
         """Versions whose step trained nothing (``staleness`` does not count them)."""
+        self.restarted = False
+        """Started again after an attempt that published versions but left no checkpoint."""
         self._env = None
         """The environment factory of the held-out episodes (``env.kind``), built at the first evaluation."""
         self.init_s = round(time.perf_counter() - t0, 3)
@@ -372,12 +374,21 @@ class Trainer:
     def resume(self) -> Path | None:
         """Restore the latest checkpoint and re-apply its commit; the checkpoint, or None for a fresh start."""
         path = checkpoint.latest(self.ckpt_dir) if self.ckpt_dir is not None and self.cfg.trainer.resume else None
+        r, keys = self.r, self.keys
         if path is None:
-            if self.archive is not None:  # a fresh start: segments of a first attempt that died before a checkpoint go
-                self.archive.resumed(0, 0)
+            announced = int(r.hget(keys.trainer, "version") or 0)
+            if announced > 0:
+                # An attempt that died before its first checkpoint published versions: versions
+                # only go up (generators hold them, verifiers check groups against the newest),
+                # so the base becomes the next one, as after a crash past a checkpoint.
+                self.log.warning("versions_lost_in_crash", checkpoint=0, announced=announced,
+                                 resume_as=announced + 1)
+                self.version = announced + 1
+                self.restarted = True
+            if self.archive is not None:  # segments of a first attempt that died before a checkpoint go
+                self.archive.resumed(0, self.version)
                 self.archive.base(weights_hash(self.engine.weights()), base_dir=self.cfg.model.base_dir)
             return None
-        r, keys = self.r, self.keys
         state = checkpoint.load(path)
         self.engine.load_state(path, state.engine)
         committed = int(r.hget(keys.trainer, "committed_version") or 0)
@@ -547,10 +558,11 @@ class Trainer:
         t1 = time.perf_counter()
         self.publish()
         t2 = time.perf_counter()
-        if resumed_from is None and self.version not in self.evals:
+        fresh = resumed_from is None and not self.restarted
+        if fresh and self.version not in self.evals:
             # The base model's accuracy; a resumed trainer evaluates on its schedule, not before training.
             self.evaluate()
-        if resumed_from is None:
+        if fresh:
             r.hset(keys.trainer, "base_accuracy", self.evals[0])
         r.hset(keys.trainer, mapping={"steps": t.steps, "state": "training"})
         # Where a (re)start's time goes, up to training: what the driver's resume time is made of.
@@ -558,7 +570,7 @@ class Trainer:
                    "publish_s": round(t2 - t1, 3), "eval_s": round(time.perf_counter() - t2, 3)}
         self.log.info("trainer_started", steps=t.steps, groups_per_step=t.groups_per_step,
                       max_staleness=t.max_staleness, version=self.version, checkpoint_every=t.checkpoint_every,
-                      resumed=resumed_from is not None, startup=startup)
+                      resumed=not fresh, startup=startup)
         while self.version < t.steps:
             t_wait = time.perf_counter()
             batch = collect_batch(self.stage, size=t.groups_per_step, held=self.held)
