@@ -328,25 +328,37 @@ def _trainer_cmd(path: Path, *extra: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def test_a_trainer_killed_mid_run_resumes_from_its_checkpoint_losing_and_repeating_nothing(tmp_path, tiny_base_model,
-                                                                                           redis_url):
-    steps, b = 8, 2
-    cfg, path = _config(tmp_path, tiny_base_model, redis_url, "resume",
+def _scored_for_a_trainer(tmp_path, base, redis_url, run_id: str, steps: int, b: int, **extra):
+    """A trainer's config and ``steps`` x ``b`` scored groups with signal waiting for it:
+    (cfg, config path, client, keys, prompt ids)."""
+    cfg, path = _config(tmp_path, base, redis_url, run_id,
                         **{"trainer.steps": steps, "trainer.groups_per_step": b, "trainer.eval_every": 100,
-                           "trainer.max_staleness": 100})
+                           "trainer.max_staleness": 100, **extra})
     r = redis.Redis.from_url(redis_url)
     keys = Keys(cfg.run_id)
     ensure_all_groups(r, keys)
     prompts = [f"p{i:08d}" for i in range(steps * b)]
     for i, pid in enumerate(prompts):
         r.xadd(keys.shard(0).scored, {"d": make_scored(prompt_id=pid, rewards=[1, 0, i % 2, 0]).encode()})
+    return cfg, path, r, keys, prompts
+
+
+def _kill_trainer_when(path: Path, ready) -> None:
+    """Start `pipeline train` on ``path`` and SIGKILL it once ``ready()`` holds."""
     p = _trainer_cmd(path)
     deadline = time.time() + 120
-    while int(r.hget(keys.trainer, "committed_version") or 0) < 3:
+    while not ready():
         assert p.poll() is None and time.time() < deadline, p.stdout.read().decode()[-3000:]
         time.sleep(0.02)
     p.kill()
     p.wait()
+
+
+def test_a_trainer_killed_mid_run_resumes_from_its_checkpoint_losing_and_repeating_nothing(tmp_path, tiny_base_model,
+                                                                                           redis_url):
+    steps, b = 8, 2
+    cfg, path, r, keys, prompts = _scored_for_a_trainer(tmp_path, tiny_base_model, redis_url, "resume", steps, b)
+    _kill_trainer_when(path, lambda: int(r.hget(keys.trainer, "committed_version") or 0) >= 3)
     killed_at = int(r.hget(keys.trainer, "committed_version"))
     assert killed_at < steps
     p = _trainer_cmd(path)
@@ -372,22 +384,9 @@ def test_a_trainer_killed_before_its_first_checkpoint_starts_again_past_the_vers
     against the newest: the base comes back as the version after the last one announced (never
     version 0 again), the groups of the lost steps are trained again, each once."""
     steps, b = 8, 2
-    cfg, path = _config(tmp_path, tiny_base_model, redis_url, "nockpt",
-                        **{"trainer.steps": steps, "trainer.groups_per_step": b, "trainer.eval_every": 100,
-                           "trainer.max_staleness": 100, "trainer.checkpoint_every": 100})
-    r = redis.Redis.from_url(redis_url)
-    keys = Keys(cfg.run_id)
-    ensure_all_groups(r, keys)
-    prompts = [f"p{i:08d}" for i in range(steps * b)]
-    for i, pid in enumerate(prompts):
-        r.xadd(keys.shard(0).scored, {"d": make_scored(prompt_id=pid, rewards=[1, 0, i % 2, 0]).encode()})
-    p = _trainer_cmd(path)
-    deadline = time.time() + 120
-    while int(r.hget(keys.trainer, "version") or 0) < 2:
-        assert p.poll() is None and time.time() < deadline, p.stdout.read().decode()[-3000:]
-        time.sleep(0.02)
-    p.kill()
-    p.wait()
+    cfg, path, r, keys, prompts = _scored_for_a_trainer(tmp_path, tiny_base_model, redis_url, "nockpt", steps, b,
+                                                        **{"trainer.checkpoint_every": 100})
+    _kill_trainer_when(path, lambda: int(r.hget(keys.trainer, "version") or 0) >= 2)
     assert not (cfg.run_dir / "checkpoints" / "latest").exists() and not r.hget(keys.trainer, "committed_version")
     announced_at_kill = int(r.hget(keys.trainer, "version"))
     p = _trainer_cmd(path)
