@@ -63,6 +63,7 @@ import itertools
 import json
 import threading
 import time
+import urllib.error
 import weakref
 from typing import TYPE_CHECKING
 
@@ -173,8 +174,6 @@ def mcp_tools(url: str, kind: str) -> tuple[Tool, ...]:
     """The MCP tools the environment at ``url`` declares (``tools/list`` on ``POST /mcp``), as
     :class:`~pipeline.envs.tools.Tool` schemas to show (none runs here: see :class:`OpenEnvEpisode`);
     ``()`` for a server without MCP. EnvError when the server answers with another error."""
-    import urllib.error
-
     try:
         raw = http_get(url + "/mcp", timeout=SCHEMA_TIMEOUT_S,
                        json_body={"jsonrpc": "2.0", "method": "tools/list", "params": {}, "id": 0})
