@@ -70,7 +70,7 @@ def copy_game(dest: Path) -> Path:
 
 def overrides(game: Path, *, seed: int, steps: int, heldout_size: int, eval_every: int, lr: float,
               max_new_tokens: int = MAX_NEW_TOKENS, max_turn_tokens: int = 0) -> dict:
-    return {**({"env.max_turn_tokens": max_turn_tokens} if max_turn_tokens else {}),"model.base_dir": ROOT / "artifacts" / "smollm2-135m-instruct", "task.kind": "math",
+    return {"model.base_dir": ROOT / "artifacts" / "smollm2-135m-instruct", "task.kind": "math",
             "task.dataset": game.parent / "prompts.jsonl", "task.heldout_size": heldout_size,
             "task.max_new_tokens": max_new_tokens, "env.kind": f"openenv:{game}/server/app.py:app",
             "env.max_turns": MAX_TURNS, "generator.swap": "step", "verifier.reward": "environment",
@@ -81,7 +81,8 @@ def overrides(game: Path, *, seed: int, steps: int, heldout_size: int, eval_ever
             # episodes of ~170 tokens took 19 GB in one pass and were killed on a 24 GB machine),
             # and room for the evaluations (100 games, ~2-3 min each on two busy cores).
             "trainer.max_tokens_per_microbatch": 2048, "cluster.timeout_s": 7200,
-            "trainer.seed": seed, "feeder.seed": seed, "generator.seed": seed}
+            "trainer.seed": seed, "feeder.seed": seed, "generator.seed": seed,
+            **({"env.max_turn_tokens": max_turn_tokens} if max_turn_tokens else {})}
 
 
 def servers_left(game: Path) -> list[str]:
@@ -131,8 +132,9 @@ def aggregate(runs: list[dict], a, earlier: list[dict] = ()) -> dict:
     gains = [100 * (r["final"] - r["base"]) for r in runs]
     seeds = ",".join(str(r["seed"]) for r in runs)
     extra = "" if len(plan_key(a)) == 2 else f" --max-new-tokens {a.max_new_tokens} --max-turn-tokens {a.max_turn_tokens}"
-    if Path(a.out).resolve() != (RESULTS / "game.json").resolve():
-        extra += f" --out {Path(a.out).resolve().relative_to(ROOT) if Path(a.out).resolve().is_relative_to(ROOT) else a.out}"
+    out = Path(a.out).resolve()
+    if out != RESULTS / "game.json":
+        extra += f" --out {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}"
     return {"n": len(runs), "runs": runs, "steps": a.steps, "heldout_size": a.heldout_size, "lr": a.lr,
             "max_new_tokens": a.max_new_tokens, "max_turn_tokens": a.max_turn_tokens,
             "eval_every": a.eval_every, "command": f"python bench/game.py --seeds {seeds} --steps {a.steps}{extra}",

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,14 +47,14 @@ def run_up(label: str, overrides: dict[str, object], *, runs_dir: Path, nice: in
         cmd = ["nice", "-n", str(nice), *cmd]
     print(f"[{label}] {' '.join(cmd)}", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    last: list[str] = []
+    last: deque[str] = deque(maxlen=5)
     with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as p:
         assert p.stdout is not None
         for line in p.stdout:
             # Progress lines only; the summary is read back from the run directory.
             if line.startswith("[") or "error" in line.lower() or "Traceback" in line:
                 print(f"[{label}] {line.rstrip()}", flush=True)
-            last = [*last[-4:], line.rstrip()]
+            last.append(line.rstrip())
         rc = p.wait()
     run_dir = runs_dir / run_id
     if rc != 0 or not (run_dir / "summary.json").exists():

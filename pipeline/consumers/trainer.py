@@ -364,8 +364,6 @@ class Trainer:
         self.labelmodel_versions: set[int] = set()
         self.idle_versions: set[int] = set()
         """Versions whose step trained nothing (``staleness`` does not count them)."""
-        self.restarted = False
-        """Started again after an attempt that published versions but left no checkpoint."""
         self._env = None
         """The environment factory of the held-out episodes (``env.kind``), built at the first evaluation."""
         self.init_s = round(time.perf_counter() - t0, 3)
@@ -384,7 +382,6 @@ class Trainer:
                 self.log.warning("versions_lost_in_crash", checkpoint=0, announced=announced,
                                  resume_as=announced + 1)
                 self.version = announced + 1
-                self.restarted = True
             if self.archive is not None:  # segments of a first attempt that died before a checkpoint go
                 self.archive.resumed(0, self.version)
                 self.archive.base(weights_hash(self.engine.weights()), base_dir=self.cfg.model.base_dir)
@@ -558,7 +555,8 @@ class Trainer:
         t1 = time.perf_counter()
         self.publish()
         t2 = time.perf_counter()
-        fresh = resumed_from is None and not self.restarted
+        # A start with neither a checkpoint nor versions published before it (resume's lost-versions case).
+        fresh = resumed_from is None and self.version == 0
         if fresh and self.version not in self.evals:
             # The base model's accuracy; a resumed trainer evaluates on its schedule, not before training.
             self.evaluate()

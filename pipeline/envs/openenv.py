@@ -68,7 +68,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 from pipeline.envs.base import EnvError, Step
-from pipeline.envs.servers import RECORD_DIR, ServerPool, ServerStartError, http_get
+from pipeline.envs.servers import RECORD_DIR, ServerPool, ServerStartError, http_get, http_post_json
 from pipeline.envs.tools import Tool, ToolEpisode
 from pipeline.plugins import is_spec
 
@@ -175,8 +175,8 @@ def mcp_tools(url: str, kind: str) -> tuple[Tool, ...]:
     :class:`~pipeline.envs.tools.Tool` schemas to show (none runs here: see :class:`OpenEnvEpisode`);
     ``()`` for a server without MCP. EnvError when the server answers with another error."""
     try:
-        raw = http_get(url + "/mcp", timeout=SCHEMA_TIMEOUT_S,
-                       json_body={"jsonrpc": "2.0", "method": "tools/list", "params": {}, "id": 0})
+        raw = http_post_json(url + "/mcp", {"jsonrpc": "2.0", "method": "tools/list", "params": {}, "id": 0},
+                             timeout=SCHEMA_TIMEOUT_S)
     except urllib.error.HTTPError as e:
         if e.code in (404, 405):  # an openenv-core without the /mcp route
             return ()

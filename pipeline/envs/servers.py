@@ -85,15 +85,24 @@ _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 """Loopback requests never go through an HTTP proxy the environment variables name."""
 
 
-def http_get(url: str, timeout: float, *, json_body: dict | None = None) -> bytes:
-    """GET ``url`` (POST ``json_body`` as JSON, where given); the body of a 2xx answer
-    (loopback addresses bypass any proxy)."""
+def _fetch(url: str, request, timeout: float) -> bytes:
+    """The body of a 2xx answer to ``request`` (``url`` or a Request for it); loopback
+    addresses bypass any proxy."""
     host = urllib.request.urlparse(url).hostname or ""
     opener = _DIRECT if host in ("127.0.0.1", "localhost", "::1") else urllib.request.build_opener()
-    req = url if json_body is None else urllib.request.Request(
-        url, data=json.dumps(json_body).encode(), headers={"Content-Type": "application/json"}, method="POST")
-    with opener.open(req, timeout=timeout) as resp:
+    with opener.open(request, timeout=timeout) as resp:
         return resp.read()
+
+
+def http_get(url: str, timeout: float) -> bytes:
+    """GET ``url``; the body of a 2xx answer."""
+    return _fetch(url, url, timeout)
+
+
+def http_post_json(url: str, body: dict, timeout: float) -> bytes:
+    """POST ``body`` as JSON to ``url``; the body of a 2xx answer."""
+    return _fetch(url, urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                              headers={"Content-Type": "application/json"}), timeout)
 
 
 def app_target(spec: str) -> tuple[Path | None, str, str]:
