@@ -453,6 +453,8 @@ def test_the_generator_cuts_turns_at_the_per_turn_limit_and_counts_them(redis_ur
                         assert ids[j] == tok.eos_id and not m[j]
                         assert tok.decode(ids[j + 1: j + 2]) == str(len(run))
     assert cut > 0 and read_stats(r, keys)["env_turns_cut_total"] == cut
+    with pytest.raises(ConfigError, match=r"env\.max_turn_tokens"):
+        _gen_cfg("epcut-bad", "unused", **{"env.max_turn_tokens": -1}).validate()
 
 
 def _sampled_runs(mask: list[bool]) -> list[tuple[int, int]]:

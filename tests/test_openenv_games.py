@@ -28,6 +28,7 @@ from pipeline.envs.base import EnvError, Step  # noqa: E402
 from pipeline.envs.code import CodeEpisode  # noqa: E402
 from pipeline.envs.registry import make_env  # noqa: E402
 from pipeline.envs.textarena import DEFAULT_GAME, TextArenaEpisode, seed_of  # noqa: E402
+from pipeline.envs.tools import schemas_of  # noqa: E402
 from pipeline.records import PromptTask  # noqa: E402
 from pipeline.tasks import code as ct  # noqa: E402
 
@@ -302,8 +303,6 @@ def test_an_openenv_environments_mcp_tools_are_shown_checked_and_run_in_the_epis
     the episode's reset made) and comes back as a tool turn; malformed calls are answered and
     counted without reaching the server; a tool that raises is answered with its error; a turn
     without a call is the environment's step; and a game without MCP has no tools."""
-    from pipeline.envs.tools import schemas_of
-
     app = tmp_path / "outside" / "vault_app.py"
     app.parent.mkdir()
     app.write_text(VAULT_APP)
