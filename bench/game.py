@@ -20,7 +20,8 @@ evaluations), the curves, the accounting, and whether any game server outlived i
 
     python bench/game.py                    # seeds 0,1,2 (needs the openenv extra: its lane's venv)
     python bench/game.py --seeds 0 --steps 6
-    python bench/game.py --resume           # keep the runs in game.json, run the missing seeds
+    python bench/game.py --resume           # keep the runs in game.json, run the missing seeds (a seed's
+                                            # run killed with its driver continues: `pipeline up --resume`)
     python bench/game.py --resume --redo 0 --why "..."   # run seed 0 again; the old record stays, marked
 
 Writes bench/results/game.json, game.md and game.png (each seed's result as it lands).
@@ -42,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline_runs import (RESULTS, ROOT, RunFailed, accounting_of, md_table, plot_episode_curves, read_run, run_up,
-                           step_series)
+                           step_series, unfinished_run)
 
 GAME = ROOT / "examples" / "number_hunt"
 PROMPT = "Let us play a guessing game. Answer every time with a single number and nothing else."
@@ -106,7 +107,7 @@ def summarize_run(run_dir: Path, seed: int, left: list[str]) -> dict:
         "train_versions": train_versions, "train_env_reward": train_reward,
         "train_turns": step_series(run, "turns_mean")[1],
         "steps": s.get("steps"), "wall_s": s.get("wall_seconds"), "servers_left": left, "status": s.get("status"),
-        "restarts": s.get("restarts"),
+        "restarts": s.get("restarts"), "resumes": s.get("driver_resumes", 0),
         "accounting": accounting_of(s),
     }
 
@@ -148,7 +149,8 @@ def report(res: dict) -> str:
     rows = [[r["seed"] if r.get("status") == "finished" else f"{r['seed']} ({r.get('status')})", f"{r['base']:.3f}",
              f"{r['final']:.3f}", f"{100 * (r['final'] - r['base']):+.1f}",
              f"{r['base_turns']:.2f}", f"{r['final_turns']:.2f}", r["steps"],
-             f"{r['wall_s']:.0f}" if r.get("wall_s") else "—", r.get("restarts", "—"),
+             f"{r['wall_s']:.0f}" if r.get("wall_s") else "—",
+             f"{r.get('restarts', '—')}" + (f" (resumed {r['resumes']}x)" if r.get("resumes") else ""),
              "lost {lost}, duplicated {duplicated}, unexpected {unexpected}".format(**r["accounting"]),
              len(r["servers_left"])] for r in res["runs"]]
     table = md_table(["seed", "held-out success, base", "final (last 3 evals)", "gain (points)", "turns, base",
@@ -207,7 +209,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--game-dir", default=os.path.join(tempfile.gettempdir(), "rlpipe-number-hunt"),
                    help="where the game is copied (outside the repository)")
     p.add_argument("--runs-dir", default="runs")
-    p.add_argument("--resume", action="store_true", help="keep the runs in game.json and run only the missing seeds")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the runs in game.json and run only the missing seeds; a missing seed's run killed "
+                        "with its driver (no summary) is continued from its checkpoint")
     p.add_argument("--redo", default="", metavar="SEEDS",
                    help="with --resume: run these seeds again; their kept records move to 'earlier' with --why")
     p.add_argument("--why", default="", help="why the --redo seeds run again (recorded and reported)")
@@ -240,12 +244,13 @@ def main(argv: list[str] | None = None) -> dict:
         if seed in given:
             run_dir = given[seed]
         else:
+            label = f"game-s{seed}"
+            over = overrides(game, seed=seed, steps=a.steps, heldout_size=a.heldout_size, eval_every=a.eval_every,
+                             lr=a.lr, max_new_tokens=a.max_new_tokens, max_turn_tokens=a.max_turn_tokens)
+            # With --resume, a run of this seed killed with its driver (a session's end) goes on from its checkpoint.
+            cont = unfinished_run(label, over, runs_dir=ROOT / a.runs_dir) if a.resume else None
             try:
-                run_dir = run_up(f"game-s{seed}", overrides(game, seed=seed, steps=a.steps,
-                                                            heldout_size=a.heldout_size, eval_every=a.eval_every,
-                                                            lr=a.lr, max_new_tokens=a.max_new_tokens,
-                                                            max_turn_tokens=a.max_turn_tokens),
-                            runs_dir=ROOT / a.runs_dir)
+                run_dir = run_up(label, over, runs_dir=ROOT / a.runs_dir, resume=cont)
             except RunFailed as e:  # a run that stopped early is kept, with its status, if it left a summary
                 run_dir = e.run_dir
                 if not (run_dir / "summary.json").exists():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -31,18 +32,23 @@ class RunFailed(RuntimeError):
 
 
 def run_up(label: str, overrides: dict[str, object], *, runs_dir: Path, nice: int = 10,
-           config: Path | None = None) -> Path:
+           config: Path | None = None, resume: Path | None = None) -> Path:
     """Run `pipeline up` with ``overrides`` (dotted config fields) under a fresh run id, from the TOML
-    file ``config`` when given; returns the run dir.
+    file ``config`` when given; with ``resume`` (a run directory, see ``unfinished_run``), continue
+    that run instead (`pipeline up --resume`, its own config). Returns the run dir.
 
     Raises RunFailed (a RuntimeError) if the run fails or leaves no summary.json.
     """
-    run_id = f"{label}-{time.strftime('%m%d-%H%M%S')}"
-    cmd = [*PIPELINE, "up", "--run-id", run_id, "--runs_dir", str(runs_dir)]
-    if config is not None:
-        cmd += ["--config", str(config)]
-    for k, v in overrides.items():
-        cmd += [f"--{k}", str(v)]
+    if resume is not None:
+        run_id = resume.name
+        cmd = [*PIPELINE, "up", "--resume", "--run-id", run_id, "--runs_dir", str(runs_dir)]
+    else:
+        run_id = f"{label}-{time.strftime('%m%d-%H%M%S')}"
+        cmd = [*PIPELINE, "up", "--run-id", run_id, "--runs_dir", str(runs_dir)]
+        if config is not None:
+            cmd += ["--config", str(config)]
+        for k, v in overrides.items():
+            cmd += [f"--{k}", str(v)]
     if nice:
         cmd = ["nice", "-n", str(nice), *cmd]
     print(f"[{label}] {' '.join(cmd)}", flush=True)
@@ -52,16 +58,50 @@ def run_up(label: str, overrides: dict[str, object], *, runs_dir: Path, nice: in
         assert p.stdout is not None
         for line in p.stdout:
             # Progress lines only; the summary is read back from the run directory.
-            if line.startswith("[") or "error" in line.lower() or "Traceback" in line:
+            if line.startswith("[") or "error" in line.lower() or "Traceback" in line or "resuming" in line:
                 print(f"[{label}] {line.rstrip()}", flush=True)
             last.append(line.rstrip())
         rc = p.wait()
     run_dir = runs_dir / run_id
     if rc != 0 or not (run_dir / "summary.json").exists():
         # A run refused before it started has no logs yet: its last words say why.
-        said = "; ".join(x for x in last if x) if not (run_dir / "logs").exists() else ""
+        said = "; ".join(x for x in last if x) if not (run_dir / "logs").exists() or resume else ""
         raise RunFailed(f"run {run_id} failed (exit {rc}); " + (said or f"see {run_dir}/logs"), run_dir)
     return run_dir
+
+
+def unfinished_run(label: str, overrides: dict[str, object], *, runs_dir: Path,
+                   config: Path | None = None) -> Path | None:
+    """The newest run of ``label`` (a run id ``run_up`` made for it) whose driver stopped before the run
+    ended (no summary: killed with everything it started; or interrupted) and whose config has every
+    one of ``overrides`` (and ``config``'s fields): the run ``run_up(..., resume=...)`` continues."""
+    from pipeline.config import load_config
+
+    pattern = re.compile(re.escape(label) + r"-\d{4}-\d{6}$")
+    want = load_config(config, {k: str(v) for k, v in overrides.items()})
+    for run_dir in sorted((d for d in runs_dir.glob(f"{label}-*") if pattern.match(d.name)), reverse=True):
+        try:
+            status = json.loads((run_dir / "summary.json").read_text()).get("status")
+        except FileNotFoundError:
+            status = None
+        except (OSError, ValueError):
+            continue
+        if status not in (None, "interrupted") or not (run_dir / "config.toml").is_file():
+            continue
+        try:
+            have = load_config(run_dir / "config.toml")
+        except ValueError:
+            continue
+        if all(_same(have.get(k), want.get(k)) for k in want.explicit if k not in ("run_id", "runs_dir", "redis.url")):
+            return run_dir
+    return None
+
+
+def _same(a: object, b: object) -> bool:
+    """Equal values, or two spellings of one existing path (a link, a relative path)."""
+    if a == b:
+        return True
+    return isinstance(a, str) and isinstance(b, str) and Path(a).exists() and Path(a).resolve() == Path(b).resolve()
 
 
 def read_run(run_dir: Path) -> dict:

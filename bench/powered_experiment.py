@@ -41,7 +41,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_runs import PIPELINE, RESULTS, ROOT, eval_series, md_table, read_run, run_up  # noqa: E402
+from pipeline_runs import (PIPELINE, RESULTS, ROOT, eval_series, md_table, read_run, run_up,  # noqa: E402
+                           unfinished_run)
 
 # The plan's constants (bench/results/powered-plan.md); changing one is an amendment of the plan.
 AUC_MAX = 0.90
@@ -155,7 +156,10 @@ def run_one(task: dict, arm: str, seed: int, *, config: Path, runs_dir: Path, st
     overrides = {**arm_overrides(arm, task["best_single"]), "trainer.seed": seed, "feeder.seed": seed,
                  "generator.seed": seed, "trainer.steps": steps, **extra}
     t0 = time.time()
-    run_dir = run_up(f"pw-{task['dataset']}-{arm}-s{seed}", overrides, runs_dir=runs_dir, config=config)
+    label = f"pw-{task['dataset']}-{arm}-s{seed}"
+    # A run killed with its driver (a session's end) goes on from its checkpoint instead of starting over.
+    cont = unfinished_run(label, overrides, runs_dir=runs_dir, config=config)
+    run_dir = run_up(label, overrides, runs_dir=runs_dir, config=config, resume=cont)
     wall = time.time() - t0
     for ckpt in (run_dir / "checkpoints").glob("step-*"):
         shutil.rmtree(ckpt, ignore_errors=True)  # model and optimizer at every evaluation; final/ stays
@@ -169,7 +173,8 @@ def run_one(task: dict, arm: str, seed: int, *, config: Path, runs_dir: Path, st
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     return {"run": str(run_dir.relative_to(ROOT)) if run_dir.is_relative_to(ROOT) else str(run_dir),
             "commit": commit or None,
-            "wall_seconds": round(wall, 1), "evals": dict(zip(map(str, x), y)),
+            "wall_seconds": round(wall, 1), "resumes": s.get("driver_resumes", 0),
+            "evals": dict(zip(map(str, x), y)),
             "final_correct": final, "final": float(np.mean(final)),
             "accounting_ok": bool(acc.get("ok", s.get("accounting_ok"))), "lost": acc.get("lost"),
             "unexpected": acc.get("unexpected"), "duplicated": acc.get("duplicated"),

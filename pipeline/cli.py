@@ -69,6 +69,7 @@ from pipeline.run.down import down
 from pipeline.run.replay import ReplayError, diff, print_progress, replay
 from pipeline.run.launch import up
 from pipeline.run.preflight import check_run
+from pipeline.run.resume import resumed_config
 from pipeline.tasks.math import read_rows, split
 from pipeline.verifiers import judge_server
 
@@ -109,7 +110,16 @@ def _config_args(sp: argparse.ArgumentParser) -> None:
 
 
 def _up(args: argparse.Namespace, cfg: RunConfig) -> int:
-    return up(cfg, chaos=args.command == "chaos")
+    resume = bool(getattr(args, "resume", False))
+    if resume:
+        cfg = resumed_config(cfg)
+    return up(cfg, chaos=args.command == "chaos", resume=resume)
+
+
+def _up_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--resume", action="store_true",
+                    help="continue the run --run-id names (stopped, timed out, or killed with its driver) from its "
+                         "server's data and its trainer's last checkpoint, with its own config.toml")
 
 
 def _inject(args: argparse.Namespace, cfg: RunConfig) -> int:
@@ -448,7 +458,8 @@ def _math_data_args(sp: argparse.ArgumentParser) -> None:
 
 
 COMMANDS: dict[str, Command] = {
-    "up": Command("start a whole cluster on this machine, train, and write the run summary", _up),
+    "up": Command("start a whole cluster on this machine, train, and write the run summary; --resume: continue "
+                  "a run that stopped short", _up, _up_args),
     "chaos": Command("pipeline up while killing workers and Redis (see [chaos]); then check every prompt was "
                      "trained, dropped or dead-lettered exactly once", _up),
     "inject": Command("inject faults ([chaos]) into the cluster `pipeline up` runs in this runs_dir, from outside "

@@ -93,3 +93,31 @@ def test_a_task_config_holds_the_task_the_panel_and_the_plans_budget(tmp_path):
     assert json.loads(cfg.task.dataset_params) == {"basic_arithmetic": task["params"]}
     assert cfg.task.heldout_size == 500 and cfg.trainer.steps == PX.STEPS and cfg.trainer.eval_every == PX.EVAL_EVERY
     assert list(cfg.verifier.verifiers) == ["self_consistency:last_number", "answer_only:last_number"]
+
+
+def test_an_interrupted_run_of_the_same_arm_and_settings_is_the_one_continued(tmp_path):
+    from pipeline_runs import unfinished_run
+
+    from pipeline.config import load_config
+    from pipeline.config_toml import to_toml
+
+    over = {"trainer.seed": 1, "trainer.steps": 120, "verifier.reward": "ground_truth"}
+
+    def run(name: str, summary: dict | None, **changes) -> None:
+        d = tmp_path / name
+        d.mkdir()
+        cfg = load_config(None, {"run_id": name, **{k: str(v) for k, v in {**over, **changes}.items()}})
+        (d / "config.toml").write_text(to_toml(cfg))
+        if summary is not None:
+            (d / "summary.json").write_text(json.dumps(summary))
+
+    label = "pw-task-truth-s1"
+    assert unfinished_run(label, over, runs_dir=tmp_path) is None
+    run(f"{label}-1205-100000", {"status": "finished"})
+    run(f"{label}-1205-110000", {"status": "timed out: ..."})  # ended by its own settings: not continued
+    run(f"{label}-1205-120000", None, **{"trainer.steps": 60})  # another plan's run
+    run(f"{label}0-1205-130000", None)  # another label (seed 10)
+    assert unfinished_run(label, over, runs_dir=tmp_path) is None
+    run(f"{label}-1205-090000", None)  # killed with its driver: no summary
+    run(f"{label}-1205-095000", {"status": "interrupted"})
+    assert unfinished_run(label, over, runs_dir=tmp_path).name == f"{label}-1205-095000", "the newest"

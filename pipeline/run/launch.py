@@ -46,6 +46,7 @@ from pipeline.run.chaos import verdict
 from pipeline.run.down import reclaim_stale, remove_weight_files
 from pipeline.run.plan import log_file, run_config, stage_command, worker_table
 from pipeline.run.preflight import check_run
+from pipeline.run.resume import record_resume, resume_count
 from pipeline.common.procs import proc_start_time
 from pipeline.run.summary import write_summary
 from pipeline.run.supervisor import Supervisor, WorkerFailed, report_failure
@@ -163,17 +164,31 @@ class Cluster:
         return self.quick
 
 
-def provision_cluster(cfg: RunConfig, *, chaos: bool = False) -> Cluster:
+def provision_cluster(cfg: RunConfig, *, chaos: bool = False, resume: bool = False) -> Cluster:
     """Start (or reach) the server, record the run's config, and prepare its streams; no worker yet.
-    A server it started is stopped again if anything after that fails."""
+    With ``resume`` the server must hold the run's data (``pipeline.run.resume``): the stop key the
+    last driver set is removed and the resume recorded. A server it started is stopped again if
+    anything after that fails."""
     run_dir = cfg.run_dir
     server = provision(run_dir / "redis", url=cfg.redis.url, appendfsync=cfg.redis.appendfsync, redis_cfg=cfg.redis)
     try:
         cfg = cfg.replace("redis.url", server.url)
-        (run_dir / "config.toml").write_text(to_toml(cfg))
         r, keys = connect(server.url, name=f"{cfg.run_id}:driver", redis_cfg=cfg.redis), Keys.of(cfg.run_id, cfg.redis)
-        if any(r.exists(s.ledger) or r.exists(s.prompts) for s in keys.all_shards()):
-            raise SystemExit(f"pipeline: run {cfg.run_id!r} already has data in {server.url}; choose another --run-id")
+        has_data = any(r.exists(s.ledger) or r.exists(s.prompts) for s in keys.all_shards())
+        if has_data and not resume:
+            raise SystemExit(f"pipeline: run {cfg.run_id!r} already has data in {server.url}; choose another --run-id, "
+                             f"or continue it with `pipeline up --resume --run-id {cfg.run_id}`")
+        if resume:
+            if not has_data:
+                raise SystemExit(f"pipeline: run {cfg.run_id!r} has no data in {server.url} (no prompt stream, no "
+                                 f"ledger): nothing to resume from")
+            r.delete(keys.stop)
+            committed = int(r.hget(keys.trainer, "committed_version") or 0)
+            n = record_resume(run_dir, committed_version=committed)
+            print(f"pipeline: resuming run {cfg.run_id!r} (resume {n}) at committed version {committed}: the trainer "
+                  f"continues from its last checkpoint, every stage from what the server holds", flush=True)
+        # Written once the server is known to be this run's: a refused start leaves the run's own file alone.
+        (run_dir / "config.toml").write_text(to_toml(cfg))
         ensure_all_groups(r, keys)
         if cfg.metrics.base_port:
             write_ports(cfg, run_dir / "ports.json")
@@ -320,7 +335,7 @@ def finish(c: Cluster, base_info: dict, status: str, start: float) -> int:
     summary = write_summary(cfg, c.r, c.keys, accounting, base_info, status=status,
                             wall_seconds=time.time() - start, restarts=c.restarts,
                             trainer_resume_seconds=c.resume_seconds,
-                            server_restarts=c.server_restarts, **extra)
+                            server_restarts=c.server_restarts, driver_resumes=resume_count(run_dir), **extra)
     c.server.stop()
     c.remove_weights()
     c.forget()
@@ -357,8 +372,9 @@ def shut_down(c: Cluster) -> None:
             signal.signal(s, h)
 
 
-def up(cfg: RunConfig, *, chaos: bool = False) -> int:
-    """Run the whole pipeline; with ``chaos``, inject the faults of ``cfg.chaos`` and judge the result.
+def up(cfg: RunConfig, *, chaos: bool = False, resume: bool = False) -> int:
+    """Run the whole pipeline; with ``chaos``, inject the faults of ``cfg.chaos`` and judge the result;
+    with ``resume``, continue the run ``cfg`` names (its config from ``pipeline.run.resume.resumed_config``).
 
     A run this runs_dir records is dealt with first (``reclaim_stale``); then every input the
     config shows is checked (``check_run``, as ``pipeline config --check``), so a bad one fails here,
@@ -374,7 +390,7 @@ def up(cfg: RunConfig, *, chaos: bool = False) -> int:
     (cfg.run_dir / "logs").mkdir(parents=True, exist_ok=True)
     start = time.time()
     base_info = ensure_base_model(cfg)
-    c = provision_cluster(cfg, chaos=chaos)
+    c = provision_cluster(cfg, chaos=chaos, resume=resume)
     try:
         known = base_info.get("heldout_accuracy")
         base = f"base accuracy {known:.3f}" if known is not None else \

@@ -130,6 +130,8 @@ def write_summary(cfg: RunConfig, r, keys, accounting: dict, base_info: dict, **
         f"hidden accuracy of sampled answers: {summary['sample_accuracy_first10']:.3f} -> {summary['sample_accuracy_last10']:.3f}",
         f"- goodput (tokens trained / generated): {summary['goodput']:.3f}; trainer idle {summary['trainer_idle_fraction']:.1%}; worker restarts {summary['restarts']}",
         *_resume_lines(summary.get("trainer_resume_seconds") or []),
+        *([f"- resumed {summary['driver_resumes']} time(s) with `pipeline up --resume` (resumes.jsonl); the "
+           f"wall time is the last driver's"] if summary.get("driver_resumes") else []),
         f"- weights per version: {summary['weights_payload_bytes']:,} bytes (weights.payload {summary['weights_payload']})",
         *([f"- rollout archive: {summary['archive_steps']} steps, {summary['archive_bytes']:,} bytes, "
            f"{summary['archive_bytes_per_group']:,.0f} bytes per group (archive/, docs/reproducibility.md)"]

@@ -1,0 +1,101 @@
+"""``pipeline up --resume``: continue a run whose driver stopped before its trainer finished.
+
+A run stops short when its driver is interrupted (Ctrl-C, ``pipeline down``), times out, or is
+killed with everything it started (a batch job's time limit, a machine's session ending, a
+reboot). Everything the run needs to go on is on disk: the server's append-only file under
+``<run_dir>/redis`` (every stream, the ledger, the counters), the trainer's last checkpoint
+and the rollout archive. ``--resume`` starts the same run again from them:
+
+- the config is the run's own ``<run_dir>/config.toml``; a field given on the command line may
+  only repeat it, except ``RESUME_MAY_CHANGE`` (how long and how verbosely the driver watches);
+- a run whose server the driver started (``<run_dir>/redis`` holds its data) gets its server
+  started again on that data, on a free port; a run on an external server reuses its URL;
+- the stop key the last driver set is removed; the trainer resumes from its last checkpoint (the
+  steps after it are redone, as after a trainer crash), the feeder from its recorded position,
+  generators and verifiers claim what the dead ones held pending;
+- each resume is a line of ``<run_dir>/resumes.jsonl`` (when, the previous status, the
+  committed version it resumed at); the summary counts them (``driver_resumes``).
+
+A run that finished, a directory that is not a run, or a server that holds no data of the run
+is refused before anything starts, naming why.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from pipeline.config import RunConfig, load_config
+from pipeline.config_base import ConfigError
+
+RESUME_MAY_CHANGE = ("cluster.timeout_s", "cluster.progress_every_s")
+"""Fields ``--resume`` lets the command line change; every other field is the run's own."""
+_WHERE = ("run_id", "runs_dir", "redis.url")
+"""Fields that say which run to resume and where its server is, not how it runs."""
+
+
+def _embedded_data(run_dir: Path) -> bool:
+    """Whether the run's driver started its own server (or local cluster), whose data is under
+    ``<run_dir>/redis``."""
+    data = run_dir / "redis"
+    return any((d / "server.pid").exists() or (d / "appendonlydir").exists()
+               for d in (data, *data.glob("node-*")))
+
+
+def resumed_config(cfg: RunConfig) -> RunConfig:
+    """The config of the run ``cfg.run_id`` in ``cfg.runs_dir`` to continue, with what the command
+    line may change applied; a ``ConfigError`` naming the field, or why the run cannot go on."""
+    if not cfg.run_id:
+        raise ConfigError("run_id: `pipeline up --resume` continues a run: name it with --run-id NAME")
+    run_dir = cfg.run_dir
+    saved = run_dir / "config.toml"
+    if not saved.is_file():
+        raise ConfigError(f"run_id: {run_dir} holds no config.toml: not a run `pipeline up` started "
+                          f"(--run-id and --runs-dir name the run to resume)")
+    status = previous_status(run_dir)
+    if status == "finished":
+        raise ConfigError(f"run_id: run {cfg.run_id!r} finished (its summary.json says so): nothing to resume")
+    keep = {f: cfg.get(f) for f in RESUME_MAY_CHANGE if f in cfg.explicit}
+    run = load_config(saved, keep)
+    for f in sorted(cfg.explicit - set(RESUME_MAY_CHANGE) - set(_WHERE)):
+        if cfg.get(f) != run.get(f):
+            raise ConfigError(f"{f}: run {cfg.run_id!r} runs with {run.get(f)!r}; --resume continues it as it "
+                              f"was (only {', '.join(RESUME_MAY_CHANGE)} may change), so drop --{f} or start a "
+                              f"new run")
+    if "redis.url" in cfg.explicit:
+        url = cfg.redis.url
+    elif _embedded_data(run_dir):
+        if run.redis.cluster:
+            raise ConfigError("redis.cluster: a run on the local three-master cluster `pipeline up` starts cannot be "
+                              "resumed (its nodes' ports are in their cluster state); run on a server of your own "
+                              "(--redis-url) to resume")
+        url = ""  # the driver starts the run's own server again, on its data
+    else:
+        url = run.redis.url
+    return run.with_overrides({"run_id": cfg.run_id, "runs_dir": cfg.runs_dir, "redis.url": url})
+
+
+def previous_status(run_dir: Path) -> str:
+    """How the run's last driver ended: its summary's status, or ``driver gone`` when it wrote none."""
+    try:
+        return str(json.loads((run_dir / "summary.json").read_text()).get("status", "driver gone"))
+    except (OSError, ValueError):
+        return "driver gone"
+
+
+def record_resume(run_dir: Path, *, committed_version: int) -> int:
+    """Append this resume to ``<run_dir>/resumes.jsonl``; returns how many resumes it now holds."""
+    line = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "previous": previous_status(run_dir),
+            "committed_version": committed_version}
+    with open(run_dir / "resumes.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")
+    return resume_count(run_dir)
+
+
+def resume_count(run_dir: Path) -> int:
+    """How many times the run was resumed (lines of ``resumes.jsonl``)."""
+    try:
+        return sum(1 for line in (run_dir / "resumes.jsonl").read_text().splitlines() if line.strip())
+    except OSError:
+        return 0

@@ -1,0 +1,146 @@
+"""``pipeline up --resume`` (pipeline.run.resume): a run killed with everything it started (its
+driver, every worker and its own server, as a batch job's time limit or a session's end does)
+continues from its server's append-only file and its trainer's checkpoint, and finishes with
+every prompt accounted for; what cannot be resumed is refused before anything starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import redis
+from harness import CLI, TINY, up
+
+from pipeline.keys import Keys
+from pipeline.run.accounting import account
+
+STEPS = 30
+
+
+def _wait_for(cond, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        if proc is not None and proc.poll() is not None:
+            out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
+            raise AssertionError(f"the run exited ({proc.returncode}) before {what}:\n{out[-3000:]}")
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def _committed(run_dir: Path) -> int:
+    """The last step row of the run's metrics (0 before the first)."""
+    try:
+        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    except OSError:
+        return 0
+    return max((r["version"] for r in rows if r.get("kind") == "step"), default=0)
+
+
+def _kill_everything(runs_dir: Path, driver: subprocess.Popen, *, server: bool) -> None:
+    """SIGKILL the driver, every worker it recorded and (``server``) the server it started: nothing
+    stops cleanly, no stop key is set, no summary is written."""
+    info = json.loads((runs_dir / "cluster.json").read_text())
+    pids = [info["driver_pid"], *info["workers"].values(), *(info["server_pids"] if server else [])]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    driver.wait(30)
+    for pid in pids:  # gone, not merely signalled
+        _wait_for(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(pid), 30, f"pid {pid} to exit")
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
+    except (OSError, IndexError):
+        return True
+
+
+def _resume(tmp_path: Path, run_id: str, *extra: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    return subprocess.run([*CLI, "up", "--resume", "--run_id", run_id, "--runs_dir", str(tmp_path / "runs"), *extra],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, timeout=300)
+
+
+@pytest.mark.parametrize("where", ["embedded", "external"])
+def test_a_run_killed_with_everything_it_started_resumes_and_finishes_losing_nothing(tmp_path, tiny_base_model,
+                                                                                      redis_url, where):
+    run_id = f"resume-{where}"
+    runs_dir, run_dir = tmp_path / "runs", tmp_path / "runs" / run_id
+    extra = ["--redis.url", redis_url] if where == "external" else []
+    p = up(tmp_path, tiny_base_model, "--run_id", run_id, "--trainer.steps", str(STEPS),
+           "--trainer.checkpoint_every", "2", *extra)
+    _wait_for(lambda: _committed(run_dir) >= 3, 240, "step 3", p)
+    _kill_everything(runs_dir, p, server=where == "embedded")
+    killed_at = _committed(run_dir)
+    assert killed_at < STEPS and not (run_dir / "summary.json").exists()
+
+    # Not a new run: the same id without --resume is refused, and says how to continue it.
+    fresh = subprocess.run([*CLI, "up", "--config", str(TINY), "--run_id", run_id, "--runs_dir", str(runs_dir),
+                            "--model.base_dir", str(tiny_base_model), *extra],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=tmp_path, timeout=120,
+                           env={k: v for k, v in os.environ.items() if k != "REDIS_URL"})
+    said = fresh.stdout.decode(errors="replace")
+    assert fresh.returncode != 0 and "already has data" in said and "--resume" in said, said[-2000:]
+
+    done = _resume(tmp_path, run_id)
+    out = done.stdout.decode(errors="replace")
+    assert done.returncode == 0, out[-4000:]
+    assert "resuming run" in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps"] == STEPS, out[-3000:]
+    assert summary["driver_resumes"] == 1
+    (line,) = [json.loads(x) for x in (run_dir / "resumes.jsonl").read_text().splitlines()]
+    assert line["previous"] == "driver gone" and 2 <= line["committed_version"] <= killed_at
+    acc = summary["accounting"]
+    assert acc["ok"] and acc["lost"] == 0 and acc["unexpected"] == 0 and acc["trained_once"], acc
+    # The trainer went on from its checkpoint (the versions never went back) to the last step.
+    events = [json.loads(x) for x in (run_dir / "logs" / "trainer.jsonl").read_text().splitlines()]
+    resumed = [e for e in events if e["event"] == "trainer_resumed"]
+    assert resumed and resumed[-1]["version"] >= 2
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step-{STEPS:06d}"
+    if where == "external":  # the server kept running: its streams show the same
+        r = redis.Redis.from_url(redis_url)
+        keys = Keys(run_id)
+        announced = [int(f[b"version"]) for _, f in r.xrange(keys.versions)]
+        assert announced == sorted(announced) and announced[-1] >= STEPS, "versions never went back"
+        assert account(r, keys)["ok"]
+
+    # A finished run is not resumed again.
+    again = _resume(tmp_path, run_id)
+    assert again.returncode == 2 and "finished" in again.stdout.decode(errors="replace")
+
+
+def test_resume_refuses_what_it_cannot_continue_before_starting_anything(tmp_path, tiny_base_model):
+    runs_dir = tmp_path / "runs"
+    missing = _resume(tmp_path, "no-such-run")
+    assert missing.returncode == 2 and "holds no config.toml" in missing.stdout.decode()
+    nameless = subprocess.run([*CLI, "up", "--resume", "--runs_dir", str(runs_dir)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, cwd=tmp_path, timeout=60)
+    assert nameless.returncode == 2 and "run_id" in nameless.stdout.decode()
+
+    # A run stopped by its timeout (its driver set the stop key as it stopped every stage): a field
+    # of its config may not change; the watch's timeout may, and the run then goes on to its end.
+    p = up(tmp_path, tiny_base_model, "--run_id", "short", "--trainer.steps", "8", "--cluster.timeout_s", "1")
+    out = p.communicate(timeout=240)[0].decode(errors="replace")
+    assert "timed out" in out, out[-2000:]
+    first = json.loads((runs_dir / "short" / "summary.json").read_text())
+    assert first["status"].startswith("timed out") and first["steps"] < 8
+    changed = _resume(tmp_path, "short", "--trainer.lr", "0.5")
+    said = changed.stdout.decode(errors="replace")
+    assert changed.returncode == 2 and "trainer.lr" in said and "--resume continues it as it was" in said, said
+    assert not (runs_dir / "short" / "resumes.jsonl").exists(), "nothing started"
+    done = _resume(tmp_path, "short", "--cluster.timeout_s", "300")
+    out = done.stdout.decode(errors="replace")
+    assert done.returncode == 0, out[-4000:]
+    summary = json.loads((runs_dir / "short" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps"] == 8 and summary["accounting"]["ok"]
+    (line,) = [json.loads(x) for x in (runs_dir / "short" / "resumes.jsonl").read_text().splitlines()]
+    assert line["previous"].startswith("timed out")
