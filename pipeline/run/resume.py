@@ -14,7 +14,8 @@ and the rollout archive. ``--resume`` starts the same run again from them:
   steps after it are redone, as after a trainer crash), the feeder from its recorded position,
   generators and verifiers claim what the dead ones held pending;
 - each resume is a line of ``<run_dir>/resumes.jsonl`` (when, the previous status, the
-  committed version it resumed at); the summary counts them (``driver_resumes``).
+  committed version it resumed at), and the last driver's summary is removed (the run is under
+  way again); the new summary counts the resumes (``driver_resumes``).
 
 A run that finished, a directory that is not a run, or a server that holds no data of the run
 is refused before anything starts, naming why.
@@ -90,6 +91,9 @@ def record_resume(run_dir: Path, *, committed_version: int) -> int:
             "committed_version": committed_version}
     with open(run_dir / "resumes.jsonl", "a") as f:
         f.write(json.dumps(line) + "\n")
+    # The run is under way again: the last driver's summary (kept in the line above) no longer says how it ended.
+    for name in ("summary.json", "summary.md"):
+        (run_dir / name).unlink(missing_ok=True)
     return resume_count(run_dir)
 
 
