@@ -7,7 +7,7 @@ reboot). Everything the run needs to go on is on disk: the server's append-only 
 and the rollout archive. ``--resume`` starts the same run again from them:
 
 - the config is the run's own ``<run_dir>/config.toml``; a field given on the command line may
-  only repeat it, except ``RESUME_MAY_CHANGE`` (how long and how verbosely the driver watches);
+  only repeat it, except ``RESUME_MAY_CHANGE`` (how the driver watches it, where its metrics are served);
 - a run whose server the driver started (``<run_dir>/redis`` holds its data) gets its server
   started again on that data, on a free port; a run on an external server reuses its URL;
 - the stop key the last driver set is removed; the trainer resumes from its last checkpoint (the
@@ -30,8 +30,9 @@ from pathlib import Path
 from pipeline.config import RunConfig, load_config
 from pipeline.config_base import ConfigError
 
-RESUME_MAY_CHANGE = ("cluster.timeout_s", "cluster.progress_every_s")
-"""Fields ``--resume`` lets the command line change; every other field is the run's own."""
+RESUME_MAY_CHANGE = ("cluster.timeout_s", "cluster.progress_every_s", "metrics.base_port")
+"""Fields ``--resume`` lets the command line change (how the driver watches the run and where its metrics are
+served; `make up-cluster` sets the port); every other field is the run's own."""
 _WHERE = ("run_id", "runs_dir", "redis.url")
 """Fields that say which run to resume and where its server is, not how it runs."""
 
