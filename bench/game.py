@@ -77,7 +77,9 @@ def overrides(game: Path, *, seed: int, steps: int, heldout_size: int, eval_ever
             "env.max_turns": MAX_TURNS, "generator.swap": "step", "verifier.reward": "environment",
             "generator.prompts_per_batch": 8, "trainer.groups_per_step": 8, "trainer.lr": lr,
             "trainer.warmup_steps": 0, "trainer.threads": 1, "trainer.steps": steps, "trainer.eval_every": eval_every,
-            "trainer.checkpoint_every": 10, "cluster.generators": 1, "cluster.verifiers": 1,
+            # A checkpoint every step: a run killed part-way (a session's end) and continued with
+            # --resume then loses no update (configuration A and B's seed 0 ran with 10).
+            "trainer.checkpoint_every": 1, "cluster.generators": 1, "cluster.verifiers": 1,
             # The trainer's forward and backward in pieces (SmolLM2's 49k-word logits over 64
             # episodes of ~170 tokens took 19 GB in one pass and were killed on a 24 GB machine),
             # and room for the evaluations (100 games, ~2-3 min each on two busy cores).

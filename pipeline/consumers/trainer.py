@@ -29,6 +29,7 @@ commit every ``checkpoint_every`` steps → publish the weights → evaluate now
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -324,6 +325,14 @@ def accuracy_by_source(items, right) -> dict[str, float]:
     return {name: float(np.mean(v)) for name, v in by.items()}
 
 
+def record_lost_versions(r, keys: Keys, versions) -> None:
+    """Add ``versions`` (published, their model died with a trainer before a checkpoint held it) to the
+    run's record of them (``lost_versions`` of ``{ns}:trainer``, a JSON list; the summary counts it). A
+    set, so a trainer that dies again before publishing anything counts no version twice."""
+    known = set(json.loads(r.hget(keys.trainer, "lost_versions") or "[]"))
+    r.hset(keys.trainer, "lost_versions", json.dumps(sorted(known | set(versions))))
+
+
 class Trainer:
     """The trainer process: its engine, held-out set, publisher, checkpoints and uncommitted steps."""
 
@@ -381,6 +390,7 @@ class Trainer:
                 # so the base becomes the next one, as after a crash past a checkpoint.
                 self.log.warning("versions_lost_in_crash", checkpoint=0, announced=announced,
                                  resume_as=announced + 1)
+                record_lost_versions(r, keys, range(1, announced + 1))
                 self.version = announced + 1
             if self.archive is not None:  # segments of a first attempt that died before a checkpoint go
                 self.archive.resumed(0, self.version)
@@ -400,6 +410,7 @@ class Trainer:
             # process. Versions only go up: the checkpoint's model becomes the next one.
             self.log.warning("versions_lost_in_crash", checkpoint=self.version, announced=announced,
                              resume_as=announced + 1)
+            record_lost_versions(r, keys, range(self.version + 1, announced + 1))
             self.version = announced + 1
         if self.archive is not None:
             abandoned = self.archive.resumed(state.version, self.version)

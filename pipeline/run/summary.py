@@ -72,6 +72,7 @@ def write_summary(cfg: RunConfig, r, keys, accounting: dict, base_info: dict, **
     # A step's row is written before its commit; a row past the last committed step (the trainer
     # died in between, or the run stopped) is of a step that never happened.
     committed = int(r.hget(keys.trainer, "committed_version") or 0)
+    lost = len(json.loads(r.hget(keys.trainer, "lost_versions") or "[]"))
     steps = [x for x in steps if x["version"] <= committed]
     evals = sorted({x["version"]: x for x in rows if x["kind"] == "eval"}.values(), key=lambda x: x["version"])
     stats = read_stats(r, keys)
@@ -89,7 +90,7 @@ def write_summary(cfg: RunConfig, r, keys, accounting: dict, base_info: dict, **
     summary = {
         "run_id": cfg.run_id, **extra,
         "reward_mode": cfg.verifier.reward, "max_staleness": cfg.trainer.max_staleness,
-        "steps": committed, "base_accuracy": base, "final_accuracy_mean_last3": final,
+        "steps": committed, "versions_lost_in_crashes": lost, "base_accuracy": base, "final_accuracy_mean_last3": final,
         "improvement_points": 100 * (final - base),
         "heldout_size": cfg.task.heldout_size, "evals": {e["version"]: e["heldout_accuracy"] for e in evals},
         "pretrain": base_info,
@@ -130,6 +131,10 @@ def write_summary(cfg: RunConfig, r, keys, accounting: dict, base_info: dict, **
         f"hidden accuracy of sampled answers: {summary['sample_accuracy_first10']:.3f} -> {summary['sample_accuracy_last10']:.3f}",
         f"- goodput (tokens trained / generated): {summary['goodput']:.3f}; trainer idle {summary['trainer_idle_fraction']:.1%}; worker restarts {summary['restarts']}",
         *_resume_lines(summary.get("trainer_resume_seconds") or []),
+        *([f"- {lost} version(s) lost in trainer crashes: published after the trainer's last checkpoint, their "
+           f"model died with it and the checkpoint's went on as the next version, so the final model has "
+           f"{committed - lost} updates behind it, not {committed} (`trainer.checkpoint_every 1` loses none)"]
+          if lost else []),
         *([f"- resumed {summary['driver_resumes']} time(s) with `pipeline up --resume` (resumes.jsonl); the "
            f"wall time is the last driver's"] if summary.get("driver_resumes") else []),
         f"- weights per version: {summary['weights_payload_bytes']:,} bytes (weights.payload {summary['weights_payload']})",
