@@ -255,7 +255,9 @@ def main(argv: list[str] | None = None) -> dict:
                 run_dir = run_up(label, over, runs_dir=ROOT / a.runs_dir, resume=cont)
             except RunFailed as e:  # a run that stopped early is kept, with its status, if it left a summary
                 run_dir = e.run_dir
-                if not (run_dir / "summary.json").exists():
+                # Not one stopped from outside (Ctrl-C, `pipeline down`): that one is continued by --resume.
+                if not (run_dir / "summary.json").exists() or \
+                        json.loads((run_dir / "summary.json").read_text()).get("status") == "interrupted":
                     raise
                 print(f"[game-s{seed}] {e}; recording it as it ended", flush=True)
             time.sleep(2)  # the generators stop their servers on the way out; give the last one a moment
