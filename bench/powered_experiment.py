@@ -24,8 +24,8 @@ problems and seeds, and each weaver arm's share of the single -> truth gap.
 Runs go seed-major (seed 0 of every arm of every task first), one at a time, niced; after each
 one bench/results/powered.json is rewritten, so an interrupted experiment keeps what finished
 and a rerun continues it; a run killed mid-way (with its driver: a session's end) is continued
-from its last checkpoint (`pipeline up --resume`), not started over. A progress line with an ETA comes between runs; each run's own
-progress lines pass through.
+from its last checkpoint (`pipeline up --resume`), not started over. A progress line with an ETA
+comes between runs; each run's own progress lines pass through.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ and the rollout archive. ``--resume`` starts the same run again from them:
 - a run whose server the driver started (``<run_dir>/redis`` holds its data) gets its server
   started again on that data, on a free port; a run on an external server reuses its URL;
 - the stop key the last driver set is removed; the trainer resumes from its last checkpoint (as
-  after a trainer crash: versions published after it are lost and counted, docs/faults.md), the feeder from its recorded position,
-  generators and verifiers claim what the dead ones held pending;
+  after a trainer crash: versions published after it are lost and counted, docs/faults.md), the
+  feeder from its recorded position, generators and verifiers claim what the dead ones held
+  pending;
 - each resume is a line of ``<run_dir>/resumes.jsonl`` (when, the previous status, the
   committed version it resumed at), and the last driver's summary is removed (the run is under
   way again); the new summary counts the resumes (``driver_resumes``).

@@ -90,7 +90,8 @@ def write_summary(cfg: RunConfig, r, keys, accounting: dict, base_info: dict, **
     summary = {
         "run_id": cfg.run_id, **extra,
         "reward_mode": cfg.verifier.reward, "max_staleness": cfg.trainer.max_staleness,
-        "steps": committed, "versions_lost_in_crashes": lost, "base_accuracy": base, "final_accuracy_mean_last3": final,
+        "steps": committed, "versions_lost_in_crashes": lost, "base_accuracy": base,
+        "final_accuracy_mean_last3": final,
         "improvement_points": 100 * (final - base),
         "heldout_size": cfg.task.heldout_size, "evals": {e["version"]: e["heldout_accuracy"] for e in evals},
         "pretrain": base_info,
