@@ -42,8 +42,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline_runs import (RESULTS, ROOT, RunFailed, accounting_of, md_table, plot_episode_curves, read_run, run_up,
-                           step_series, unfinished_run)
+from pipeline.run.resume import previous_status
+from pipeline_runs import (RESULTS, ROOT, STOPPED_SHORT, RunFailed, accounting_of, md_table, plot_episode_curves,
+                           read_run, run_up, step_series, unfinished_run)
 
 GAME = ROOT / "examples" / "number_hunt"
 PROMPT = "Let us play a guessing game. Answer every time with a single number and nothing else."
@@ -256,8 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
             except RunFailed as e:  # a run that stopped early is kept, with its status, if it left a summary
                 run_dir = e.run_dir
                 # Not one stopped from outside (Ctrl-C, `pipeline down`): that one is continued by --resume.
-                if not (run_dir / "summary.json").exists() or \
-                        json.loads((run_dir / "summary.json").read_text()).get("status") == "interrupted":
+                if previous_status(run_dir) in STOPPED_SHORT:
                     raise
                 print(f"[game-s{seed}] {e}; recording it as it ended", flush=True)
             time.sleep(2)  # the generators stop their servers on the way out; give the last one a moment

@@ -18,6 +18,9 @@ import time
 from collections import deque
 from pathlib import Path
 
+from pipeline.config import load_config
+from pipeline.run.resume import previous_status
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 PIPELINE = [sys.executable, "-m", "pipeline.cli"]
@@ -70,23 +73,20 @@ def run_up(label: str, overrides: dict[str, object], *, runs_dir: Path, nice: in
     return run_dir
 
 
+STOPPED_SHORT = ("driver gone", "interrupted")
+"""How a run ended (``pipeline.run.resume.previous_status``) that the benches continue with --resume:
+killed with its driver (no summary), or stopped from outside; not one that ended by its own settings."""
+
+
 def unfinished_run(label: str, overrides: dict[str, object], *, runs_dir: Path,
                    config: Path | None = None) -> Path | None:
     """The newest run of ``label`` (a run id ``run_up`` made for it) whose driver stopped before the run
     ended (no summary: killed with everything it started; or interrupted) and whose config has every
     one of ``overrides`` (and ``config``'s fields): the run ``run_up(..., resume=...)`` continues."""
-    from pipeline.config import load_config
-
     pattern = re.compile(re.escape(label) + r"-\d{4}-\d{6}$")
     want = load_config(config, {k: str(v) for k, v in overrides.items()})
     for run_dir in sorted((d for d in runs_dir.glob(f"{label}-*") if pattern.match(d.name)), reverse=True):
-        try:
-            status = json.loads((run_dir / "summary.json").read_text()).get("status")
-        except FileNotFoundError:
-            status = None
-        except (OSError, ValueError):
-            continue
-        if status not in (None, "interrupted") or not (run_dir / "config.toml").is_file():
+        if previous_status(run_dir) not in STOPPED_SHORT or not (run_dir / "config.toml").is_file():
             continue
         try:
             have = load_config(run_dir / "config.toml")
