@@ -52,6 +52,7 @@ TASKS = 2
 SEEDS = (0, 1, 2)
 STEPS = 120
 EVAL_EVERY = 20
+CHECKPOINT_EVERY = 1
 HELDOUT = 500
 LABELS = 128
 RESAMPLES = 10_000
@@ -130,7 +131,7 @@ lr = 3e-6
 warmup_steps = 0
 threads = 1
 eval_every = {EVAL_EVERY}
-checkpoint_every = {EVAL_EVERY}
+checkpoint_every = {CHECKPOINT_EVERY}
 
 [cluster]
 generators = 1
@@ -163,7 +164,7 @@ def run_one(task: dict, arm: str, seed: int, *, config: Path, runs_dir: Path, st
     run_dir = run_up(label, overrides, runs_dir=runs_dir, config=config, resume=cont)
     wall = time.time() - t0
     for ckpt in (run_dir / "checkpoints").glob("step-*"):
-        shutil.rmtree(ckpt, ignore_errors=True)  # model and optimizer at every evaluation; final/ stays
+        shutil.rmtree(ckpt, ignore_errors=True)  # model and optimizer of the last steps; final/ stays
     final = evaluate(run_dir / "config.toml", str(run_dir / "checkpoints" / "final"), run_dir / "final_eval.json")
     run = read_run(run_dir)
     s = run["summary"]
@@ -175,6 +176,7 @@ def run_one(task: dict, arm: str, seed: int, *, config: Path, runs_dir: Path, st
     return {"run": str(run_dir.relative_to(ROOT)) if run_dir.is_relative_to(ROOT) else str(run_dir),
             "commit": commit or None,
             "wall_seconds": round(wall, 1), "resumes": s.get("driver_resumes", 0),
+            "versions_lost": s.get("versions_lost_in_crashes", 0),
             "evals": dict(zip(map(str, x), y)),
             "final_correct": final, "final": float(np.mean(final)),
             "accounting_ok": bool(acc.get("ok", s.get("accounting_ok"))), "lost": acc.get("lost"),
@@ -318,16 +320,18 @@ def report(result: dict, out: Path, name: str) -> None:
             a = st.get("arms", {}).get(arm)
             runs = t["runs"].get(arm, {})
             if not a:
-                rows.append([arm, "0", "not run", "", "", ""])
+                rows.append([arm, "0", "not run", "", "", "", ""])
                 continue
             iv = a["gain_vs_base"]
             walls = [r["wall_seconds"] for r in runs.values()]
             ok = all(r["accounting_ok"] for r in runs.values())
+            resumed = (f"{sum(r.get('resumes', 0) for r in runs.values())} / "
+                       f"{sum(r.get('versions_lost') or 0 for r in runs.values())}")
             rows.append([arm, a["seeds"], f"{pct(a['gain_median'])} ({pct(a['gain_min'])} to {pct(a['gain_max'])})",
                          f"{pct(iv['mean'])} [{pct(iv['low'])}, {pct(iv['high'])}]",
-                         f"{np.median(walls) / 60:.0f} min", "balanced" if ok else "**not balanced**"])
+                         f"{np.median(walls) / 60:.0f} min", resumed, "balanced" if ok else "**not balanced**"])
         lines += [md_table(["arm", "seeds", "gain, median (range), points", "gain, mean [95% interval]",
-                            "wall per run", "accounting"], rows)]
+                            "wall per run", "resumes / versions lost", "accounting"], rows)]
         if st.get("paired"):
             lines += ["Paired differences of final accuracy (points; mean over seeds, 95% bootstrap interval "
                       "over problems and seeds):", "",
