@@ -4,7 +4,7 @@ that record (seconds, not hours).
 
     python bench/bench_panel.py                      # pilot, record, analyse (resumes a record)
     python bench/bench_panel.py --tasks 2 --groups 8 # a small end-to-end run
-    python bench/bench_panel.py --analyse            # only the comparison, from the cache
+    python bench/bench_panel.py --analyse            # only the comparison, from the cache (--cache DIR)
 
 **The tasks** (the rule, fixed before any panel score was seen). From ``CANDIDATES``
 (reasoning-gym datasets with numeric answers, at the difficulty each names), in that order,
@@ -333,7 +333,47 @@ def analyse_task(rows: list[dict], seed: int = 0) -> dict:
             out["methods"][label.replace("score model", "score model (earlier)")] = {
                 **figures(post, truth[ev], pi=float(sm.pi)), "used": sm.used, "warnings": sm.warnings}
     out["targets"] = targets(out["methods"])
+    out["wrong_answer_agreement"] = wrong_answer_agreement(votes, truth, names, sound)
     return out
+
+
+def _midranks(x: np.ndarray) -> np.ndarray:
+    order = np.argsort(x, kind="mergesort")
+    xs = x[order]
+    ranks = np.empty(len(x))
+    i = 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[i]:
+            j += 1
+        ranks[order[i:j + 1]] = (i + j) / 2
+        i = j + 1
+    return ranks
+
+
+def wrong_answer_agreement(votes: np.ndarray, truth: np.ndarray, names: list[str], sound: list[str]) -> dict:
+    """How judges of different models agree on the wrong answers alone (rank correlation over the
+    completions that are wrong and that no sound check fails): for each pair of ``lm_judge`` members of
+    different models, whether they ask with the same prompt. Label-free, π is identified only if
+    judges of different families are independent given correctness; a correlation among the wrong
+    answers is a shared error that independence rules out."""
+    flat, y = votes.reshape(-1, len(names)), truth.ravel()
+    keep = y == 0
+    for n in sound:
+        col = flat[:, names.index(n)]
+        keep &= ~(np.isfinite(col) & (col <= np.nanmin(col)))
+    judges = [(j, n.rsplit("@", 1)) for j, n in enumerate(names) if n.startswith("lm_judge:") and "@" in n]
+    same, other = [], []
+    for ia, (a, (ma, pa)) in enumerate(judges):
+        for b, (mb, pb) in judges[ia + 1:]:
+            if ma == mb:
+                continue
+            ok = keep & np.isfinite(flat[:, a]) & np.isfinite(flat[:, b])
+            if ok.sum() < 3 or np.std(flat[ok, a]) == 0 or np.std(flat[ok, b]) == 0:
+                continue
+            r = float(np.corrcoef(_midranks(flat[ok, a]), _midranks(flat[ok, b]))[0, 1])
+            (same if pa == pb else other).append({"a": names[a], "b": names[b], "r": round(r, 2)})
+    return {"wrong_answers": int(keep.sum()), "same_prompt": same, "different_prompt": other}
 
 
 def targets(methods: dict) -> list[dict]:
@@ -365,8 +405,12 @@ def targets(methods: dict) -> list[dict]:
 def analyse(cache: Path, out_dir: Path) -> dict:
     pilot_path = cache / "pilot.json"
     chosen = [d for d in json.loads(pilot_path.read_text()) if d["chosen"]] if pilot_path.is_file() else []
-    result = {"time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rule": __doc__.split("**The tasks**")[1]
-              .split("**The base model**")[0].strip(), "pilot": json.loads(pilot_path.read_text())
+    where = cache.resolve()
+    shown = where.relative_to(ROOT) if where.is_relative_to(ROOT) else where
+    command = "python bench/bench_panel.py --analyse" + ("" if where == (ROOT / "artifacts" / "panel").resolve()
+                                                          else f" --cache {shown}")
+    result = {"time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": command,
+              "rule": __doc__.split("**The tasks**")[1].split("**The base model**")[0].strip(), "pilot": json.loads(pilot_path.read_text())
               if pilot_path.is_file() else [], "tasks": {}}
     for task in chosen:
         path = cache / f"{task['key']}.jsonl"
@@ -386,9 +430,28 @@ def _status(result: dict) -> str:
             + (tasks or "no task has 4 groups yet") + ".")
 
 
+def _agreement_lines(w: dict | None) -> list[str]:
+    """The why of a label-free miss: judges of different models agreeing on the wrong answers."""
+    if not w or not (w["same_prompt"] or w["different_prompt"]):
+        return []
+
+    def pairs(xs: list[dict]) -> str:
+        return ", ".join(f"`{x['a'].rsplit('@', 1)[1]}` {x['r']:+.2f}" for x in xs) or "none"
+
+    def mean(xs: list[dict]) -> str:
+        return f"{np.mean([x['r'] for x in xs]):+.2f}" if xs else "-"
+    return [f"On the {w['wrong_answers']} wrong answers that no sound check fails, judges of the two models "
+            f"rank alike when they ask with the same prompt ({pairs(w['same_prompt'])}; rank correlation) and "
+            f"{mean(w['different_prompt'])} on average with different prompts "
+            f"({len(w['different_prompt'])} pairs). Independent given correctness they would not correlate "
+            "there: the two families share their errors through the prompt, so the independence a "
+            "label-free pi rests on does not hold for this panel (why the label-free aims above can miss).", ""]
+
+
 def markdown(result: dict) -> str:
     lines = ["# The verifier panel on recorded real votes", "",
-             f"`python bench/bench_panel.py --analyse`, {result['time']}, from the cache `bench/bench_panel.py` "
+             f"`{result.get('command', 'python bench/bench_panel.py --analyse')}`, {result['time']}, from the "
+             "cache `bench/bench_panel.py` "
              "records (its docstring gives the recipe). Figures on each task's evaluation split (groups of odd "
              "index); the best single verifier is picked by AUC on the labelled split (even index).", "",
              "## The tasks", "", "The rule, " + result["rule"].removeprefix("(the rule, ").replace(").", ":", 1), "",
@@ -408,6 +471,7 @@ def markdown(result: dict) -> str:
                             for name, f in t["methods"].items()]),
                   md_table(["aim", "met", "by"], [[a["aim"], {True: "yes", False: "**missed**", None: "-"}[a["met"]],
                                                    a["by"]] for a in t.get("targets", [])]),
+                  *_agreement_lines(t.get("wrong_answer_agreement")),
                   md_table(["member", "AUC (labelled)", "AUC (evaluation)", "selection accuracy", "s per completion"],
                            [[f"`{n}`", None if f["auc_labelled"] is None else round(f["auc_labelled"], 3), f["auc"],
                              f["selection_accuracy"], f["seconds_per_completion"]] for n, f in t["members"].items()])]
@@ -425,6 +489,10 @@ def main() -> int:
     ap.add_argument("--resume", action="store_true", default=True,
                     help="continue each task's record where it ends (the default; records are append-only)")
     args = ap.parse_args()
+    if args.analyse and not (args.cache / "pilot.json").is_file():
+        # An empty cache would write an empty comparison over the committed one.
+        raise SystemExit(f"--analyse: {args.cache} holds no record (no pilot.json); the committed record is "
+                         f"--cache bench/results/panel-cache, or record one first (without --analyse)")
     args.cache.mkdir(parents=True, exist_ok=True)
     if not args.analyse:
         for d in (SMOL, GEMMA):

@@ -699,11 +699,14 @@ def panel_section(res: dict) -> list[str]:
     """The section of bench/results/panel.json (``make bench-panel``): per task, AUC and selection
     accuracy of each aggregation on the evaluation split, and the panel's aims met or missed."""
     out = ["## The verifier panel on recorded votes (bench/results/panel.md)\n",
-           f"`python bench/bench_panel.py --analyse` ({res['time']}): SmolLM2-135M-Instruct's samples of each "
+           f"`{res.get('command', 'python bench/bench_panel.py --analyse')}` ({res['time']}): "
+           "SmolLM2-135M-Instruct's samples of each "
            "reasoning-gym task, scored by a nine-member panel of two model families (SmolLM2 and Gemma 3 270M judges, "
            "answer-level checks), aggregations compared on the evaluation split; AUC / selection accuracy "
            "(pick-best-of-8). The aims: with at most 128 labels AUC >= best single - 0.01 and selection >= best "
-           "single; label-free AUC above mean and majority and pi within 0.05.\n",
+           "single; label-free AUC above mean and majority and pi within 0.05. Where a label-free aim misses, "
+           "panel.md says why: on the wrong answers the two models' judges agree when they share a prompt, so "
+           "the families are not independent given correctness.\n",
            "| task | completions (share right) | best single | mean | majority | label model, label-free | "
            "score model, label-free (pi error) | score model, 128 labels | aims met |",
            "|---|---|---|---|---|---|---|---|---|"]

@@ -323,3 +323,32 @@ def test_the_guard_scores_the_fit_on_labels_it_did_not_hold():
         in_sample = fit_score_model(v, names, labels=(labelled, y[labelled]), guard="mean").report()["label_auc"]
         crossed = fit_score_model(v, names, labels=(labelled, y[labelled])).report()["label_auc"]
         assert in_sample["out_of_bag"]["fit"] > 0.6 and crossed["out_of_bag"]["fit"] < 0.6
+
+
+def test_the_panel_bench_measures_how_judges_of_two_models_agree_on_wrong_answers():
+    """bench_panel.wrong_answer_agreement: a nuisance each prompt puts into both models' scores shows as a
+    rank correlation of the same-prompt pairs on the wrong answers; judges independent given the truth
+    show none; rows a sound check fails (every judge at its floor) are left out."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import bench_panel
+
+    names = ["lm_judge:m1@p", "lm_judge:m1@q", "lm_judge:m2@p", "lm_judge:m2@q", "states_answer:last_number"]
+    rng = np.random.default_rng(0)
+    n = 4000
+    y = (rng.random(n) < 0.1).astype(float)
+    stated = rng.random(n) < 0.8  # the rest fail the sound check: every judge at 0
+    for shared, low, high in ((2.0, 0.6, 1.0), (0.0, -0.1, 0.1)):
+        nuis = {p: rng.normal(size=n) for p in "pq"}
+        cols = [1 / (1 + np.exp(-(2 * y - 1 + shared * nuis[name[-1]] + rng.normal(size=n)))) for name in names[:4]]
+        v = np.stack([*(np.where(stated, c, 0.0) for c in cols), stated.astype(float)], axis=1)
+        w = bench_panel.wrong_answer_agreement(v.reshape(-1, 8, 5), y.reshape(-1, 8), names,
+                                               ["states_answer:last_number"])
+        assert w["wrong_answers"] == int(((y == 0) & stated).sum())
+        assert sorted((x["a"], x["b"]) for x in w["same_prompt"]) == [("lm_judge:m1@p", "lm_judge:m2@p"),
+                                                                      ("lm_judge:m1@q", "lm_judge:m2@q")]
+        assert len(w["different_prompt"]) == 2  # m1@p-m2@q, m1@q-m2@p; pairs of one model are not counted
+        assert all(low < x["r"] < high for x in w["same_prompt"])
+        assert all(-0.1 < x["r"] < 0.1 for x in w["different_prompt"])
