@@ -109,7 +109,7 @@ def summarize_run(run_dir: Path, seed: int, left: list[str]) -> dict:
         "heldout_success": acc, "heldout_turns": turns, "heldout_env_errors": [e.get("heldout_env_errors") for e in ev],
         "train_versions": train_versions, "train_env_reward": train_reward,
         "train_turns": step_series(run, "turns_mean")[1],
-        "steps": s.get("steps"), "wall_s": s.get("wall_seconds"), "servers_left": left, "status": s.get("status"),
+        "steps": s.get("steps"), "wall_s": s.get("wall_seconds_total", s.get("wall_seconds")), "servers_left": left, "status": s.get("status"),
         "restarts": s.get("restarts"), "resumes": s.get("driver_resumes", 0),
         "versions_lost": s.get("versions_lost_in_crashes", 0),
         "accounting": accounting_of(s),

@@ -175,7 +175,8 @@ def run_one(task: dict, arm: str, seed: int, *, config: Path, runs_dir: Path, st
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     return {"run": str(run_dir.relative_to(ROOT)) if run_dir.is_relative_to(ROOT) else str(run_dir),
             "commit": commit or None,
-            "wall_seconds": round(wall, 1), "resumes": s.get("driver_resumes", 0),
+            # Over every driver of a resumed run (this process saw only the last one's part).
+            "wall_seconds": round(s.get("wall_seconds_total") or wall, 1), "resumes": s.get("driver_resumes", 0),
             "versions_lost": s.get("versions_lost_in_crashes", 0),
             "evals": dict(zip(map(str, x), y)),
             "final_correct": final, "final": float(np.mean(final)),

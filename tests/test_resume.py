@@ -77,9 +77,16 @@ def test_a_run_killed_with_everything_it_started_resumes_and_finishes_losing_not
     extra = ["--redis.url", redis_url] if where == "external" else []
     p = up(tmp_path, tiny_base_model, "--run_id", run_id, "--trainer.steps", str(STEPS),
            "--trainer.checkpoint_every", "2", *extra)
+    launched = time.time()
     _wait_for(lambda: _committed(run_dir) >= 3, 240, "step 3", p)
+    driver_pid = json.loads((runs_dir / "cluster.json").read_text())["driver_pid"]
     _kill_everything(runs_dir, p, server=where == "embedded")
+    killed = time.time()
     killed_at = _committed(run_dir)
+    # The driver left no summary, but its heartbeat says how long it ran (it beats every 2 s).
+    beat = json.loads((run_dir / "driver.json").read_text())
+    assert beat["pid"] == driver_pid and launched <= beat["started"] < beat["alive_at"] <= killed
+    assert killed - beat["alive_at"] < 10
     if where == "external":  # what the trainer announced past its last checkpoint died with it
         announced = int(redis.Redis.from_url(redis_url).hget(Keys(run_id).trainer, "version"))
         kept = int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("step-"))
@@ -103,6 +110,9 @@ def test_a_run_killed_with_everything_it_started_resumes_and_finishes_losing_not
     assert summary["driver_resumes"] == 1
     (line,) = [json.loads(x) for x in (run_dir / "resumes.jsonl").read_text().splitlines()]
     assert line["previous"] == "driver gone" and 2 <= line["committed_version"] <= killed_at
+    assert line["previous_wall_s"] == pytest.approx(beat["alive_at"] - beat["started"], abs=0.1)
+    assert summary["wall_seconds_total"] == pytest.approx(line["previous_wall_s"] + summary["wall_seconds"], abs=0.2)
+    assert "over all its drivers" in (run_dir / "summary.md").read_text()
     acc = summary["accounting"]
     assert acc["ok"] and acc["lost"] == 0 and acc["unexpected"] == 0 and acc["trained_once"], acc
     # The trainer went on from its checkpoint (the versions never went back) to the last step.
@@ -149,3 +159,5 @@ def test_resume_refuses_what_it_cannot_continue_before_starting_anything(tmp_pat
     assert summary["status"] == "finished" and summary["steps"] == 8 and summary["accounting"]["ok"]
     (line,) = [json.loads(x) for x in (runs_dir / "short" / "resumes.jsonl").read_text().splitlines()]
     assert line["previous"].startswith("timed out")
+    assert line["previous_wall_s"] == pytest.approx(first["wall_seconds"], abs=0.1)
+    assert summary["wall_seconds_total"] == pytest.approx(first["wall_seconds"] + summary["wall_seconds"], abs=0.2)

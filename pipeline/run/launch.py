@@ -46,7 +46,7 @@ from pipeline.run.chaos import verdict
 from pipeline.run.down import reclaim_stale, remove_weight_files
 from pipeline.run.plan import log_file, run_config, stage_command, worker_table
 from pipeline.run.preflight import check_run
-from pipeline.run.resume import record_resume, resume_count
+from pipeline.run.resume import beat, record_resume, resume_count, total_wall
 from pipeline.common.procs import proc_start_time
 from pipeline.run.summary import write_summary
 from pipeline.run.supervisor import Supervisor, WorkerFailed, report_failure
@@ -213,7 +213,7 @@ def supervise(c: Cluster, start: float) -> str:
         c.record()
         if c.chaos:
             c.injector = start_injector(c)
-        last_print, base_checked = 0.0, False
+        last_print, last_beat, base_checked = 0.0, 0.0, False
         # The trainer exiting 0 ends the run (finished, or stopped); any other exit of any
         # worker, the trainer included (it resumes from its checkpoint), is a restart.
         while c.procs["trainer"].poll() != 0:
@@ -223,6 +223,9 @@ def supervise(c: Cluster, start: float) -> str:
                 status = f"timed out: the trainer did not finish within cluster.timeout_s={cfg.cluster.timeout_s}"
                 print(f"pipeline: {status}; stopping every stage", file=sys.stderr, flush=True)
                 break
+            if time.time() - last_beat >= 2.0:
+                beat(cfg.run_dir, start)
+                last_beat = time.time()
             if time.time() - last_print >= cfg.cluster.progress_every_s:
                 print(progress_line(c, start), flush=True)
                 last_print = time.time()
@@ -332,8 +335,10 @@ def finish(c: Cluster, base_info: dict, status: str, start: float) -> int:
     extra = {}
     if c.chaos:
         extra["chaos"] = {**chaos_summary(run_dir), "verdict": verdict(accounting, finished=status == "finished")}
+    wall = time.time() - start
     summary = write_summary(cfg, c.r, c.keys, accounting, base_info, status=status,
-                            wall_seconds=time.time() - start, restarts=c.restarts,
+                            wall_seconds=wall, wall_seconds_total=round(total_wall(run_dir, wall), 1),
+                            restarts=c.restarts,
                             trainer_resume_seconds=c.resume_seconds,
                             server_restarts=c.server_restarts, driver_resumes=resume_count(run_dir), **extra)
     c.server.stop()

@@ -15,8 +15,10 @@ and the rollout archive. ``--resume`` starts the same run again from them:
   feeder from its recorded position, generators and verifiers claim what the dead ones held
   pending;
 - each resume is a line of ``<run_dir>/resumes.jsonl`` (when, the previous status, the
-  committed version it resumed at), and the last driver's summary is removed (the run is under
-  way again); the new summary counts the resumes (``driver_resumes``).
+  committed version it resumed at, how long the previous driver ran: its summary's wall time,
+  or, killed before it wrote one, the span of its heartbeat ``<run_dir>/driver.json``), and the
+  last driver's summary is removed (the run is under way again); the new summary counts the
+  resumes (``driver_resumes``) and the wall time over every driver (``wall_seconds_total``).
 
 A run that finished, a directory that is not a run, or a server that holds no data of the run
 is refused before anything starts, naming why.
@@ -25,6 +27,7 @@ is refused before anything starts, naming why.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -87,10 +90,51 @@ def previous_status(run_dir: Path) -> str:
         return "driver gone"
 
 
+HEARTBEAT = "driver.json"
+"""The driver's heartbeat in the run directory: when it started and when it was last alive (``beat``)."""
+
+
+def beat(run_dir: Path, started: float) -> None:
+    """Write the driver's heartbeat: a driver killed with everything it started leaves no summary,
+    and this says how long it ran."""
+    tmp = run_dir / f".{HEARTBEAT}.tmp"
+    tmp.write_text(json.dumps({"pid": os.getpid(), "started": round(started, 3), "alive_at": round(time.time(), 3)}))
+    os.replace(tmp, run_dir / HEARTBEAT)
+
+
+def previous_wall(run_dir: Path) -> float | None:
+    """How long the run's last driver ran: its summary's ``wall_seconds``, or, killed before it
+    wrote one, its heartbeat's span; None when neither says."""
+    try:
+        return float(json.loads((run_dir / "summary.json").read_text())["wall_seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        hb = json.loads((run_dir / HEARTBEAT).read_text())
+        return max(0.0, float(hb["alive_at"]) - float(hb["started"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def total_wall(run_dir: Path, this_driver: float) -> float:
+    """Wall time over every driver of the run: the earlier drivers' (``resumes.jsonl``, where known)
+    and this one's."""
+    earlier = 0.0
+    try:
+        for line in (run_dir / "resumes.jsonl").read_text().splitlines():
+            if line.strip():
+                earlier += float(json.loads(line).get("previous_wall_s") or 0.0)
+    except (OSError, ValueError):
+        pass
+    return earlier + this_driver
+
+
 def record_resume(run_dir: Path, *, committed_version: int) -> int:
     """Append this resume to ``<run_dir>/resumes.jsonl``; returns how many resumes it now holds."""
+    wall = previous_wall(run_dir)
     line = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "previous": previous_status(run_dir),
-            "committed_version": committed_version}
+            "committed_version": committed_version,
+            "previous_wall_s": None if wall is None else round(wall, 1)}
     with open(run_dir / "resumes.jsonl", "a") as f:
         f.write(json.dumps(line) + "\n")
     # The run is under way again: the last driver's summary (kept in the line above) no longer says how it ended.

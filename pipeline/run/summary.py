@@ -136,8 +136,9 @@ def write_summary(cfg: RunConfig, r, keys, accounting: dict, base_info: dict, **
            f"model died with it and the checkpoint's went on as the next version, so the final model has "
            f"{committed - lost} updates behind it, not {committed} (`trainer.checkpoint_every 1` loses none)"]
           if lost else []),
-        *([f"- resumed {summary['driver_resumes']} time(s) with `pipeline up --resume` (resumes.jsonl); the "
-           f"wall time is the last driver's"] if summary.get("driver_resumes") else []),
+        *([f"- resumed {summary['driver_resumes']} time(s) with `pipeline up --resume` (resumes.jsonl): "
+           f"{summary.get('wall_seconds_total', summary['wall_seconds']):.0f} s over all its drivers, the "
+           f"steps line above is the last driver's"] if summary.get("driver_resumes") else []),
         f"- weights per version: {summary['weights_payload_bytes']:,} bytes (weights.payload {summary['weights_payload']})",
         *([f"- rollout archive: {summary['archive_steps']} steps, {summary['archive_bytes']:,} bytes, "
            f"{summary['archive_bytes_per_group']:,.0f} bytes per group (archive/, docs/reproducibility.md)"]
