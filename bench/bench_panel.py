@@ -232,24 +232,28 @@ def record(sampler: Sampler, task: dict, cache: Path, groups: int, panel: list[s
 # --------------------------------------------------------------------------- the comparison
 
 
+def _midranks(x: np.ndarray) -> np.ndarray:
+    """0-based ranks of ``x``, ties given the mean of their ranks."""
+    order = np.argsort(x, kind="mergesort")
+    xs = x[order]
+    ranks = np.empty(len(x))
+    i = 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[i]:
+            j += 1
+        ranks[order[i:j + 1]] = (i + j) / 2
+        i = j + 1
+    return ranks
+
+
 def auc(scores: np.ndarray, truth: np.ndarray) -> float | None:
     s, t = np.asarray(scores, dtype=np.float64).ravel(), np.asarray(truth).ravel()
     s = np.where(np.isnan(s), -np.inf, s)  # an abstention ranks below every score
     pos, neg = s[t == 1], s[t == 0]
     if not len(pos) or not len(neg):
         return None
-    order = np.argsort(np.concatenate([pos, neg]), kind="mergesort")
-    allv = np.concatenate([pos, neg])[order]
-    ranks = np.empty(len(allv))
-    i = 0
-    while i < len(allv):  # mid-ranks of ties
-        j = i
-        while j + 1 < len(allv) and allv[j + 1] == allv[i]:
-            j += 1
-        ranks[i:j + 1] = (i + j) / 2 + 1
-        i = j + 1
-    r = np.empty(len(allv))
-    r[order] = ranks
+    r = _midranks(np.concatenate([pos, neg])) + 1
     return float((r[:len(pos)].sum() - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg)))
 
 
@@ -335,20 +339,6 @@ def analyse_task(rows: list[dict], seed: int = 0) -> dict:
     out["targets"] = targets(out["methods"])
     out["wrong_answer_agreement"] = wrong_answer_agreement(votes, truth, names, sound)
     return out
-
-
-def _midranks(x: np.ndarray) -> np.ndarray:
-    order = np.argsort(x, kind="mergesort")
-    xs = x[order]
-    ranks = np.empty(len(x))
-    i = 0
-    while i < len(xs):
-        j = i
-        while j + 1 < len(xs) and xs[j + 1] == xs[i]:
-            j += 1
-        ranks[order[i:j + 1]] = (i + j) / 2
-        i = j + 1
-    return ranks
 
 
 def wrong_answer_agreement(votes: np.ndarray, truth: np.ndarray, names: list[str], sound: list[str]) -> dict:
