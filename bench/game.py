@@ -83,8 +83,8 @@ def overrides(game: Path, *, seed: int, steps: int, heldout_size: int, eval_ever
             "trainer.checkpoint_every": 1, "cluster.generators": 1, "cluster.verifiers": 1,
             # The trainer's forward and backward in pieces (SmolLM2's 49k-word logits over 64
             # episodes of ~170 tokens took 19 GB in one pass and were killed on a 24 GB machine),
-            # and room for the evaluations (100 games, ~2-3 min each on two busy cores).
-            "trainer.max_tokens_per_microbatch": 2048, "cluster.timeout_s": 7200,
+            # and room for the evaluations (100 games, ~2-3 min each on two busy cores): 6 minutes a step.
+            "trainer.max_tokens_per_microbatch": 2048, "cluster.timeout_s": 360 * steps,
             "trainer.seed": seed, "feeder.seed": seed, "generator.seed": seed,
             **({"env.max_turn_tokens": max_turn_tokens} if max_turn_tokens else {})}
 
