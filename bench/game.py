@@ -53,6 +53,8 @@ MAX_NEW_TOKENS = 128
 """The whole episode's budget: the rules (~40 tokens), four short replies and three answers with their turn
 markers (~12 tokens each); a reply that rambles runs out of it unrewarded."""
 PROMPT_ROWS = 400
+EVAL_EVERY = 5
+"""Steps between held-out evaluations (``--eval-every``)."""
 
 
 def copy_game(dest: Path) -> Path:
@@ -84,7 +86,7 @@ def overrides(game: Path, *, seed: int, steps: int, heldout_size: int, eval_ever
             # The trainer's forward and backward in pieces (SmolLM2's 49k-word logits over 64
             # episodes of ~170 tokens took 19 GB in one pass and were killed on a 24 GB machine),
             # and room for the evaluations (100 games, ~2-3 min each on two busy cores): 6 minutes a step.
-            "trainer.max_tokens_per_microbatch": 2048, "cluster.timeout_s": 360 * steps,
+            "trainer.max_tokens_per_microbatch": 2048, "cluster.timeout_s": max(1800, 360 * steps),
             "trainer.seed": seed, "feeder.seed": seed, "generator.seed": seed,
             **({"env.max_turn_tokens": max_turn_tokens} if max_turn_tokens else {})}
 
@@ -128,21 +130,29 @@ def plot(res: dict, path: Path) -> None:
 
 def plan_key(a) -> list:
     """What a kept run must have been run with to count for these arguments (``--resume``)."""
-    if (a.max_new_tokens, a.max_turn_tokens) == (MAX_NEW_TOKENS, 0):
-        return [a.steps, a.lr]
-    return [a.steps, a.lr, a.max_new_tokens, a.max_turn_tokens]
+    key = [a.steps, a.lr]
+    if (a.max_new_tokens, a.max_turn_tokens) != (MAX_NEW_TOKENS, 0):
+        key += [a.max_new_tokens, a.max_turn_tokens]
+    if a.eval_every != EVAL_EVERY:
+        key += [{"eval_every": a.eval_every}]
+    return key
 
 
 def aggregate(runs: list[dict], a, earlier: list[dict] = ()) -> dict:
     gains = [100 * (r["final"] - r["base"]) for r in runs]
     seeds = ",".join(str(r["seed"]) for r in runs)
-    extra = "" if len(plan_key(a)) == 2 else f" --max-new-tokens {a.max_new_tokens} --max-turn-tokens {a.max_turn_tokens}"
+    extra = "" if (a.max_new_tokens, a.max_turn_tokens) == (MAX_NEW_TOKENS, 0) else \
+        f" --max-new-tokens {a.max_new_tokens} --max-turn-tokens {a.max_turn_tokens}"
+    if a.eval_every != EVAL_EVERY:
+        extra += f" --eval-every {a.eval_every}"
     out = Path(a.out).resolve()
     if out != RESULTS / "game.json":
         extra += f" --out {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}"
     return {"n": len(runs), "runs": runs, "steps": a.steps, "heldout_size": a.heldout_size, "lr": a.lr,
             "max_new_tokens": a.max_new_tokens, "max_turn_tokens": a.max_turn_tokens,
             "eval_every": a.eval_every, "command": f"python bench/game.py --seeds {seeds} --steps {a.steps}{extra}",
+            "resume_command": f"python bench/game.py --steps {a.steps}{extra} --resume",
+            "figure": out.with_suffix(".png").name,
             "date": time.strftime("%Y-%m-%d"),
             "gain_points": {"median": statistics.median(gains), "min": min(gains), "max": max(gains)},
             "final": {"median": statistics.median(r["final"] for r in runs)},
@@ -179,8 +189,8 @@ def report(res: dict) -> str:
         f"Held-out success gain: median **{g['median']:+.1f}** points (range {g['min']:+.1f} to {g['max']:+.1f}); "
         f"success {res['base']['median']:.3f} → median {res['final']['median']:.3f}.\n\n"
         + ("" if res["n"] >= 3 else f"Only {res['n']} of the three seeds so far: not yet a result "
-           "(`python bench/game.py --resume` runs the missing ones).\n\n")
-        + table + "\n![success and turns over training](game.png)\n\n"
+           f"(`{res.get('resume_command', 'python bench/game.py --resume')}` runs the missing ones).\n\n")
+        + table + f"\n![success and turns over training]({res.get('figure', 'game.png')})\n\n"
         "Left: held-out success (greedy, markers) and the sampled training episodes' reward (dashed, smoothed "
         "over 5 steps). Right: turns per episode, the same two ways. Servers left: game server processes alive "
         "after the run ended (`pgrep -f <game dir>`).\n"
@@ -204,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--steps", type=int, default=20, help="trainer.steps of each RL run")
-    p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--eval-every", type=int, default=EVAL_EVERY)
     p.add_argument("--heldout-size", type=int, default=100)
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS,

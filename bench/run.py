@@ -704,9 +704,9 @@ def panel_section(res: dict) -> list[str]:
            "reasoning-gym task, scored by a nine-member panel of two model families (SmolLM2 and Gemma 3 270M judges, "
            "answer-level checks), aggregations compared on the evaluation split; AUC / selection accuracy "
            "(pick-best-of-8). The aims: with at most 128 labels AUC >= best single - 0.01 and selection >= best "
-           "single; label-free AUC above mean and majority and pi within 0.05. Where a label-free aim misses, "
-           "panel.md says why: on the wrong answers the two models' judges agree when they share a prompt, so "
-           "the families are not independent given correctness.\n",
+           "single; label-free AUC above mean and majority and pi within 0.05. Label-free, pi rests on the two "
+           "families being independent given correctness; on the wrong answers their judges correlate (panel.md "
+           "gives the pairs), so it is not identified on this panel.\n",
            "| task | completions (share right) | best single | mean | majority | label model, label-free | "
            "score model, label-free (pi error) | score model, 128 labels | aims met |",
            "|---|---|---|---|---|---|---|---|---|"]

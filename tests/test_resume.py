@@ -161,3 +161,45 @@ def test_resume_refuses_what_it_cannot_continue_before_starting_anything(tmp_pat
     assert line["previous"].startswith("timed out")
     assert line["previous_wall_s"] == pytest.approx(first["wall_seconds"], abs=0.1)
     assert summary["wall_seconds_total"] == pytest.approx(first["wall_seconds"] + summary["wall_seconds"], abs=0.2)
+
+
+def test_a_resume_records_how_long_the_driver_before_it_ran_and_counts_each_driver_once(tmp_path):
+    """pipeline.run.resume on the files a driver leaves: the summary's wall time wins over the
+    heartbeat; a driver killed before its first beat is unknown (the total is then a lower bound),
+    not the one before it counted again; unreadable files and lines are no crash."""
+    from pipeline.run.resume import HEARTBEAT, beat, previous_status, previous_wall, record_resume, total_wall
+
+    run = tmp_path / "run"
+    run.mkdir()
+    assert previous_wall(run) is None and previous_status(run) == "driver gone"
+    assert beat(run, time.time() - 95.0)
+    assert previous_wall(run) == pytest.approx(95.0, abs=1.0)
+    (run / "summary.json").write_text(json.dumps({"status": "timed out: ...", "wall_seconds": 100.0}))
+    assert previous_wall(run) == 100.0  # the summary's own figure, once the driver wrote one
+
+    record_resume(run, committed_version=4)
+    assert not (run / "summary.json").exists() and not (run / HEARTBEAT).exists()
+    # This driver is killed before its first beat: the next resume knows nothing of it.
+    record_resume(run, committed_version=4)
+    beat(run, time.time() - 30.0)
+    record_resume(run, committed_version=9)
+    lines = [json.loads(x) for x in (run / "resumes.jsonl").read_text().splitlines()]
+    assert [x["previous_wall_s"] for x in lines] == [100.0, None, pytest.approx(30.0, abs=1.0)]
+    assert [x["previous"] for x in lines] == ["timed out: ...", "driver gone", "driver gone"]
+    total, unknown = total_wall(run, 10.0)
+    assert total == pytest.approx(140.0, abs=1.0) and unknown == 1
+
+    with open(run / "resumes.jsonl", "a") as f:
+        f.write('{"previous_wall_s": 5.0\n[1]\n{"previous_wall_s": 7.0}\n')
+    total, unknown = total_wall(run, 10.0)
+    assert total == pytest.approx(147.0, abs=1.0) and unknown == 3
+    for bad in ("null", "[1, 2]", "{not json", '{"wall_seconds": "soon"}'):
+        (run / "summary.json").write_text(bad)
+        (run / HEARTBEAT).write_text(bad)
+        assert previous_wall(run) is None and previous_status(run) == "driver gone"
+    (run / HEARTBEAT).unlink()
+    run.chmod(0o500)  # a directory the driver cannot write: the heartbeat says so, the run goes on
+    try:
+        assert beat(run, time.time()) is (os.geteuid() == 0)
+    finally:
+        run.chmod(0o700)

@@ -325,14 +325,13 @@ def test_the_guard_scores_the_fit_on_labels_it_did_not_hold():
         assert in_sample["out_of_bag"]["fit"] > 0.6 and crossed["out_of_bag"]["fit"] < 0.6
 
 
-def test_the_panel_bench_measures_how_judges_of_two_models_agree_on_wrong_answers():
+def test_the_panel_bench_measures_how_judges_of_two_models_agree_on_wrong_answers(monkeypatch):
     """bench_panel.wrong_answer_agreement: a nuisance each prompt puts into both models' scores shows as a
     rank correlation of the same-prompt pairs on the wrong answers; judges independent given the truth
     show none; rows a sound check fails (every judge at its floor) are left out."""
-    import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
     import bench_panel
 
     names = ["lm_judge:m1@p", "lm_judge:m1@q", "lm_judge:m2@p", "lm_judge:m2@q", "states_answer:last_number"]

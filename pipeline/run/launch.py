@@ -224,7 +224,9 @@ def supervise(c: Cluster, start: float) -> str:
                 print(f"pipeline: {status}; stopping every stage", file=sys.stderr, flush=True)
                 break
             if time.time() - last_beat >= 2.0:
-                beat(cfg.run_dir, start)
+                if not beat(cfg.run_dir, start) and not last_beat:
+                    print(f"pipeline: cannot write {cfg.run_dir / 'driver.json'} (the driver's heartbeat); the run "
+                          f"goes on, but a resume will not know how long this driver ran", file=sys.stderr, flush=True)
                 last_beat = time.time()
             if time.time() - last_print >= cfg.cluster.progress_every_s:
                 print(progress_line(c, start), flush=True)
@@ -336,8 +338,9 @@ def finish(c: Cluster, base_info: dict, status: str, start: float) -> int:
     if c.chaos:
         extra["chaos"] = {**chaos_summary(run_dir), "verdict": verdict(accounting, finished=status == "finished")}
     wall = time.time() - start
+    total, unknown = total_wall(run_dir, wall)
     summary = write_summary(cfg, c.r, c.keys, accounting, base_info, status=status,
-                            wall_seconds=wall, wall_seconds_total=round(total_wall(run_dir, wall), 1),
+                            wall_seconds=wall, wall_seconds_total=round(total, 1), drivers_wall_unknown=unknown,
                             restarts=c.restarts,
                             trainer_resume_seconds=c.resume_seconds,
                             server_restarts=c.server_restarts, driver_resumes=resume_count(run_dir), **extra)
@@ -396,6 +399,7 @@ def up(cfg: RunConfig, *, chaos: bool = False, resume: bool = False) -> int:
     start = time.time()
     base_info = ensure_base_model(cfg)
     c = provision_cluster(cfg, chaos=chaos, resume=resume)
+    beat(c.cfg.run_dir, start)  # from here a kill leaves how long this driver ran (the loop beats on)
     try:
         known = base_info.get("heldout_accuracy")
         base = f"base accuracy {known:.3f}" if known is not None else \

@@ -84,49 +84,68 @@ def resumed_config(cfg: RunConfig) -> RunConfig:
 
 def previous_status(run_dir: Path) -> str:
     """How the run's last driver ended: its summary's status, or ``driver gone`` when it wrote none."""
-    try:
-        return str(json.loads((run_dir / "summary.json").read_text()).get("status", "driver gone"))
-    except (OSError, ValueError):
-        return "driver gone"
+    return str(_json_object(run_dir / "summary.json").get("status", "driver gone"))
 
 
 HEARTBEAT = "driver.json"
 """The driver's heartbeat in the run directory: when it started and when it was last alive (``beat``)."""
 
 
-def beat(run_dir: Path, started: float) -> None:
+def beat(run_dir: Path, started: float) -> bool:
     """Write the driver's heartbeat: a driver killed with everything it started leaves no summary,
-    and this says how long it ran."""
+    and this says how long it ran. Returns False when it could not be written (a full disk): the
+    run goes on, only the wall time of a later resume will not know this driver's."""
     tmp = run_dir / f".{HEARTBEAT}.tmp"
-    tmp.write_text(json.dumps({"pid": os.getpid(), "started": round(started, 3), "alive_at": round(time.time(), 3)}))
-    os.replace(tmp, run_dir / HEARTBEAT)
+    try:
+        tmp.write_text(json.dumps({"pid": os.getpid(), "started": round(started, 3),
+                                   "alive_at": round(time.time(), 3)}))
+        os.replace(tmp, run_dir / HEARTBEAT)
+    except OSError:
+        return False
+    return True
+
+
+def _json_object(path: Path) -> dict:
+    """The JSON object in ``path``; {} when it is missing, unreadable or not an object."""
+    try:
+        got = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return got if isinstance(got, dict) else {}
 
 
 def previous_wall(run_dir: Path) -> float | None:
     """How long the run's last driver ran: its summary's ``wall_seconds``, or, killed before it
     wrote one, its heartbeat's span; None when neither says."""
-    try:
-        return float(json.loads((run_dir / "summary.json").read_text())["wall_seconds"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    try:
-        hb = json.loads((run_dir / HEARTBEAT).read_text())
-        return max(0.0, float(hb["alive_at"]) - float(hb["started"]))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    for read in (lambda: _json_object(run_dir / "summary.json")["wall_seconds"],
+                 lambda: _span(_json_object(run_dir / HEARTBEAT))):
+        try:
+            return max(0.0, float(read()))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return None
 
 
-def total_wall(run_dir: Path, this_driver: float) -> float:
-    """Wall time over every driver of the run: the earlier drivers' (``resumes.jsonl``, where known)
-    and this one's."""
-    earlier = 0.0
+def _span(hb: dict) -> float:
+    return float(hb["alive_at"]) - float(hb["started"])
+
+
+def total_wall(run_dir: Path, this_driver: float) -> tuple[float, int]:
+    """Wall time over every driver of the run, the earlier drivers' from ``resumes.jsonl``, and how
+    many earlier drivers it does not know (killed before their first heartbeat, or a line that
+    cannot be read): then the total is a lower bound."""
+    earlier, unknown = 0.0, 0
     try:
-        for line in (run_dir / "resumes.jsonl").read_text().splitlines():
-            if line.strip():
-                earlier += float(json.loads(line).get("previous_wall_s") or 0.0)
-    except (OSError, ValueError):
-        pass
-    return earlier + this_driver
+        lines = [x for x in (run_dir / "resumes.jsonl").read_text().splitlines() if x.strip()]
+    except OSError:
+        lines = []
+    for text in lines:
+        try:
+            line = json.loads(text)
+            earlier += float(line["previous_wall_s"])
+        except (ValueError, TypeError, KeyError):
+            unknown += 1
+    return earlier + this_driver, unknown
 
 
 def record_resume(run_dir: Path, *, committed_version: int) -> int:
@@ -137,8 +156,9 @@ def record_resume(run_dir: Path, *, committed_version: int) -> int:
             "previous_wall_s": None if wall is None else round(wall, 1)}
     with open(run_dir / "resumes.jsonl", "a") as f:
         f.write(json.dumps(line) + "\n")
-    # The run is under way again: the last driver's summary (kept in the line above) no longer says how it ended.
-    for name in ("summary.json", "summary.md"):
+    # The run is under way again: the last driver's summary and heartbeat (kept in the line above) no
+    # longer say how it ended, and a driver killed before its own first beat must not count them twice.
+    for name in ("summary.json", "summary.md", HEARTBEAT):
         (run_dir / name).unlink(missing_ok=True)
     return resume_count(run_dir)
 

@@ -137,8 +137,10 @@ def write_summary(cfg: RunConfig, r, keys, accounting: dict, base_info: dict, **
            f"{committed - lost} updates behind it, not {committed} (`trainer.checkpoint_every 1` loses none)"]
           if lost else []),
         *([f"- resumed {summary['driver_resumes']} time(s) with `pipeline up --resume` (resumes.jsonl): "
-           f"{summary.get('wall_seconds_total', summary['wall_seconds']):.0f} s over all its drivers, the "
-           f"steps line above is the last driver's"] if summary.get("driver_resumes") else []),
+           f"{summary.get('wall_seconds_total', summary['wall_seconds']):.0f} s over all its drivers"
+           + (f" (at least: {summary['drivers_wall_unknown']} of them left no record of how long they ran)"
+              if summary.get("drivers_wall_unknown") else "")
+           + "; the time on the status line is the last driver's"] if summary.get("driver_resumes") else []),
         f"- weights per version: {summary['weights_payload_bytes']:,} bytes (weights.payload {summary['weights_payload']})",
         *([f"- rollout archive: {summary['archive_steps']} steps, {summary['archive_bytes']:,} bytes, "
            f"{summary['archive_bytes_per_group']:,.0f} bytes per group (archive/, docs/reproducibility.md)"]
