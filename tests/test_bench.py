@@ -189,3 +189,34 @@ def test_the_gpu_section_lists_its_rows_as_not_yet_run_until_a_gpu_check_result_
     assert "2.00 / 3.00 / 10.00 GB/s" in text
     assert "2.000 s, 40% idle, 10 swaps (0.300 s median)" in text
     assert "not run: torchtitan does not import on torch 2.11.0+cu130" in text and "not runnable: no vllm" in text
+
+
+def test_the_game_bench_keys_names_and_reports_each_configuration_apart(tmp_path):
+    """bench/game.py: a configuration's runs are kept for --resume only under its own key (budget, turn
+    limit, evaluation spacing), and its report names its own figure and the command that reproduces
+    and resumes it (imported without the openenv extra: main() alone needs that)."""
+    import argparse
+
+    import game
+
+    def args(**kw):
+        base = {"steps": 20, "lr": 1e-5, "max_new_tokens": game.MAX_NEW_TOKENS, "max_turn_tokens": 0,
+                "eval_every": game.EVAL_EVERY, "heldout_size": 100, "out": str(tmp_path / "game-x.json")}
+        return argparse.Namespace(**{**base, **kw})
+
+    a, b = args(), args(max_new_tokens=256, max_turn_tokens=32)
+    c = args(steps=60, eval_every=10)
+    assert game.plan_key(a) == [20, 1e-5] and game.plan_key(b) == [20, 1e-5, 256, 32]  # as recorded so far
+    assert len({str(game.plan_key(x)) for x in (a, b, c, args(eval_every=10))}) == 4
+    run = {"seed": 0, "status": "finished", "base": 0.0, "final": 0.1, "base_turns": 1.0, "final_turns": 2.0,
+           "steps": 60, "wall_s": 100.0, "restarts": 0, "resumes": 1, "servers_left": [],
+           "accounting": {"lost": 0, "duplicated": 0, "unexpected": 0}}
+    res = game.aggregate([run], c)
+    assert "--eval-every 10" in res["command"] and res["figure"] == "game-x.png"
+    assert res["resume_command"].endswith("--steps 60 --eval-every 10 --out " + str(tmp_path / "game-x.json")
+                                          + " --resume")
+    md = game.report(res)
+    assert "](game-x.png)" in md and "](game.png)" not in md and res["resume_command"] in md
+    assert "(resumed 1x)" in md and "evaluated every 10 steps" in md
+    assert game.overrides(tmp_path, seed=0, steps=60, heldout_size=100, eval_every=10,
+                          lr=1e-5)["cluster.timeout_s"] == 360 * 60
