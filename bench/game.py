@@ -23,6 +23,7 @@ evaluations), the curves, the accounting, and whether any game server outlived i
     python bench/game.py --resume           # keep the runs in game.json, run the missing seeds (a seed's
                                             # run killed with its driver continues: `pipeline up --resume`)
     python bench/game.py --resume --redo 0 --why "..."   # run seed 0 again; the old record stays, marked
+    python bench/game.py --resume --hours 2  # stop cleanly after 2 h (a session's or a job's end); --resume goes on
 
 Writes bench/results/game.json, game.md and game.png (each seed's result as it lands).
 """
@@ -43,8 +44,8 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.run.resume import previous_status
-from pipeline_runs import (RESULTS, ROOT, STOPPED_SHORT, RunFailed, accounting_of, md_table, plot_episode_curves,
-                           read_run, run_up, step_series, unfinished_run)
+from pipeline_runs import (RESULTS, ROOT, STOPPED_SHORT, DeadlineReached, RunFailed, accounting_of, deadline_of,
+                           md_table, plot_episode_curves, read_run, run_up, step_series, unfinished_run)
 
 GAME = ROOT / "examples" / "number_hunt"
 PROMPT = "Let us play a guessing game. Answer every time with a single number and nothing else."
@@ -232,6 +233,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--read", default="", metavar="SEED=RUN_DIR,...",
                    help="record these finished (or stopped) runs instead of running those seeds")
     p.add_argument("--out", default=str(RESULTS / "game.json"))
+    p.add_argument("--hours", type=float, default=None,
+                   help="stop after this long: the run in progress is stopped cleanly (Ctrl-C's way) and "
+                        "--resume continues it; no new run starts after it")
     a = p.parse_args(argv)
     try:
         import openenv.core  # noqa: F401
@@ -239,6 +243,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("bench/game.py needs the openenv extra (pip install -e '.[openenv]', or the openenv "
                          "lane's venv: bash ops/ci/openenv_lane.sh install)") from None
     out = Path(a.out)
+    deadline = deadline_of(a.hours)
     game = copy_game(Path(a.game_dir))
     runs, earlier = {}, []
     if a.resume and out.exists():
@@ -264,7 +269,10 @@ def main(argv: list[str] | None = None) -> dict:
             # With --resume, a run of this seed killed with its driver (a session's end) goes on from its checkpoint.
             cont = unfinished_run(label, over, runs_dir=ROOT / a.runs_dir) if a.resume else None
             try:
-                run_dir = run_up(label, over, runs_dir=ROOT / a.runs_dir, resume=cont)
+                run_dir = run_up(label, over, runs_dir=ROOT / a.runs_dir, resume=cont, deadline=deadline)
+            except DeadlineReached as e:
+                print(f"[game-s{seed}] {e}: stopping here; rerun with --resume to go on", flush=True)
+                break
             except RunFailed as e:  # a run that stopped early is kept, with its status, if it left a summary
                 run_dir = e.run_dir
                 # Not one stopped from outside (Ctrl-C, `pipeline down`): that one is continued by --resume.
@@ -280,8 +288,11 @@ def main(argv: list[str] | None = None) -> dict:
         plot(res, out.with_suffix(".png"))
         out.with_suffix(".md").write_text(report(res))
         print(f"[game-s{seed}] base {runs[seed]['base']:.3f} -> final {runs[seed]['final']:.3f}", flush=True)
+    if not runs:  # stopped at --hours before any seed finished
+        return None
     res = aggregate([runs[s] for s in sorted(runs)], a, earlier)
-    print(out.with_suffix(".md").read_text())
+    if out.with_suffix(".md").is_file():
+        print(out.with_suffix(".md").read_text())
     return res
 
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -34,14 +36,31 @@ class RunFailed(RuntimeError):
         self.run_dir = run_dir
 
 
+class DeadlineReached(RunFailed):
+    """The bench's time ran out (``--hours``): the run was stopped as Ctrl-C stops it (status
+    ``interrupted``, every stage stopped cleanly) and the bench's ``--resume`` continues it."""
+
+
+def deadline_of(hours: float | None) -> float | None:
+    """``--hours`` of a bench as a wall-clock deadline (None: no limit)."""
+    if hours is not None and hours <= 0:
+        raise SystemExit(f"--hours must be > 0 (got {hours})")
+    return None if hours is None else time.time() + 3600.0 * hours
+
+
 def run_up(label: str, overrides: dict[str, object], *, runs_dir: Path, nice: int = 10,
-           config: Path | None = None, resume: Path | None = None) -> Path:
+           config: Path | None = None, resume: Path | None = None, deadline: float | None = None) -> Path:
     """Run `pipeline up` with ``overrides`` (dotted config fields) under a fresh run id, from the TOML
     file ``config`` when given; with ``resume`` (a run directory, see ``unfinished_run``), continue
     that run instead (`pipeline up --resume`, its own config). Returns the run dir.
 
+    ``deadline`` (``time.time()`` seconds): the driver is sent SIGINT then (a clean stop, as Ctrl-C),
+    and DeadlineReached raised; a run is not started once it has passed.
+
     Raises RunFailed (a RuntimeError) if the run fails or leaves no summary.json.
     """
+    if deadline is not None and time.time() >= deadline:
+        raise DeadlineReached(f"[{label}] the bench's time ran out before this run started", runs_dir)
     if resume is not None:
         run_id = resume.name
         cmd = [*PIPELINE, "up", "--resume", "--run-id", run_id, "--runs_dir", str(runs_dir)]
@@ -57,15 +76,33 @@ def run_up(label: str, overrides: dict[str, object], *, runs_dir: Path, nice: in
     print(f"[{label}] {' '.join(cmd)}", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     last: deque[str] = deque(maxlen=5)
+    stopped = threading.Event()
     with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as p:
         assert p.stdout is not None
-        for line in p.stdout:
-            # Progress lines only; the summary is read back from the run directory.
-            if line.startswith("[") or "error" in line.lower() or "Traceback" in line or "resuming" in line:
-                print(f"[{label}] {line.rstrip()}", flush=True)
-            last.append(line.rstrip())
-        rc = p.wait()
+
+        def stop() -> None:  # ``nice`` execs the driver: p is the driver itself
+            stopped.set()
+            print(f"[{label}] the bench's time is up: stopping the run (--resume continues it)", flush=True)
+            p.send_signal(signal.SIGINT)
+
+        timer = threading.Timer(max(0.0, deadline - time.time()), stop) if deadline is not None else None
+        if timer is not None:
+            timer.daemon = True
+            timer.start()
+        try:
+            for line in p.stdout:
+                # Progress lines only; the summary is read back from the run directory.
+                if line.startswith("[") or "error" in line.lower() or "Traceback" in line or "resuming" in line:
+                    print(f"[{label}] {line.rstrip()}", flush=True)
+                last.append(line.rstrip())
+            rc = p.wait()
+        finally:
+            if timer is not None:
+                timer.cancel()
     run_dir = runs_dir / run_id
+    if stopped.is_set() and previous_status(run_dir) != "finished":
+        raise DeadlineReached(f"run {run_id} stopped at the bench's deadline ({previous_status(run_dir)}); "
+                              f"the bench's --resume continues it", run_dir)
     if rc != 0 or not (run_dir / "summary.json").exists():
         # A run refused before it started has no logs yet: its last words say why.
         said = "; ".join(x for x in last if x) if not (run_dir / "logs").exists() or resume else ""

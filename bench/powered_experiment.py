@@ -20,6 +20,7 @@ problems and seeds, and each weaver arm's share of the single -> truth gap.
     python bench/powered_experiment.py               # every run not yet in powered.json (resumable)
     python bench/powered_experiment.py --report-only # rewrite the report from powered.json
     python bench/powered_experiment.py --smoke       # the machinery on a tiny budget (not the experiment)
+    python bench/powered_experiment.py --hours 2.5   # stop cleanly after 2.5 h; the same command goes on
 
 Runs go seed-major (seed 0 of every arm of every task first), one at a time, niced; after each
 one bench/results/powered.json is rewritten, so an interrupted experiment keeps what finished
@@ -42,8 +43,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_runs import (PIPELINE, RESULTS, ROOT, eval_series, md_table, read_run, run_up,  # noqa: E402
-                           unfinished_run)
+from pipeline_runs import (PIPELINE, RESULTS, ROOT, DeadlineReached, deadline_of, eval_series,  # noqa: E402
+                           md_table, read_run, run_up, unfinished_run)
 
 # The plan's constants (bench/results/powered-plan.md); changing one is an amendment of the plan.
 AUC_MAX = 0.90
@@ -154,14 +155,14 @@ def evaluate(config: Path, checkpoint: str, out: Path) -> list[int]:
 
 
 def run_one(task: dict, arm: str, seed: int, *, config: Path, runs_dir: Path, steps: int,
-            extra: dict[str, object]) -> dict:
+            extra: dict[str, object], deadline: float | None = None) -> dict:
     overrides = {**arm_overrides(arm, task["best_single"]), "trainer.seed": seed, "feeder.seed": seed,
                  "generator.seed": seed, "trainer.steps": steps, **extra}
     t0 = time.time()
     label = f"pw-{task['dataset']}-{arm}-s{seed}"
     # A run killed with its driver (a session's end) goes on from its checkpoint instead of starting over.
     cont = unfinished_run(label, overrides, runs_dir=runs_dir, config=config)
-    run_dir = run_up(label, overrides, runs_dir=runs_dir, config=config, resume=cont)
+    run_dir = run_up(label, overrides, runs_dir=runs_dir, config=config, resume=cont, deadline=deadline)
     wall = time.time() - t0
     for ckpt in (run_dir / "checkpoints").glob("step-*"):
         shutil.rmtree(ckpt, ignore_errors=True)  # model and optimizer of the last steps; final/ stays
@@ -364,6 +365,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=RESULTS, help="where powered.{json,md,png} go")
     ap.add_argument("--runs-dir", type=Path, default=ROOT / "runs")
     ap.add_argument("--dry-run", action="store_true", help="print the tasks, the runs and the cost; run nothing")
+    ap.add_argument("--hours", type=float, default=None,
+                    help="stop after this long: the run in progress is stopped cleanly (Ctrl-C's way) and the "
+                         "next invocation continues it from its checkpoint; no new run starts after it")
     ap.add_argument("--report-only", action="store_true", help="rewrite the report from <out>/powered.json")
     ap.add_argument("--smoke", action="store_true",
                     help="the machinery on a tiny budget (2 steps, 20 held-out problems, seed 0, small batches, "
@@ -410,7 +414,7 @@ def main() -> int:
     if not args.report_only:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.runs_dir / "powered").mkdir(parents=True, exist_ok=True)
-        done, t_start = 0, time.time()
+        done, t_start, deadline = 0, time.time(), deadline_of(args.hours)
         for t, arm, s in todo:
             tr = result["tasks"][t["key"]]
             config = task_config(t, args.runs_dir / "powered" / f"{t['key']}.toml", heldout=heldout, panel=PANEL)
@@ -420,8 +424,13 @@ def main() -> int:
             rate = (time.time() - t_start) / done if done else None
             eta = f", ETA {rate * (len(todo) - done) / 3600:.1f} h" if rate else ""
             print(f"[powered] run {done + 1}/{len(todo)}: {t['key']} {arm} seed {s}{eta}", flush=True)
-            tr["runs"].setdefault(arm, {})[str(s)] = run_one(t, arm, s, config=config, runs_dir=args.runs_dir,
-                                                             steps=steps, extra=extra)
+            try:
+                rec = run_one(t, arm, s, config=config, runs_dir=args.runs_dir, steps=steps, extra=extra,
+                              deadline=deadline)
+            except DeadlineReached as e:
+                print(f"[powered] {e}: stopping here; rerun the same command to go on", flush=True)
+                break
+            tr["runs"].setdefault(arm, {})[str(s)] = rec
             tr["statistics"] = task_statistics(tr)
             done += 1
             result["finished"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()) if done == len(todo) else None
