@@ -401,8 +401,8 @@ def analyse(cache: Path, out_dir: Path) -> dict:
     command = "python bench/bench_panel.py --analyse" + ("" if where == (ROOT / "artifacts" / "panel").resolve()
                                                           else f" --cache {shown}")
     result = {"time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": command,
-              "rule": __doc__.split("**The tasks**")[1].split("**The base model**")[0].strip(), "pilot": json.loads(pilot_path.read_text())
-              if pilot_path.is_file() else [], "tasks": {}}
+              "rule": __doc__.split("**The tasks**")[1].split("**The base model**")[0].strip(),
+              "pilot": json.loads(pilot_path.read_text()) if pilot_path.is_file() else [], "tasks": {}}
     for task in chosen:
         path = cache / f"{task['key']}.jsonl"
         rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
