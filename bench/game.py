@@ -235,8 +235,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="record these finished (or stopped) runs instead of running those seeds")
     p.add_argument("--out", default=str(RESULTS / "game.json"))
     p.add_argument("--hours", type=float, default=None,
-                   help="stop after this long: the run in progress is stopped cleanly (Ctrl-C's way) and "
-                        "--resume continues it; no new run starts after it")
+                   help="stop after this long: the run in progress is stopped cleanly (as `pipeline down` stops "
+                        "it) and --resume continues it; no new run starts after it")
     a = p.parse_args(argv)
     try:
         import openenv.core  # noqa: F401

@@ -37,7 +37,7 @@ class RunFailed(RuntimeError):
 
 
 class DeadlineReached(RunFailed):
-    """The bench's time ran out (``--hours``): the run was stopped as Ctrl-C stops it (status
+    """The bench's time ran out (``--hours``): the run was stopped as `pipeline down` stops it (status
     ``interrupted``, every stage stopped cleanly) and the bench's ``--resume`` continues it."""
 
 
@@ -54,13 +54,14 @@ def run_up(label: str, overrides: dict[str, object], *, runs_dir: Path, nice: in
     file ``config`` when given; with ``resume`` (a run directory, see ``unfinished_run``), continue
     that run instead (`pipeline up --resume`, its own config). Returns the run dir.
 
-    ``deadline`` (``time.time()`` seconds): the driver is sent SIGINT then (a clean stop, as Ctrl-C),
-    and DeadlineReached raised; a run is not started once it has passed.
+    ``deadline`` (``time.time()`` seconds): the driver is sent SIGTERM then (a clean stop, as `pipeline
+    down`; SIGINT would be ignored by a driver a background shell started), and DeadlineReached raised
+    when the run stopped short; a run that finished all the same is returned; none starts past it.
 
     Raises RunFailed (a RuntimeError) if the run fails or leaves no summary.json.
     """
     if deadline is not None and time.time() >= deadline:
-        raise DeadlineReached(f"[{label}] the bench's time ran out before this run started", runs_dir)
+        raise DeadlineReached("the bench's time ran out before this run started", runs_dir / "(not started)")
     if resume is not None:
         run_id = resume.name
         cmd = [*PIPELINE, "up", "--resume", "--run-id", run_id, "--runs_dir", str(runs_dir)]
@@ -81,9 +82,11 @@ def run_up(label: str, overrides: dict[str, object], *, runs_dir: Path, nice: in
         assert p.stdout is not None
 
         def stop() -> None:  # ``nice`` execs the driver: p is the driver itself
+            if p.poll() is not None:
+                return
             stopped.set()
             print(f"[{label}] the bench's time is up: stopping the run (--resume continues it)", flush=True)
-            p.send_signal(signal.SIGINT)
+            p.send_signal(signal.SIGTERM)
 
         timer = threading.Timer(max(0.0, deadline - time.time()), stop) if deadline is not None else None
         if timer is not None:
@@ -100,9 +103,13 @@ def run_up(label: str, overrides: dict[str, object], *, runs_dir: Path, nice: in
             if timer is not None:
                 timer.cancel()
     run_dir = runs_dir / run_id
-    if stopped.is_set() and previous_status(run_dir) != "finished":
-        raise DeadlineReached(f"run {run_id} stopped at the bench's deadline ({previous_status(run_dir)}); "
-                              f"the bench's --resume continues it", run_dir)
+    if stopped.is_set():
+        status = previous_status(run_dir)
+        if status == "finished":  # the stop came as it was ending: its result stands
+            return run_dir
+        if status in STOPPED_SHORT:
+            raise DeadlineReached(f"run {run_id} stopped at the bench's deadline ({status}); the bench's --resume "
+                                  f"continues it", run_dir)
     if rc != 0 or not (run_dir / "summary.json").exists():
         # A run refused before it started has no logs yet: its last words say why.
         said = "; ".join(x for x in last if x) if not (run_dir / "logs").exists() or resume else ""

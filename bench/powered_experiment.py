@@ -315,6 +315,10 @@ def report(result: dict, out: Path, name: str) -> None:
                        "the rule"], result["rule"])]
     for key, t in result["tasks"].items():
         st = t.get("statistics") or {}
+        if "base_correct" not in t:  # the runs go seed-major: a task is reached after another's first runs
+            lines += [f"## {key}", "", f"Not started (single arm: `{t['best_single']}`): no base evaluation or "
+                      "run yet.", ""]
+            continue
         lines += [f"## {key}", "", f"Base greedy accuracy {np.mean(t['base_correct']):.3f}; single arm: "
                   f"`{t['best_single']}`.", ""]
         rows = []
@@ -366,8 +370,9 @@ def main() -> int:
     ap.add_argument("--runs-dir", type=Path, default=ROOT / "runs")
     ap.add_argument("--dry-run", action="store_true", help="print the tasks, the runs and the cost; run nothing")
     ap.add_argument("--hours", type=float, default=None,
-                    help="stop after this long: the run in progress is stopped cleanly (Ctrl-C's way) and the "
-                         "next invocation continues it from its checkpoint; no new run starts after it")
+                    help="stop after this long: the run in progress is stopped cleanly (as `pipeline down` stops "
+                         "it) and the next invocation continues it from its checkpoint; no new run or base "
+                         "evaluation starts after it (a run's final evaluation, minutes, is not cut: leave a margin)")
     ap.add_argument("--report-only", action="store_true", help="rewrite the report from <out>/powered.json")
     ap.add_argument("--smoke", action="store_true",
                     help="the machinery on a tiny budget (2 steps, 20 held-out problems, seed 0, small batches, "
@@ -389,7 +394,12 @@ def main() -> int:
         chosen = chosen[:1] or tasks_by_rule(panel, min_completions=0)[0][:1]
     path = args.out / f"{name}.json"
     result = json.loads(path.read_text()) if path.is_file() and not args.smoke else {}
-    result.update({"command": " ".join(["python", "bench/powered_experiment.py", *sys.argv[1:]]),
+    argv = sys.argv[1:]
+    if "--hours" in argv:  # how long one invocation ran, not how the experiment runs
+        i = argv.index("--hours")
+        argv = argv[:i] + argv[i + 2:]
+    argv = [x for x in argv if not x.startswith("--hours=")]
+    result.update({"command": " ".join(["python", "bench/powered_experiment.py", *argv]),
                    "plan": str(PLAN.relative_to(ROOT)), "steps": steps, "heldout": heldout, "seeds": list(seeds),
                    "rule": rule_rows, "smoke": args.smoke})
     result.setdefault("tasks", {})
@@ -416,6 +426,10 @@ def main() -> int:
         (args.runs_dir / "powered").mkdir(parents=True, exist_ok=True)
         done, t_start, deadline = 0, time.time(), deadline_of(args.hours)
         for t, arm, s in todo:
+            if deadline is not None and time.time() >= deadline:
+                print("[powered] the time given (--hours) is up: stopping here; rerun the same command to go on",
+                      flush=True)
+                break
             tr = result["tasks"][t["key"]]
             config = task_config(t, args.runs_dir / "powered" / f"{t['key']}.toml", heldout=heldout, panel=PANEL)
             if "base_correct" not in tr:

@@ -213,8 +213,8 @@ def test_the_game_bench_keys_names_and_reports_each_configuration_apart(tmp_path
            "accounting": {"lost": 0, "duplicated": 0, "unexpected": 0}}
     res = game.aggregate([run], c)
     assert "--eval-every 10" in res["command"] and res["figure"] == "game-x.png"
-    assert res["resume_command"].endswith("--steps 60 --eval-every 10 --out " + str(tmp_path / "game-x.json")
-                                          + " --resume")
+    assert res["resume_command"].endswith("--steps 60 --eval-every 10 --out " + str((tmp_path / "game-x.json")
+                                                                                   .resolve()) + " --resume")
     md = game.report(res)
     assert "](game-x.png)" in md and "](game.png)" not in md and res["resume_command"] in md
     assert "(resumed 1x)" in md and "evaluated every 10 steps" in md

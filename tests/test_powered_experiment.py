@@ -72,9 +72,12 @@ def test_the_report_says_each_line_met_or_missed_with_its_interval(tmp_path):
     assert lines["weaver gain >= single gain - 2 points"]["met"]
     result = {"command": "python bench/powered_experiment.py", "finished": None, "steps": 120, "heldout": 500,
               "seeds": [0, 1, 2], "rule": [["gcd-x", 2000, "`lm_judge:g@qa`", 0.88, "best single AUC 0.88 <= 0.9 (chosen)"]],
-              "tasks": {"gcd-x": task}}
+              "tasks": {"gcd-x": task,  # the second task not reached yet (the runs go seed-major)
+                        "lcm-y": {"key": "lcm-y", "dataset": "lcm", "params": {}, "best_single": "lm_judge:s@qa",
+                                  "runs": {}}}}
     PX.report(result, tmp_path, "powered")
     md = (tmp_path / "powered.md").read_text()
+    assert "## lcm-y\n\nNot started" in md
     assert "| weaver closes >= 50% of the single -> truth gap | **missed** |" in md
     assert "| truth | 3 |" in md and "balanced" in md
     assert json.loads((tmp_path / "powered.json").read_text())["tasks"]["gcd-x"]["statistics"]["arms"]["truth"]["seeds"] == 3
