@@ -132,6 +132,8 @@ def unfinished_run(label: str, overrides: dict[str, object], *, runs_dir: Path,
     for run_dir in sorted((d for d in runs_dir.glob(f"{label}-*") if pattern.match(d.name)), reverse=True):
         if previous_status(run_dir) not in STOPPED_SHORT or not (run_dir / "config.toml").is_file():
             continue
+        if not (run_dir / "metrics.jsonl").is_file():
+            continue  # stopped before its trainer wrote anything (its server may hold no data): start afresh
         try:
             have = load_config(run_dir / "config.toml")
         except ValueError:

@@ -297,7 +297,8 @@ def plot(result: dict, path: Path) -> None:
         ax.set_xlabel("trainer step")
         ax.set_ylabel(f"held-out greedy accuracy ({result['heldout']} problems)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # a task not started has no curve yet
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -111,6 +111,7 @@ def test_an_interrupted_run_of_the_same_arm_and_settings_is_the_one_continued(tm
         d.mkdir()
         cfg = load_config(None, {"run_id": name, **{k: str(v) for k, v in {**over, **changes}.items()}})
         (d / "config.toml").write_text(to_toml(cfg))
+        (d / "metrics.jsonl").write_text('{"kind": "eval", "version": 0}\n')
         if summary is not None:
             (d / "summary.json").write_text(json.dumps(summary))
 
@@ -124,3 +125,6 @@ def test_an_interrupted_run_of_the_same_arm_and_settings_is_the_one_continued(tm
     run(f"{label}-1205-090000", None)  # killed with its driver: no summary
     run(f"{label}-1205-095000", {"status": "interrupted"})
     assert unfinished_run(label, over, runs_dir=tmp_path).name == f"{label}-1205-095000", "the newest"
+    run(f"{label}-1205-099000", None)
+    (tmp_path / f"{label}-1205-099000" / "metrics.jsonl").unlink()  # stopped before its trainer wrote anything
+    assert unfinished_run(label, over, runs_dir=tmp_path).name == f"{label}-1205-095000"
