@@ -86,7 +86,7 @@ def test_a_run_killed_with_everything_it_started_resumes_and_finishes_losing_not
     # The driver left no summary, but its heartbeat says how long it ran (it beats every 2 s).
     beat = json.loads((run_dir / "driver.json").read_text())
     assert beat["pid"] == driver_pid and launched <= beat["started"] < beat["alive_at"] <= killed
-    assert killed - beat["alive_at"] < 10
+    assert killed - beat["alive_at"] < 60  # every 2 s on a quiet machine; a starved driver beats late
     if where == "external":  # what the trainer announced past its last checkpoint died with it
         announced = int(redis.Redis.from_url(redis_url).hget(Keys(run_id).trainer, "version"))
         kept = int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("step-"))
