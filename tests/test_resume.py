@@ -90,7 +90,9 @@ def test_a_run_killed_with_everything_it_started_resumes_and_finishes_losing_not
     if where == "external":  # what the trainer announced past its last checkpoint died with it
         announced = int(redis.Redis.from_url(redis_url).hget(Keys(run_id).trainer, "version"))
         kept = int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("step-"))
-        assert announced >= kept
+        # The trainer checkpoints a step before it publishes it: a kill between the two leaves
+        # the checkpoint one version ahead of the announcement, and no version is lost.
+        assert announced >= kept - 1
     assert killed_at < STEPS and not (run_dir / "summary.json").exists()
 
     # Not a new run: the same id without --resume is refused, and says how to continue it.
@@ -121,7 +123,7 @@ def test_a_run_killed_with_everything_it_started_resumes_and_finishes_losing_not
     assert resumed and resumed[-1]["version"] >= 2
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step-{STEPS:06d}"
     if where == "external":  # the server kept running: its streams show the same
-        assert summary["versions_lost_in_crashes"] == announced - kept
+        assert summary["versions_lost_in_crashes"] == max(0, announced - kept)
         r = redis.Redis.from_url(redis_url)
         keys = Keys(run_id)
         announced = [int(f[b"version"]) for _, f in r.xrange(keys.versions)]
