@@ -166,6 +166,36 @@ def test_an_unlimited_client_waits_for_a_server_that_comes_later(tmp_path):
         server.stop()
 
 
+def test_a_server_interrupted_while_it_starts_is_not_left_behind(tmp_path):
+    """A Ctrl-C (or SIGTERM) while the driver waits for the server it just started: the server runs
+    in a session of its own, out of the terminal's reach, and no caller knows of it yet, so the wait
+    stops it before passing the interrupt on."""
+    import signal
+
+    from pipeline.bus.server import _answers, _launch, find_server_binary, free_port
+
+    port, awaited = free_port(), free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    args = [find_server_binary(), "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+            "--dir", str(tmp_path), "--logfile", str(tmp_path / "server.log")]
+    up_when_interrupted: list[bool] = []
+
+    def interrupt(signum, frame):
+        up_when_interrupted.append(_answers(url))
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 2.0)
+        with pytest.raises(KeyboardInterrupt):  # it answers on its own port, never on the one awaited
+            _launch(args, f"redis://127.0.0.1:{awaited}/0")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert up_when_interrupted == [True], "the server was running when the interrupt came"
+    assert not _answers(url), "the interrupted start stopped the server it started"
+
+
 def test_the_backoff_stays_capped_however_long_the_outage():
     """redis-py's own backoff overflows after ~1000 failures; a client that waits forever must not."""
     from redis.backoff import ExponentialWithJitterBackoff

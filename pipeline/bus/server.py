@@ -154,15 +154,22 @@ def _launch(args: list[str], url: str) -> subprocess.Popen:
                             start_new_session=True)
     log_file = Path(args[args.index("--logfile") + 1])
     deadline = time.monotonic() + 15
-    while not _answers(url):
-        if proc.poll() is not None:
-            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-            tail = log_file.read_text(errors="replace")[-2000:] if log_file.exists() else ""
-            raise ServerError(f"{args[0]} exited with code {proc.returncode}: {err}{tail}")
-        if time.monotonic() > deadline:
+    try:
+        while not _answers(url):
+            if proc.poll() is not None:
+                err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+                tail = log_file.read_text(errors="replace")[-2000:] if log_file.exists() else ""
+                raise ServerError(f"{args[0]} exited with code {proc.returncode}: {err}{tail}")
+            if time.monotonic() > deadline:
+                raise ServerError(f"{args[0]} did not answer on {url} within 15 s; see {log_file}")
+            time.sleep(0.05)
+    except BaseException:
+        # Not answering in time, or a Ctrl-C while it starts: no caller knows of it yet, so
+        # nobody else could stop it (its own session keeps it from the terminal's signal).
+        if proc.poll() is None:
             proc.kill()
-            raise ServerError(f"{args[0]} did not answer on {url} within 15 s; see {log_file}")
-        time.sleep(0.05)
+            proc.wait()
+        raise
     return proc
 
 

@@ -399,8 +399,8 @@ def up(cfg: RunConfig, *, chaos: bool = False, resume: bool = False) -> int:
     start = time.time()
     base_info = ensure_base_model(cfg)
     c = provision_cluster(cfg, chaos=chaos, resume=resume)
-    beat(c.cfg.run_dir, start)  # from here a kill leaves how long this driver ran (the loop beats on)
     try:
+        beat(c.cfg.run_dir, start)  # from here a kill leaves how long this driver ran (the loop beats on)
         known = base_info.get("heldout_accuracy")
         base = f"base accuracy {known:.3f}" if known is not None else \
             "base accuracy: measured on the held-out set before the first step"
