@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 from urllib.parse import urlparse
@@ -23,7 +24,7 @@ from builders import RecordingLog, make_rollout
 from harness import spawn, tiny_config
 
 from pipeline.bus.connection import connect
-from pipeline.bus.server import start_local_server
+from pipeline.bus.server import _answers, _launch, find_server_binary, free_port, start_local_server
 from pipeline.bus.stats import read_stats
 from pipeline.bus.streams import ensure_all_groups, unacked
 from pipeline.consumers.trainer import collect_batch
@@ -142,8 +143,6 @@ def test_a_finite_budget_still_gives_up_with_a_clear_message(tmp_path):
 
 def test_an_unlimited_client_waits_for_a_server_that_comes_later(tmp_path):
     """``connect(retries=None)``: a worker started before its server waits for it, and logs it."""
-    from pipeline.bus.server import free_port
-
     port = free_port()
     log = RecordingLog(levels=True)
     got: list = []
@@ -170,10 +169,6 @@ def test_a_server_interrupted_while_it_starts_is_not_left_behind(tmp_path):
     """A Ctrl-C (or SIGTERM) while the driver waits for the server it just started: the server runs
     in a session of its own, out of the terminal's reach, and no caller knows of it yet, so the wait
     stops it before passing the interrupt on."""
-    import signal
-
-    from pipeline.bus.server import _answers, _launch, find_server_binary, free_port
-
     port, awaited = free_port(), free_port()
     url = f"redis://127.0.0.1:{port}/0"
     args = [find_server_binary(), "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
@@ -225,8 +220,6 @@ def test_refused_credentials_fail_at_once_even_for_a_worker(tmp_path):
 def test_a_worker_started_during_an_outage_waits_for_the_server(tmp_path, tiny_base_model):
     """A verifier process started while nothing listens on the port waits (``redis.worker_retries``
     -1, the default) and then scores; with a finite budget it gives up with exit code 3."""
-    from pipeline.bus.server import free_port
-
     port = free_port()
     url = f"redis://127.0.0.1:{port}/0"
     cfg, path = tiny_config(tmp_path, tiny_base_model, url, "late")
