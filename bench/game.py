@@ -236,7 +236,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default=str(RESULTS / "game.json"))
     p.add_argument("--hours", type=float, default=None,
                    help="stop after this long: the run in progress is stopped cleanly (as `pipeline down` stops "
-                        "it) and --resume continues it; no new run starts after it")
+                        "it) and --resume continues it; no new run starts after it, nor a new seed when less "
+                        "time is left than a finished seed took")
     a = p.parse_args(argv)
     try:
         import openenv.core  # noqa: F401
@@ -270,7 +271,10 @@ def main(argv: list[str] | None = None) -> dict:
             # With --resume, a run of this seed killed with its driver (a session's end) goes on from its checkpoint.
             cont = unfinished_run(label, over, runs_dir=ROOT / a.runs_dir) if a.resume else None
             try:
-                run_dir = run_up(label, over, runs_dir=ROOT / a.runs_dir, resume=cont, deadline=deadline)
+                # A fresh seed is not started when the time left is shorter than a finished seed took.
+                took = [r["wall_s"] for r in runs.values() if r.get("wall_s")]
+                run_dir = run_up(label, over, runs_dir=ROOT / a.runs_dir, resume=cont, deadline=deadline,
+                                 needs_s=min(took) if took else None)
             except DeadlineReached as e:
                 print(f"[game-s{seed}] {e}: stopping here; rerun with --resume to go on", flush=True)
                 break

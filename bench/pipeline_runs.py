@@ -49,7 +49,8 @@ def deadline_of(hours: float | None) -> float | None:
 
 
 def run_up(label: str, overrides: dict[str, object], *, runs_dir: Path, nice: int = 10,
-           config: Path | None = None, resume: Path | None = None, deadline: float | None = None) -> Path:
+           config: Path | None = None, resume: Path | None = None, deadline: float | None = None,
+           needs_s: float | None = None) -> Path:
     """Run `pipeline up` with ``overrides`` (dotted config fields) under a fresh run id, from the TOML
     file ``config`` when given; with ``resume`` (a run directory, see ``unfinished_run``), continue
     that run instead (`pipeline up --resume`, its own config). Returns the run dir.
@@ -57,11 +58,17 @@ def run_up(label: str, overrides: dict[str, object], *, runs_dir: Path, nice: in
     ``deadline`` (``time.time()`` seconds): the driver is sent SIGTERM then (a clean stop, as `pipeline
     down`; SIGINT would be ignored by a driver a background shell started), and DeadlineReached raised
     when the run stopped short; a run that finished all the same is returned; none starts past it.
+    ``needs_s`` (seconds, e.g. what a finished run of the same bench took): a fresh run is not started
+    when less time than that is left before ``deadline`` (DeadlineReached), as it could not finish; a
+    continuation (``resume``) still starts, since what it does is kept for the next ``--resume``.
 
     Raises RunFailed (a RuntimeError) if the run fails or leaves no summary.json.
     """
     if deadline is not None and time.time() >= deadline:
         raise DeadlineReached("the bench's time ran out before this run started", runs_dir / "(not started)")
+    if deadline is not None and needs_s and resume is None and deadline - time.time() < needs_s:
+        raise DeadlineReached(f"not started: {(deadline - time.time()) / 60:.0f} min left before the bench's "
+                              f"deadline, and a run takes about {needs_s / 60:.0f} min", runs_dir / "(not started)")
     if resume is not None:
         run_id = resume.name
         cmd = [*PIPELINE, "up", "--resume", "--run-id", run_id, "--runs_dir", str(runs_dir)]

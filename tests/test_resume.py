@@ -210,13 +210,17 @@ def test_a_resume_records_how_long_the_driver_before_it_ran_and_counts_each_driv
 def test_a_bench_out_of_time_stops_its_run_cleanly_and_its_resume_finishes_it(tmp_path, tiny_base_model):
     """bench/pipeline_runs.run_up with a deadline (the benches' --hours): the driver is stopped as `pipeline
     down` stops it (SIGTERM; status interrupted, every stage down, nothing lost), DeadlineReached says so, the bench's
-    unfinished_run finds the run and a resume finishes it; past the deadline no run starts."""
+    unfinished_run finds the run and a resume finishes it; past the deadline no run starts, nor a fresh one the
+    time left cannot hold."""
     from pipeline_runs import DeadlineReached, run_up, unfinished_run
 
     runs_dir = tmp_path / "runs"
     over = {"model.base_dir": tiny_base_model, "trainer.steps": 600, "trainer.checkpoint_every": 1}
     with pytest.raises(DeadlineReached, match="before this run started"):
         run_up("dl", over, runs_dir=runs_dir, config=TINY, deadline=time.time() - 1)
+    # Nor a fresh run that the time left cannot hold (``needs_s``: what a finished run took).
+    with pytest.raises(DeadlineReached, match="not started: 10 min left"):
+        run_up("dl", over, runs_dir=runs_dir, config=TINY, deadline=time.time() + 600, needs_s=3600)
     assert not runs_dir.exists() or not any(runs_dir.iterdir())
     t0 = time.time()
     with pytest.raises(DeadlineReached, match="interrupted") as stopped:
@@ -226,7 +230,9 @@ def test_a_bench_out_of_time_stops_its_run_cleanly_and_its_resume_finishes_it(tm
     assert first["status"] == "interrupted" and first["steps"] < 600 and time.time() - t0 < 90
     assert not (runs_dir / "cluster.json").exists(), "the driver stopped what it started"
     assert unfinished_run("dl", over, runs_dir=runs_dir, config=TINY) == run_dir
-    done = run_up("dl", over, runs_dir=runs_dir, config=TINY, resume=run_dir)
+    # A continuation starts even when a whole run would not fit: what it does is kept for the next resume.
+    done = run_up("dl", over, runs_dir=runs_dir, config=TINY, resume=run_dir, deadline=time.time() + 600,
+                  needs_s=3600)
     summary = json.loads((done / "summary.json").read_text())
     assert done == run_dir and summary["status"] == "finished" and summary["steps"] == 600
     assert summary["driver_resumes"] == 1 and summary["versions_lost_in_crashes"] == 0
