@@ -49,8 +49,8 @@ down: ## stop a cluster left running
 pretrain: setup ## build and warm up the base model (artifacts/base-model) if missing
 	$(BIN)/pipeline pretrain $(ARGS)
 
-test: setup ## the test suite (real Redis-compatible server, real processes)
-	$(BIN)/python -m pytest -q $(ARGS)
+test: setup ## the test suite (real Redis-compatible server, real processes); ends with its 15 slowest tests
+	$(BIN)/python -m pytest -q --durations=15 $(ARGS)
 
 seeds: setup ## the default make up-cluster run over seeds 0-4: median and range of the held-out gain; bench/results/seeds.{json,md} (~25 min)
 	nice -n 10 $(BIN)/python bench/seeds.py $(ARGS)
