@@ -24,6 +24,7 @@ evaluations), the curves, the accounting, and whether any game server outlived i
                                             # run killed with its driver continues: `pipeline up --resume`)
     python bench/game.py --resume --redo 0 --why "..."   # run seed 0 again; the old record stays, marked
     python bench/game.py --resume --hours 2  # stop cleanly after 2 h (a session's or a job's end); --resume goes on
+                                            # (a fresh seed starts only if a kept seed's wall time fits)
 
 Writes bench/results/game.json, game.md and game.png (each seed's result as it lands).
 """
