@@ -64,11 +64,12 @@ def run_up(label: str, overrides: dict[str, object], *, runs_dir: Path, nice: in
 
     Raises RunFailed (a RuntimeError) if the run fails or leaves no summary.json.
     """
-    if deadline is not None and time.time() >= deadline:
+    left = None if deadline is None else deadline - time.time()
+    if left is not None and left <= 0:
         raise DeadlineReached("the bench's time ran out before this run started", runs_dir / "(not started)")
-    if deadline is not None and needs_s and resume is None and deadline - time.time() < needs_s:
-        raise DeadlineReached(f"not started: {(deadline - time.time()) / 60:.0f} min left before the bench's "
-                              f"deadline, and a run takes about {needs_s / 60:.0f} min", runs_dir / "(not started)")
+    if left is not None and needs_s and resume is None and left < needs_s:
+        raise DeadlineReached(f"not started: {left / 60:.0f} min left before the bench's deadline, and a run "
+                              f"takes about {needs_s / 60:.0f} min", runs_dir / "(not started)")
     if resume is not None:
         run_id = resume.name
         cmd = [*PIPELINE, "up", "--resume", "--run-id", run_id, "--runs_dir", str(runs_dir)]
