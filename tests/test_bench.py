@@ -86,6 +86,7 @@ def test_redis_benchmark_ceiling_writes_payloads_of_the_given_size(redis_url, re
     assert len(fields[b"d"]) == 1234
 
 
+@pytest.mark.one_server
 def test_async_harness_overlaps_stages_when_staleness_is_allowed(redis_url):
     # The time limit guards against a hang only: eight stage processes starting at once on a busy
     # two-core machine took more than the bench's own 68 s; the figures compared are per step.
@@ -102,6 +103,7 @@ def test_async_harness_overlaps_stages_when_staleness_is_allowed(redis_url):
     assert asyn["staleness_hist"][2:] == [0] and sync["stale_dropped"] == asyn["stale_dropped"] == 0
 
 
+@pytest.mark.one_server
 def test_async_harness_refuses_a_run_too_short_to_time(redis_url):
     with pytest.raises(ValueError, match="warmup"):
         bench_async.run_harness(redis_url, eta=0, steps=2, warmup=2)

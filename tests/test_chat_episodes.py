@@ -41,7 +41,7 @@ needs_smollm2 = pytest.mark.skipif(not (SMOLLM2 / "model.safetensors").is_file()
 QUESTION = "Guess my number. Answer with one word."
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.one_server]
 
 
 @pytest.fixture(scope="module")

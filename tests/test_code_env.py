@@ -27,6 +27,8 @@ from pipeline.tasks import code as ct
 from pipeline.tasks.registry import make_task
 from pipeline.common.sandbox import SandboxLimits
 
+pytestmark = pytest.mark.one_server
+
 FAST = SandboxLimits(wall_s=3.0, cpu_s=1)
 """Tighter than the default limits, so the hanging cases end sooner."""
 

@@ -8,7 +8,7 @@ import json
 import pytest
 from harness import up as _up
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.one_server]
 
 
 def test_dynamic_sampling_refills_and_the_accounting_balances(tmp_path, tiny_base_model):

@@ -32,6 +32,8 @@ from pipeline.model.qwen import load_checkpoint
 from pipeline.producers.generator import sampling_seed
 from builders import RecordingLog
 
+pytestmark = pytest.mark.one_server
+
 DEFAULT = Path(__file__).resolve().parent.parent / "configs" / "default.toml"
 CLI = [sys.executable, "-m", "pipeline.cli"]
 

@@ -37,7 +37,7 @@ SCRIPT = (1.0, None, 0.5, 2.0)
 """The scripted environment's reward per model turn (None: that turn gives none); done after the last."""
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.one_server]
 
 
 def _task(pid: str) -> PromptTask:

@@ -44,7 +44,7 @@ HERE = Path(__file__).resolve()
 SHAPE = ModelShape(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.one_server]
 
 
 @pytest.fixture

@@ -70,7 +70,7 @@ HERMES = (
 renders a run of tool results as one user turn of ``<tool_response>`` blocks."""
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.one_server]
 
 
 def add(a: int, b: int) -> int:

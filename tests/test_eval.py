@@ -21,6 +21,8 @@ from pipeline.observe.evaluate import (check_settings, checkpoint_kind, evaluate
                                    run_of)
 from pipeline.tasks.base import Item
 
+pytestmark = pytest.mark.one_server
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

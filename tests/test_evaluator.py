@@ -25,6 +25,8 @@ from pipeline.observe.evaluate import evaluate_model
 from pipeline.run.plan import worker_table
 from pipeline.weights import make_publisher
 
+pytestmark = pytest.mark.one_server
+
 EVAL = {"eval.max_prompts": 12, "eval.n": 4, "eval.ks": "1,2,4", "eval.every_versions": 3, "eval.nice": 0,
         "eval.sched_idle": False}
 

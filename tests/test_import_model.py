@@ -24,6 +24,8 @@ from pipeline.model import importer  # noqa: E402
 from pipeline.model.importer import ImportModelError, check_checkpoint, import_gguf, load_gguf  # noqa: E402
 from pipeline.model.qwen import completion_logprobs, completion_mask, load_checkpoint, sample  # noqa: E402
 
+pytestmark = pytest.mark.one_server
+
 CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
                  "+ '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
                  "{% endif %}")

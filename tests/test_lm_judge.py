@@ -25,6 +25,8 @@ from pipeline.verifiers.judge_server import (JudgeClient, JudgeServer, JudgeServ
                                              TIMEOUT_ENV)
 from pipeline.verifiers.kinds import lm_judge as LJ
 
+pytestmark = pytest.mark.one_server
+
 ADD = " 42+317="
 COMPLETIONS = ["359", "358", "The answer is \\boxed{359}.", "no idea",
                "42 plus 317: 2+7 is 9, 4+1 is 5, 0+3 is 3, so it is 359.", "3590", "I would say 360"]

@@ -18,6 +18,8 @@ from pipeline.model.init_model import corpus, init_model, synthetic_math_rows, w
 from pipeline.tasks.math import MathTask, boxed_answer, read_rows
 from pipeline.verifiers.registry import VERIFIERS  # the registry module registers the math checks
 
+pytestmark = pytest.mark.one_server
+
 pytest.importorskip("math_verify")
 
 TEMPLATE = "{problem} Put the answer in \\boxed{}."

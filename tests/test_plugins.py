@@ -16,6 +16,8 @@ from pipeline.algo.rewards import parse_reward_mode
 from pipeline.config import ConfigError, load_config
 from pipeline.verifiers.registry import check_spec, resolve as resolve_verifier
 
+pytestmark = pytest.mark.one_server
+
 USER_CODE = textwrap.dedent('''
     """A researcher's own extensions, outside the package."""
     import numpy as np

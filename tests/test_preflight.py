@@ -31,6 +31,8 @@ from pipeline.config import ConfigError, field_names, load_config
 from pipeline.run.plan import log_file, worker_table
 from pipeline.run.preflight import check_run, preflight
 
+pytestmark = pytest.mark.one_server
+
 ROOT = Path(__file__).resolve().parents[1]
 REFUSE_WITHIN_S = 10.0
 """A refusal comes before anything slow starts (the server, a base model, the workers): well under

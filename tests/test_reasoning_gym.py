@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +25,8 @@ from pipeline.tasks import reasoning_gym as rgt  # noqa: E402
 from pipeline.tasks.answers import boxed_answer, last_number, make_extractor  # noqa: E402
 from pipeline.tasks.prompting import PLAIN, build_prompt, checkpoint_format, prompt_format  # noqa: E402
 from pipeline.tasks.registry import make_task  # noqa: E402
+
+pytestmark = pytest.mark.one_server
 
 TEN = ("basic_arithmetic", "chain_sum", "gcd", "lcm", "spell_backward", "count_bits", "letter_counting", "products",
        "fraction_simplification", "prime_factorization")
@@ -350,52 +351,50 @@ def test_the_new_task_fields_set_for_the_arithmetic_task_are_refused_by_name(ove
 # ----------------------------------------------------------------------------- ten datasets, the real pipeline
 
 STEPS = 2
-B = 2
+B = 5
+HELD = 2  # held-out questions per dataset
 
 
-def _run(tmp_path: Path, base: Path, url: str, name: str) -> dict:
-    """One dataset's run: trainer, feeder, a generator and a verifier as their own processes
-    (``harness.run_stages``) until the trainer finishes; its accounting and summary as
-    ``pipeline up`` writes them."""
+@pytest.mark.slow
+def test_ten_reasoning_gym_datasets_run_together_through_the_real_pipeline(tmp_path, rg_model, redis_url):
+    """The ten datasets in one run of the real stages as OS processes (trainer, feeder, a generator
+    and a verifier, ``harness.run_stages``) on the session's server: it finishes its steps with
+    every prompt accounted for, and evaluates each dataset's held-out questions at its first and
+    last evaluation, each dataset apart and all together, as ``pipeline up`` writes them."""
     from harness import run_stages, tiny_config
 
     from pipeline.keys import Keys
     from pipeline.run.accounting import account
     from pipeline.run.summary import write_summary
 
-    cfg, path = tiny_config(tmp_path, base, url, f"rg-{name}", **{
-        "task.kind": "reasoning_gym", "task.datasets": name, "task.template": TEMPLATE, "task.heldout_size": 6,
-        "task.max_new_tokens": 12, "verifier.verifiers": "boxed,boxed_majority", "verifier.reward": "average",
-        "verifier.batch": B, "trainer.steps": STEPS, "trainer.groups_per_step": B, "trainer.eval_every": STEPS,
-        "generator.group_size": 2, "generator.prompts_per_batch": B, "feeder.backlog": 4})
+    cfg, path = tiny_config(tmp_path, rg_model, redis_url, "rg-ten", **{
+        "task.kind": "reasoning_gym", "task.datasets": ",".join(TEN), "task.template": TEMPLATE,
+        "task.heldout_size": HELD, "task.max_new_tokens": 12, "verifier.verifiers": "boxed,boxed_majority",
+        "verifier.reward": "average", "verifier.batch": B, "trainer.steps": STEPS, "trainer.groups_per_step": B,
+        "trainer.eval_every": STEPS, "generator.group_size": 2, "generator.prompts_per_batch": B,
+        "feeder.backlog": 2 * B})
     t0 = time.time()
-    run_stages(cfg, path, url, generators=1, verifiers=1, timeout=300)
-    r = redis.Redis.from_url(url)
+    run_stages(cfg, path, redis_url, generators=1, verifiers=1, timeout=300)
+    r = redis.Redis.from_url(redis_url)
     keys = Keys.of(cfg.run_id, cfg.redis)
-    return write_summary(cfg, r, keys, account(r, keys), {}, status="finished", wall_seconds=time.time() - t0,
-                         restarts=0, server_restarts=0)
-
-
-@pytest.mark.slow
-def test_ten_reasoning_gym_datasets_run_two_steps_each_through_the_real_pipeline(tmp_path, rg_model, redis_url):
-    """Ten datasets, each its own run of the real stages as OS processes on the session's server,
-    two runs at a time: each finishes its two steps with every prompt accounted for, and
-    evaluates its held-out set (overall and for its dataset)."""
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        summaries = dict(zip(TEN, pool.map(lambda n: _run(tmp_path, rg_model, redis_url, n), TEN)))
-    for name, summary in summaries.items():
-        assert summary["steps"] == STEPS, (name, summary)
-        acc = summary["accounting"]
-        assert acc["ok"] and acc["adds_up"] and acc["trained_once"], (name, acc)
-        assert acc["lost"] == 0 and acc["unexpected"] == 0 and acc["dead_lettered"] == 0, (name, acc)
-        assert acc["trained"] + acc["nosignal"] + acc["stale"] == STEPS * B, (name, acc)
-        assert set(summary["evals"]) == {0, STEPS}, (name, summary["evals"])
-        by = summary["evals_by_dataset"]
-        assert set(by) == {0, STEPS} and all(set(v) == {name} for v in by.values()), (name, by)
-        assert all(0.0 <= v[name] <= 1.0 for v in by.values())
-        assert by[STEPS][name] == summary["evals"][STEPS]
-        assert f"held-out accuracy per dataset, first -> last evaluation: {name} " in \
-            (tmp_path / "runs" / f"rg-{name}" / "summary.md").read_text()
+    summary = write_summary(cfg, r, keys, account(r, keys), {}, status="finished", wall_seconds=time.time() - t0,
+                            restarts=0, server_restarts=0)
+    assert summary["steps"] == STEPS, summary
+    acc = summary["accounting"]
+    assert acc["ok"] and acc["adds_up"] and acc["trained_once"], acc
+    assert acc["lost"] == 0 and acc["unexpected"] == 0 and acc["dead_lettered"] == 0, acc
+    assert acc["trained"] + acc["nosignal"] + acc["stale"] == STEPS * B, acc
+    assert set(summary["evals"]) == {0, STEPS}, summary["evals"]
+    by = summary["evals_by_dataset"]
+    assert set(by) == {0, STEPS} and all(set(v) == set(TEN) for v in by.values()), by
+    for step, per in by.items():
+        # each dataset holds out HELD questions: a dataset's accuracy is a multiple of 1/HELD, and
+        # the overall one the mean of the datasets'
+        assert all(v * HELD == pytest.approx(round(v * HELD)) and 0.0 <= v <= 1.0 for v in per.values()), per
+        assert sum(per.values()) / len(TEN) == pytest.approx(summary["evals"][step]), (per, summary["evals"])
+    md = (tmp_path / "runs" / "rg-ten" / "summary.md").read_text()
+    line = next(x for x in md.splitlines() if "held-out accuracy per dataset, first -> last evaluation: " in x)
+    assert all(f"{name} " in line for name in TEN), line
 
 
 def test_a_reasoning_gym_run_gets_verifiers_that_read_its_prompts_unless_it_names_its_own():

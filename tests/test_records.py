@@ -8,6 +8,8 @@ from hypothesis import given, settings, strategies as st
 from builders import make_prompt, make_rollout, make_scored
 from pipeline.records import MAX_RECORD_BYTES, PromptTask, RecordError, RolloutGroup, ScoredGroup
 
+pytestmark = pytest.mark.one_server
+
 
 def test_prompt_task_round_trips_through_bytes():
     p = make_prompt()

@@ -14,7 +14,7 @@ from harness import CLI, up as _up
 from pipeline.common import archive as arc
 from pipeline.run.replay import ReplayError, diff, read_groups, replay
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.one_server]
 STEPS = 10
 
 

@@ -13,6 +13,8 @@ from PIL import Image
 
 from pipeline.observe.report import write_report
 
+pytestmark = pytest.mark.one_server
+
 T0 = 1_800_000_000.0
 
 

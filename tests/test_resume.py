@@ -135,6 +135,7 @@ def test_a_run_killed_with_everything_it_started_resumes_and_finishes_losing_not
     assert again.returncode == 2 and "finished" in again.stdout.decode(errors="replace")
 
 
+@pytest.mark.one_server
 def test_resume_refuses_what_it_cannot_continue_before_starting_anything(tmp_path, tiny_base_model):
     runs_dir = tmp_path / "runs"
     missing = _resume(tmp_path, "no-such-run")
@@ -207,6 +208,7 @@ def test_a_resume_records_how_long_the_driver_before_it_ran_and_counts_each_driv
         run.chmod(0o700)
 
 
+@pytest.mark.one_server
 def test_a_bench_out_of_time_stops_its_run_cleanly_and_its_resume_finishes_it(tmp_path, tiny_base_model):
     """bench/pipeline_runs.run_up with a deadline (the benches' --hours): the driver is stopped as `pipeline
     down` stops it (SIGTERM; status interrupted, every stage down, nothing lost), DeadlineReached says so, the bench's

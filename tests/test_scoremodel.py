@@ -8,6 +8,8 @@ import pytest
 from pipeline.algo.labelmodel import fit_label_model
 from pipeline.algo.scoremodel import _auc, family, fit_score_model
 
+pytestmark = pytest.mark.one_server
+
 JUDGES = ["lm_judge:m@x", "lm_judge:m@y", "lm_judge:m@z"]
 
 

@@ -117,6 +117,7 @@ def _heartbeat(r: redis.Redis, run_id: str, worker: str) -> dict:
 CRASH_LOOP_EXITS, KILLS = 3, 4  # more kills than a crash loop takes, each of them quick
 
 
+@pytest.mark.one_server
 def test_a_generator_sigkilled_more_times_than_a_crash_loop_takes_is_restarted_each_time_losing_nothing(
         tmp_path, tiny_base_model):
     """Four SIGKILLs of a generator a second into its work, one more than the crash-loop bound set here
@@ -163,6 +164,7 @@ def test_a_generator_sigkilled_more_times_than_a_crash_loop_takes_is_restarted_e
     assert a["ok"] and a["lost"] == 0 and a["unexpected"] == 0, a
 
 
+@pytest.mark.one_server
 def test_a_verifier_that_fails_on_start_is_reported_as_a_crash_loop_while_the_run_goes_on(tmp_path,
                                                                                            tiny_base_model):
     run_id = f"loop-{uuid.uuid4().hex[:6]}"
@@ -292,6 +294,7 @@ def test_down_after_a_sigkilled_driver_stops_workers_then_server_and_leaves_noth
     assert took < 30, f"`pipeline down` took {took:.1f} s"
 
 
+@pytest.mark.one_server
 def test_a_run_stopped_while_its_trainer_is_dead_leaves_no_weight_file(tmp_path, tiny_base_model):
     """The trainer SIGKILLed (its publisher never closed) and waiting out a long backoff when the
     run is stopped: the driver removes what it left in /dev/shm."""
@@ -314,6 +317,7 @@ def test_a_run_stopped_while_its_trainer_is_dead_leaves_no_weight_file(tmp_path,
     assert took < 30, f"`pipeline down` took {took:.1f} s"
 
 
+@pytest.mark.one_server
 def test_up_refuses_to_start_while_the_recorded_driver_is_alive(tmp_path, tiny_base_model):
     runs = tmp_path / "runs"
     runs.mkdir()
@@ -327,6 +331,7 @@ def test_up_refuses_to_start_while_the_recorded_driver_is_alive(tmp_path, tiny_b
     assert (runs / "cluster.json").exists()
 
 
+@pytest.mark.one_server
 def test_down_never_signals_a_pid_whose_start_time_differs(tmp_path):
     runs = tmp_path / "runs"
     runs.mkdir()
@@ -349,6 +354,7 @@ def test_down_never_signals_a_pid_whose_start_time_differs(tmp_path):
     assert "stopped" not in down.stdout, down.stdout
 
 
+@pytest.mark.one_server
 def test_over_the_hourly_restart_budget_the_run_ends_with_everything_stopped(tmp_path, tiny_base_model):
     run_id = f"budget-{uuid.uuid4().hex[:6]}"
     p = up(tmp_path, tiny_base_model, "--run-id", run_id, "--trainer.steps", "100000",

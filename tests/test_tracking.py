@@ -15,7 +15,7 @@ from harness import up as _up
 from pipeline.config import ConfigError, load_config
 from pipeline.observe.tracking import scalars
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.one_server]
 
 
 def _metrics(run_dir: Path) -> dict[tuple[str, int], float]:
