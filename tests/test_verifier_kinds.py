@@ -215,6 +215,18 @@ def test_code_exec_kills_an_infinite_loop_at_the_wall_clock_and_abstains():
     assert _live_in_group(r.pid) == []
 
 
+@pytest.mark.parametrize("isolate", [True, False])
+def test_code_exec_stops_a_cpu_burner_at_its_cpu_allowance_and_abstains_as_at_the_wall_clock(isolate):
+    # The CPU limit (1 s) comes long before the wall clock (20 s): stopped for time all the same,
+    # inside the namespaces too (where unshare reports its child's SIGKILL as its own exit status 1).
+    t0 = time.perf_counter()
+    r = SB.run_tests("while True:\n    pass\n", ["assert True"], limits=SB.SandboxLimits(wall_s=20.0, cpu_s=1),
+                     isolate_network=isolate)
+    assert r.timed_out and math.isnan(r.score) and r.returncode != 0
+    assert time.perf_counter() - t0 < 15.0
+    assert _live_in_group(r.pid) == []
+
+
 def test_code_exec_limits_a_memory_hog_and_a_fork_bomb_and_leaves_nothing_running():
     hog = SB.run_tests("x = bytearray(2 << 30)\n", ["assert len(x) > 0"], limits=FAST)
     assert not hog.timed_out and hog.score == 0.0 and "MemoryError" in hog.stderr

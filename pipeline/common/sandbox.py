@@ -18,8 +18,10 @@ The sandbox (``run_tests``), per program:
   process it left, even ones that called ``setsid``). Where ``unshare`` is missing or not
   permitted, the program runs without network isolation and ``ExecResult.network_isolated``
   says so (``note`` explains);
-- a **wall-clock timeout**, after which the whole process group is killed (SIGKILL);
-  a timed-out run makes the verifier abstain for that completion.
+- a **wall-clock timeout**, after which the whole process group is killed (SIGKILL).
+  A run stopped for time (at the wall clock, or once it has used its whole CPU allowance,
+  whichever comes first: on a loaded machine either can) is ``timed_out``, and makes the
+  verifier abstain for that completion.
 
 What it does not protect: the tests run in the same interpreter as the solution, so a
 hostile program can tamper with the harness and forge its own result. The sandbox
@@ -32,6 +34,7 @@ import functools
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -70,7 +73,7 @@ class ExecResult:
     total: int
     """Test asserts run."""
     timed_out: bool
-    """Killed at the wall-clock limit."""
+    """Stopped for time: killed at the wall-clock limit, or it used its whole CPU allowance."""
     network_isolated: bool
     """Ran in its own network namespace (no network, loopback down)."""
     returncode: int | None
@@ -210,14 +213,17 @@ def run_tests(code: str, tests: Sequence[str], *, limits: SandboxLimits = Sandbo
             except OSError as exc:
                 return ExecResult(passed=0, total=len(tests), timed_out=False, network_isolated=isolated,
                                   returncode=None, note=f"could not start the sandbox: {exc}")
-            timed_out = False
             try:
-                proc.wait(timeout=limits.wall_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
+                timed_out = not _wait(proc.pid, limits.wall_s)
             finally:
                 _kill_group(proc.pid)  # the program on timeout, and anything it left behind in its group
-                proc.wait()
+            # wait4, not Popen.wait: its usage counts the sandboxed program too (unshare waited for it).
+            _, status, usage = os.wait4(proc.pid, 0)
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            # Killed for CPU time is stopped for time, as the wall clock is (under load either comes first).
+            # Not from the exit status alone: unshare reports its child's SIGKILL as its own exit status 1.
+            timed_out = timed_out or (proc.returncode != 0 and
+                                      usage.ru_utime + usage.ru_stime >= limits.cpu_s - _CPU_SLACK_S)
             out.seek(0, os.SEEK_END)
             out.seek(max(0, out.tell() - limits.output_bytes))
             stdout = out.read().decode(errors="replace")
@@ -234,6 +240,21 @@ def run_tests(code: str, tests: Sequence[str], *, limits: SandboxLimits = Sandbo
         note = sandbox_python()[2]
     return ExecResult(passed=max(0, min(passed, len(tests))), total=len(tests), timed_out=timed_out,
                       network_isolated=isolated, returncode=proc.returncode, stderr=stderr, note=note, pid=proc.pid)
+
+
+_CPU_SLACK_S = 0.05
+"""CPU seconds below ``cpu_s`` that still count as the whole allowance (clock granularity)."""
+
+
+def _wait(pid: int, timeout_s: float) -> bool:
+    """Whether child ``pid`` ended within ``timeout_s`` (it is left for ``os.wait4`` to reap)."""
+    fd = os.pidfd_open(pid)
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(max(0, int(timeout_s * 1000))))
+    finally:
+        os.close(fd)
 
 
 def _kill_group(pgid: int) -> None:

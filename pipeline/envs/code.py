@@ -49,12 +49,13 @@ def _clean(text: str) -> str:
     return re.sub(r"[^\x20-\x7e\n]", "?", text)
 
 
-def feedback(tests: list[str], result, wall_s: float) -> str:
-    """The observation for an ``ExecResult`` of ``tests`` that did not all pass (``wall_s``: the
-    sandbox's wall-clock limit)."""
+def feedback(tests: list[str], result, limits: SandboxLimits) -> str:
+    """The observation for an ``ExecResult`` of ``tests`` that did not all pass (``limits``: the
+    sandbox's)."""
     n = len(tests)
-    if result.timed_out:
-        return f"\nYour code ran out of time (the limit is {wall_s:g} s); 0 of {n} tests passed.\n"
+    if result.timed_out:  # the wall clock or the CPU allowance, whichever came first: one message for both
+        return (f"\nYour code ran out of time (the limits are {limits.wall_s:g} s of wall clock and "
+                f"{limits.cpu_s:g} s of CPU); 0 of {n} tests passed.\n")
     failures = []
     crashed = None
     for line in result.stderr.splitlines():
@@ -77,14 +78,14 @@ def feedback(tests: list[str], result, wall_s: float) -> str:
         text = f"\nYour code could not be run ({_cut(result.note, MAX_LINE)}).\n"
     elif result.returncode == 0:  # the harness finished, but which tests failed was lost in the program's output
         text = f"\n{n - result.passed} of {n} tests failed (your code's own output hid which).\n"
-    else:  # killed before the harness reported: the CPU or memory limit, or the process ended itself
+    else:  # killed before the harness reported: the memory limit, or the process ended itself
         how = f"exit status {result.returncode}"
         if result.returncode < 0:
             try:
                 name = signal.Signals(-result.returncode).name
             except ValueError:
                 name = f"signal {-result.returncode}"
-            how = "the CPU time limit" if name == "SIGXCPU" else name
+            how = name
         tail = _cut(result.stderr.strip().splitlines()[-1], MAX_LINE) if result.stderr.strip() else ""
         text = f"\nYour code was stopped ({how}{': ' + tail if tail else ''}); 0 of {n} tests passed.\n"
     text = _clean(text)
@@ -123,7 +124,7 @@ class CodeEpisode:
         passed = 0 if result.timed_out else result.passed
         if passed == n:
             return Step(observation="", reward=1.0, done=True)
-        return Step(observation=feedback(self.tests, result, self.limits.wall_s), reward=passed / n, done=False)
+        return Step(observation=feedback(self.tests, result, self.limits), reward=passed / n, done=False)
 
     def close(self) -> None:
         pass
