@@ -66,7 +66,9 @@ def arm_overrides(arm: str, best_single: str) -> dict[str, object]:
     """The config fields an arm sets (beside the seeds and the budget)."""
     return {"truth": {"verifier.reward": "ground_truth", "verifier.monitor_share": 0.0},
             "single": {"verifier.reward": f"single:{best_single}", "verifier.monitor_share": 0.0},
-            "weaver": {"verifier.reward": "weaver", "verifier.monitor_share": 1.0},
+            # The default label model when the first arm ran (2026-12-07), named so that a later
+            # change of the default cannot reach the runs still to come.
+            "weaver": {"verifier.reward": "weaver", "verifier.monitor_share": 1.0, "verifier.label_model": "weaver"},
             "weaver-128": {"verifier.reward": "weaver", "verifier.monitor_share": 1.0,
                            "verifier.label_model": "scores", "verifier.labels": LABELS}}[arm]
 

@@ -128,3 +128,18 @@ def test_an_interrupted_run_of_the_same_arm_and_settings_is_the_one_continued(tm
     run(f"{label}-1205-099000", None)
     (tmp_path / f"{label}-1205-099000" / "metrics.jsonl").unlink()  # stopped before its trainer wrote anything
     assert unfinished_run(label, over, runs_dir=tmp_path).name == f"{label}-1205-095000"
+
+
+def test_every_arm_names_its_reward_and_label_model_and_the_config_accepts_it():
+    # The label-free arm names the label model the plan fixed (the default when the first arm
+    # ran), so a later change of the pipeline's default cannot reach the runs still to come.
+    from pipeline.config import load_config
+
+    for arm in PX.ARMS:
+        over = PX.arm_overrides(arm, "lm_judge:x@qa")
+        cfg = load_config(None, {k: str(v) for k, v in over.items()})
+        assert cfg.verifier.reward == over["verifier.reward"]
+        if arm.startswith("weaver"):
+            assert "verifier.label_model" in over and cfg.verifier.monitor_share == 1.0
+    assert PX.arm_overrides("weaver", "x")["verifier.label_model"] == "weaver"
+    assert PX.arm_overrides("weaver-128", "x")["verifier.labels"] == PX.LABELS
