@@ -161,6 +161,8 @@ def run_one(task: dict, arm: str, seed: int, *, config: Path, runs_dir: Path, st
     overrides = {**arm_overrides(arm, task["best_single"]), "trainer.seed": seed, "feeder.seed": seed,
                  "generator.seed": seed, "trainer.steps": steps, **extra}
     t0 = time.time()
+    # The code this driver runs (read now: the repository may move on while the run goes).
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     label = f"pw-{task['dataset']}-{arm}-s{seed}"
     # A run killed with its driver (a session's end) goes on from its checkpoint instead of starting over.
     cont = unfinished_run(label, overrides, runs_dir=runs_dir, config=config)
@@ -175,7 +177,6 @@ def run_one(task: dict, arm: str, seed: int, *, config: Path, runs_dir: Path, st
     acc = s.get("accounting", {})
     from pipeline.observe.report import label_model_fit
 
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     return {"run": str(run_dir.relative_to(ROOT)) if run_dir.is_relative_to(ROOT) else str(run_dir),
             "commit": commit or None,
             # Over every driver of a resumed run (this process saw only the last one's part).
