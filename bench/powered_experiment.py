@@ -184,9 +184,18 @@ def run_one(task: dict, arm: str, seed: int, *, config: Path, runs_dir: Path, st
             "versions_lost": s.get("versions_lost_in_crashes", 0),
             "evals": dict(zip(map(str, x), y)),
             "final_correct": final, "final": float(np.mean(final)),
+            # What the arm trained on: its mean reward per step (a single arm whose judge never
+            # reaches its threshold trains on nothing; the report shows it beside the gains).
+            "train_reward_mean": train_reward_mean(run),
             "accounting_ok": bool(acc.get("ok", s.get("accounting_ok"))), "lost": acc.get("lost"),
             "unexpected": acc.get("unexpected"), "duplicated": acc.get("duplicated"),
             "label_model": label_model_fit(run_dir) if arm.startswith("weaver") else None}
+
+
+def train_reward_mean(run: dict) -> float | None:
+    """Mean over a run's steps of the step's mean reward (None: no step recorded one)."""
+    vals = [r["reward_mean"] for r in run["steps"] if isinstance(r.get("reward_mean"), (int, float))]
+    return round(float(np.mean(vals)), 4) if vals else None
 
 
 # --------------------------------------------------------------------------- the statistics
@@ -330,8 +339,9 @@ def report(result: dict, out: Path, name: str) -> None:
             a = st.get("arms", {}).get(arm)
             runs = t["runs"].get(arm, {})
             if not a:
-                rows.append([arm, "0", "not run", "", "", "", ""])
+                rows.append([arm, "0", "not run", "", "", "", "", ""])
                 continue
+            rewards = [r["train_reward_mean"] for r in runs.values() if r.get("train_reward_mean") is not None]
             iv = a["gain_vs_base"]
             walls = [r["wall_seconds"] for r in runs.values()]
             ok = all(r["accounting_ok"] for r in runs.values())
@@ -339,9 +349,11 @@ def report(result: dict, out: Path, name: str) -> None:
                        f"{sum(r.get('versions_lost') or 0 for r in runs.values())}")
             rows.append([arm, a["seeds"], f"{pct(a['gain_median'])} ({pct(a['gain_min'])} to {pct(a['gain_max'])})",
                          f"{pct(iv['mean'])} [{pct(iv['low'])}, {pct(iv['high'])}]",
+                         f"{np.median(rewards):.3f}" if rewards else "",
                          f"{np.median(walls) / 60:.0f} min", resumed, "balanced" if ok else "**not balanced**"])
         lines += [md_table(["arm", "seeds", "gain, median (range), points", "gain, mean [95% interval]",
-                            "wall per run", "resumes / versions lost", "accounting"], rows)]
+                            "training reward, median of runs' means", "wall per run", "resumes / versions lost",
+                            "accounting"], rows)]
         if st.get("paired"):
             lines += ["Paired differences of final accuracy (points; mean over seeds, 95% bootstrap interval "
                       "over problems and seeds):", "",

@@ -59,7 +59,7 @@ def test_the_report_says_each_line_met_or_missed_with_its_interval(tmp_path):
         final = (r.random(500) < p).astype(int).tolist()
         return {"run": "runs/x", "wall_seconds": 3600.0, "evals": {"0": 0.05, "120": p}, "final_correct": final,
                 "final": float(np.mean(final)), "accounting_ok": True, "lost": 0, "unexpected": 0, "duplicated": 0,
-                "label_model": None}
+                "label_model": None, "train_reward_mean": 0.0 if p == 0.12 else p}
 
     arms = {"truth": 0.30, "single": 0.12, "weaver": 0.14, "weaver-128": 0.25}
     task = {"key": "gcd-x", "dataset": "gcd", "params": {}, "best_single": "lm_judge:g@qa", "base_correct": base,
@@ -80,6 +80,10 @@ def test_the_report_says_each_line_met_or_missed_with_its_interval(tmp_path):
     assert "## lcm-y\n\nNot started" in md
     assert "| weaver closes >= 50% of the single -> truth gap | **missed** |" in md
     assert "| truth | 3 |" in md and "balanced" in md
+    single_row = next(x for x in md.splitlines() if x.startswith("| single | 3 |"))
+    assert "| 0.000 |" in single_row, "the single arm's training reward is shown beside its gain"
+    assert PX.train_reward_mean({"steps": [{"reward_mean": 0.0}, {"reward_mean": 0.5}, {"kind": "step"}]}) == 0.25
+    assert PX.train_reward_mean({"steps": []}) is None
     assert json.loads((tmp_path / "powered.json").read_text())["tasks"]["gcd-x"]["statistics"]["arms"]["truth"]["seeds"] == 3
     assert (tmp_path / "powered.png").stat().st_size > 1000
 
