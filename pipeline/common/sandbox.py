@@ -34,7 +34,6 @@ import functools
 import json
 import os
 import re
-import select
 import shutil
 import signal
 import subprocess
@@ -215,11 +214,12 @@ def run_tests(code: str, tests: Sequence[str], *, limits: SandboxLimits = Sandbo
                 return ExecResult(passed=0, total=len(tests), timed_out=False, network_isolated=isolated,
                                   returncode=None, note=f"could not start the sandbox: {exc}")
             try:
-                timed_out = not _wait(proc.pid, limits.wall_s)
+                ended = _reap_within(proc.pid, limits.wall_s)
             finally:
                 _kill_group(proc.pid)  # the program on timeout, and anything it left behind in its group
+            timed_out = ended is None
             # wait4, not Popen.wait: its usage counts the sandboxed program too (unshare waited for it).
-            _, status, usage = os.wait4(proc.pid, 0)
+            _, status, usage = ended or os.wait4(proc.pid, 0)
             proc.returncode = os.waitstatus_to_exitcode(status)
             # Killed for CPU time is stopped for time, as the wall clock is (under load either comes first);
             # the CPU counted is the program's and that of the processes it waited for.
@@ -250,22 +250,15 @@ own clock, while the usage it reports (user + system, split by sampling) can rea
 under it (0.97 s at a limit of 1 s, measured here)."""
 
 
-def _wait(pid: int, timeout_s: float) -> bool:
-    """Whether child ``pid`` ended within ``timeout_s`` (it is left for ``os.wait4`` to reap)."""
-    if hasattr(os, "pidfd_open"):  # Linux: sleep until it ends
-        fd = os.pidfd_open(pid)
-        try:
-            poller = select.poll()
-            poller.register(fd, select.POLLIN)
-            return bool(poller.poll(max(0, int(timeout_s * 1000))))
-        finally:
-            os.close(fd)
-    deadline = time.monotonic() + timeout_s  # elsewhere: look every 10 ms, without reaping it
-    while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+def _reap_within(pid: int, timeout_s: float):
+    """``os.wait4``'s (pid, status, usage) for child ``pid`` if it ends within ``timeout_s``, else
+    None (looking every 10 ms, as ``Popen.wait`` with a timeout does)."""
+    deadline = time.monotonic() + timeout_s
+    while not (ended := os.wait4(pid, os.WNOHANG))[0]:
         if time.monotonic() >= deadline:
-            return False
+            return None
         time.sleep(0.01)
-    return True
+    return ended
 
 
 def _kill_group(pgid: int) -> None:

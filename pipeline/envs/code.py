@@ -82,10 +82,9 @@ def feedback(tests: list[str], result, limits: SandboxLimits) -> str:
         how = f"exit status {result.returncode}"
         if result.returncode < 0:
             try:
-                name = signal.Signals(-result.returncode).name
+                how = signal.Signals(-result.returncode).name
             except ValueError:
-                name = f"signal {-result.returncode}"
-            how = name
+                how = f"signal {-result.returncode}"
         tail = _cut(result.stderr.strip().splitlines()[-1], MAX_LINE) if result.stderr.strip() else ""
         text = f"\nYour code was stopped ({how}{': ' + tail if tail else ''}); 0 of {n} tests passed.\n"
     text = _clean(text)
