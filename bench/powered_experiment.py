@@ -21,6 +21,7 @@ problems and seeds, and each weaver arm's share of the single -> truth gap.
     python bench/powered_experiment.py --report-only # rewrite the report from powered.json
     python bench/powered_experiment.py --smoke       # the machinery on a tiny budget (not the experiment)
     python bench/powered_experiment.py --hours 2.5   # stop cleanly after 2.5 h; the same command goes on
+                                                     # (a run not expected to finish in the time left is not started)
 
 Runs go seed-major (seed 0 of every arm of every task first), one at a time, niced; after each
 one bench/results/powered.json is rewritten, so an interrupted experiment keeps what finished
@@ -157,7 +158,7 @@ def evaluate(config: Path, checkpoint: str, out: Path) -> list[int]:
 
 
 def run_one(task: dict, arm: str, seed: int, *, config: Path, runs_dir: Path, steps: int,
-            extra: dict[str, object], deadline: float | None = None) -> dict:
+            extra: dict[str, object], deadline: float | None = None, needs_s: float | None = None) -> dict:
     overrides = {**arm_overrides(arm, task["best_single"]), "trainer.seed": seed, "feeder.seed": seed,
                  "generator.seed": seed, "trainer.steps": steps, **extra}
     t0 = time.time()
@@ -166,7 +167,8 @@ def run_one(task: dict, arm: str, seed: int, *, config: Path, runs_dir: Path, st
     label = f"pw-{task['dataset']}-{arm}-s{seed}"
     # A run killed with its driver (a session's end) goes on from its checkpoint instead of starting over.
     cont = unfinished_run(label, overrides, runs_dir=runs_dir, config=config)
-    run_dir = run_up(label, overrides, runs_dir=runs_dir, config=config, resume=cont, deadline=deadline)
+    run_dir = run_up(label, overrides, runs_dir=runs_dir, config=config, resume=cont, deadline=deadline,
+                     needs_s=needs_s)
     wall = time.time() - t0
     for ckpt in (run_dir / "checkpoints").glob("step-*"):
         shutil.rmtree(ckpt, ignore_errors=True)  # model and optimizer of the last steps; final/ stays
@@ -190,6 +192,17 @@ def run_one(task: dict, arm: str, seed: int, *, config: Path, runs_dir: Path, st
             "accounting_ok": bool(acc.get("ok", s.get("accounting_ok"))), "lost": acc.get("lost"),
             "unexpected": acc.get("unexpected"), "duplicated": acc.get("duplicated"),
             "label_model": label_model_fit(run_dir) if arm.startswith("weaver") else None}
+
+
+def expected_seconds(result: dict, arm: str) -> float | None:
+    """What a fresh run of ``arm`` is expected to take, for ``--hours``: the shortest finished run of
+    that arm (any task), else the longest finished run of any arm (an arm that scores the whole
+    panel takes at least as long as one that scores a single judge); None before any run finished."""
+    took = [(a, r["wall_seconds"]) for tr in result.get("tasks", {}).values()
+            for a, runs in tr.get("runs", {}).items() for r in runs.values() if r.get("wall_seconds")]
+    same = [w for a, w in took if a == arm]
+    every = [w for _, w in took]
+    return min(same) if same else (max(every) if every else None)
 
 
 def train_reward_mean(run: dict) -> float | None:
@@ -388,7 +401,9 @@ def main() -> int:
     ap.add_argument("--hours", type=float, default=None,
                     help="stop after this long: the run in progress is stopped cleanly (as `pipeline down` stops "
                          "it) and the next invocation continues it from its checkpoint; no new run or base "
-                         "evaluation starts after it (a run's final evaluation, minutes, is not cut: leave a margin)")
+                         "evaluation starts after it, nor a fresh run when less time is left than the run is "
+                         "expected to take (the shortest finished run of its arm, else the longest of any arm); a "
+                         "run's final evaluation, minutes, is not cut: leave a margin")
     ap.add_argument("--report-only", action="store_true", help="rewrite the report from <out>/powered.json")
     ap.add_argument("--smoke", action="store_true",
                     help="the machinery on a tiny budget (2 steps, 20 held-out problems, seed 0, small batches, "
@@ -456,7 +471,7 @@ def main() -> int:
             print(f"[powered] run {done + 1}/{len(todo)}: {t['key']} {arm} seed {s}{eta}", flush=True)
             try:
                 rec = run_one(t, arm, s, config=config, runs_dir=args.runs_dir, steps=steps, extra=extra,
-                              deadline=deadline)
+                              deadline=deadline, needs_s=expected_seconds(result, arm))
             except DeadlineReached as e:
                 print(f"[powered] {e}: stopping here; rerun the same command to go on", flush=True)
                 break

@@ -147,3 +147,20 @@ def test_every_arm_names_its_reward_and_label_model_and_the_config_accepts_it():
             assert "verifier.label_model" in over and cfg.verifier.monitor_share == 1.0
     assert PX.arm_overrides("weaver", "x")["verifier.label_model"] == "weaver"
     assert PX.arm_overrides("weaver-128", "x")["verifier.labels"] == PX.LABELS
+
+
+def test_a_fresh_run_is_expected_to_take_what_its_arm_took_else_the_longest_run(tmp_path):
+    # --hours does not start a run that cannot finish in the time left (a run cut short is lost
+    # where the run directory does not outlive the session).
+    from pipeline_runs import DeadlineReached, run_up
+
+    assert PX.expected_seconds({}, "truth") is None
+    result = {"tasks": {"a": {"runs": {"truth": {"0": {"wall_seconds": 5300.0}, "1": {"wall_seconds": 5000.0}},
+                                       "single": {"0": {"wall_seconds": 4000.0}}}},
+                        "b": {"runs": {"truth": {"0": {"wall_seconds": 5600.0}}}}}}
+    assert PX.expected_seconds(result, "truth") == 5000.0
+    assert PX.expected_seconds(result, "single") == 4000.0
+    assert PX.expected_seconds(result, "weaver") == 5600.0  # no weaver run yet: at least the longest
+    with pytest.raises(DeadlineReached, match="not started: 60 min left"):
+        run_up("x", {}, runs_dir=tmp_path, deadline=__import__("time").time() + 3600, needs_s=5600.0)
+    assert not any(tmp_path.iterdir())
