@@ -353,3 +353,21 @@ def test_the_panel_bench_measures_how_judges_of_two_models_agree_on_wrong_answer
         assert len(w["different_prompt"]) == 2  # m1@p-m2@q, m1@q-m2@p; pairs of one model are not counted
         assert all(low < x["r"] < high for x in w["same_prompt"])
         assert all(-0.1 < x["r"] < 0.1 for x in w["different_prompt"])
+
+
+def test_label_free_it_warns_when_the_common_factor_does_not_follow_the_verifiers_together():
+    # Four verifiers of four families, each a little better than random, and a taste they all
+    # share, two of them with it and two against it: the common factor is the taste (its
+    # loadings of both signs), the verifiers' mean rank is the truth's. Said, not changed.
+    rng = np.random.default_rng(5)
+    n = 3000
+    y = (rng.random(n) < 0.1).astype(float)
+    taste = rng.normal(size=n)
+    v = np.stack([1 / (1 + np.exp(-(0.8 * y + s * 1.5 * taste + rng.normal(size=n)))) for s in (1, -1, 1, -1)], axis=1)
+    names = ["a", "b", "c", "d"]
+    m = fit_score_model(v, names)
+    said = [w for w in m.warnings if "follows the verifiers' mean rank" in w]
+    assert said and not m.sane
+    assert abs(_auc(v.mean(axis=1), y) - 0.5) > 0.1 > abs(_auc(m.posterior(v, names), y) - 0.5)
+    clean, _, clean_names = make_votes(pi=0.08, seed=3)
+    assert not [w for w in fit_score_model(clean, clean_names).warnings if "mean rank" in w]

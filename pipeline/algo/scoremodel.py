@@ -65,8 +65,10 @@ P(level | Y) for each:
 7. **Sanity** (label-free): EM converged; π is not at an edge; most verifiers favour the
    component called right; the classes explain part of the agreement between verifiers
    of different families (their level correlation within a class is below the overall one,
-   as conditional independence says); and the check of step 5. ``ScoreModel.warnings``
-   lists what failed.
+   as conditional independence says); the check of step 5; and, label-free, that the
+   factor's score follows the verifiers' mean quantile (rank correlation at least ``FOLLOW``:
+   below it the factor may be a taste they share, or the wrong way round where its loadings
+   nearly cancel). ``ScoreModel.warnings`` lists what failed; a warning changes nothing.
 
 What the verifiers alone cannot give: the factor orders the rows, but π is identified only
 through conditional independence, which judges of small models that share a taste for
@@ -113,6 +115,9 @@ AGREE = 0.75
 """Least AUC with which the common factor must separate EM's two classes for the EM fit to be kept."""
 MAX_LOADING = 0.95
 """Largest |loading| of a verifier on the common factor (a loading of 1 would be a verifier that is the truth)."""
+FOLLOW = 0.5
+"""Least rank correlation between the common factor's score and the verifiers' mean rank under which,
+label-free, the fit warns that the factor's direction is not what the verifiers say together."""
 
 
 def family(name: str, *, answers: bool = True) -> str:
@@ -283,6 +288,21 @@ def _rank_mean(v: np.ndarray, grids: Sequence[np.ndarray]) -> np.ndarray:
     for j, g in enumerate(grids):
         out += np.nan_to_num(_quantile(v[:, j], g))
     return out / max(len(grids), 1)
+
+
+def _midrank(x: np.ndarray) -> np.ndarray:
+    """Ranks of ``x`` from 0, ties at their mean rank."""
+    _, inv, counts = np.unique(x, return_inverse=True, return_counts=True)
+    below = np.cumsum(counts) - counts
+    return (below + (counts - 1) / 2.0)[inv]
+
+
+def _rank_corr(a: np.ndarray, b: np.ndarray) -> float:
+    """Spearman's rank correlation of two finite vectors; 0 if either is constant."""
+    ra, rb = _midrank(a), _midrank(b)
+    if ra.std() == 0 or rb.std() == 0:
+        return 0.0
+    return float(np.corrcoef(ra, rb)[0, 1])
 
 
 def _sound_fails(v: np.ndarray, sound: list[tuple[int, float]]) -> np.ndarray:
@@ -580,6 +600,18 @@ def fit_score_model(votes: np.ndarray, names: Sequence[str], *, sound: Sequence[
         favour = [-f for f in favour]
     if not 0.02 < pi < 0.98:
         warnings.append(f"pi {pi:.3f} is at the edge: one class took (almost) every row")
+    if fac is not None and idx is None and act.sum() > 2:
+        # The factor is signed by its loadings' sum; where they nearly cancel, or the factor is a
+        # shared taste that some verifiers follow and others oppose, its score need not follow what
+        # the verifiers say together (each score's quantile, averaged), and without labels nothing
+        # says which way round it is. Only said: the fit and its ranking are unchanged.
+        grids = [_grid(v[act, j]) for j in range(v.shape[1])]
+        follow = _rank_corr(score[act], _rank_mean(v[act], grids))
+        if follow < FOLLOW:
+            warnings.append(f"the common factor's score follows the verifiers' mean rank at rank correlation "
+                            f"{follow:.2f} < {FOLLOW} (its loadings sum to {sum(fac['loadings']):.2f}): it may "
+                            "be a taste the verifiers share rather than correctness, or the wrong way round; "
+                            "a few labels settle it")
     explained = _agreement_explained(mid, fam, r)
     if explained is not None and explained < 0.0:
         warnings.append(f"the classes do not explain the verifiers' agreement (across families the correlation "
