@@ -367,6 +367,13 @@ def report(result: dict, out: Path, name: str) -> None:
         lines += [md_table(["arm", "seeds", "gain, median (range), points", "gain, mean [95% interval]",
                             "training reward, median of runs' means", "wall per run", "resumes / versions lost",
                             "accounting"], rows)]
+        for arm in ARMS:  # an arm that trained on nothing is the base: said where its comparisons are read
+            rewards = [r.get("train_reward_mean") for r in t["runs"].get(arm, {}).values()]
+            if rewards and all(x == 0 for x in rewards):
+                lines += [f"The {arm} arm's reward was 0 at every step of its {len(rewards)} "
+                          f"run{'s' if len(rewards) > 1 else ''}: no group carried a signal, nothing was trained, "
+                          "and its final accuracy is the base's; every comparison with it below is a comparison "
+                          "with the base.", ""]
         if st.get("paired"):
             lines += ["Paired differences of final accuracy (points; mean over seeds, 95% bootstrap interval "
                       "over problems and seeds):", "",

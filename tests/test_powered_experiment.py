@@ -82,6 +82,8 @@ def test_the_report_says_each_line_met_or_missed_with_its_interval(tmp_path):
     assert "| truth | 3 |" in md and "balanced" in md
     single_row = next(x for x in md.splitlines() if x.startswith("| single | 3 |"))
     assert "| 0.000 |" in single_row, "the single arm's training reward is shown beside its gain"
+    assert "The single arm's reward was 0 at every step of its 3 runs: no group carried a signal" in md
+    assert "The truth arm's reward was 0" not in md
     assert PX.train_reward_mean({"steps": [{"reward_mean": 0.0}, {"reward_mean": 0.5}, {"kind": "step"}]}) == 0.25
     assert PX.train_reward_mean({"steps": []}) is None
     assert json.loads((tmp_path / "powered.json").read_text())["tasks"]["gcd-x"]["statistics"]["arms"]["truth"]["seeds"] == 3
