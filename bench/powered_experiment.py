@@ -433,10 +433,11 @@ def main() -> int:
     path = args.out / f"{name}.json"
     result = json.loads(path.read_text()) if path.is_file() and not args.smoke else {}
     argv = sys.argv[1:]
-    if "--hours" in argv:  # how long one invocation ran, not how the experiment runs
+    # How one invocation ran (its time, or only the report), not how the experiment runs.
+    if "--hours" in argv:
         i = argv.index("--hours")
         argv = argv[:i] + argv[i + 2:]
-    argv = [x for x in argv if not x.startswith("--hours=")]
+    argv = [x for x in argv if not x.startswith("--hours=") and x != "--report-only"]
     result.update({"command": " ".join(["python", "bench/powered_experiment.py", *argv]),
                    "plan": str(PLAN.relative_to(ROOT)), "steps": steps, "heldout": heldout, "seeds": list(seeds),
                    "rule": rule_rows, "smoke": args.smoke})
