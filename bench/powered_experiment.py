@@ -347,7 +347,7 @@ def report(result: dict, out: Path, name: str) -> None:
             continue
         lines += [f"## {key}", "", f"Base greedy accuracy {np.mean(t['base_correct']):.3f}; single arm: "
                   f"`{t['best_single']}`.", ""]
-        rows = []
+        rows, unsignalled = [], []
         for arm in ARMS:
             a = st.get("arms", {}).get(arm)
             runs = t["runs"].get(arm, {})
@@ -355,6 +355,8 @@ def report(result: dict, out: Path, name: str) -> None:
                 rows.append([arm, "0", "not run", "", "", "", "", ""])
                 continue
             rewards = [r["train_reward_mean"] for r in runs.values() if r.get("train_reward_mean") is not None]
+            if len(rewards) == len(runs) and not any(rewards):  # it trained on nothing: it is the base
+                unsignalled.append((arm, len(runs)))
             iv = a["gain_vs_base"]
             walls = [r["wall_seconds"] for r in runs.values()]
             ok = all(r["accounting_ok"] for r in runs.values())
@@ -367,13 +369,10 @@ def report(result: dict, out: Path, name: str) -> None:
         lines += [md_table(["arm", "seeds", "gain, median (range), points", "gain, mean [95% interval]",
                             "training reward, median of runs' means", "wall per run", "resumes / versions lost",
                             "accounting"], rows)]
-        for arm in ARMS:  # an arm that trained on nothing is the base: said where its comparisons are read
-            rewards = [r.get("train_reward_mean") for r in t["runs"].get(arm, {}).values()]
-            if rewards and all(x == 0 for x in rewards):
-                lines += [f"The {arm} arm's reward was 0 at every step of its {len(rewards)} "
-                          f"run{'s' if len(rewards) > 1 else ''}: no group carried a signal, nothing was trained, "
-                          "and its final accuracy is the base's; every comparison with it below is a comparison "
-                          "with the base.", ""]
+        for arm, n in unsignalled:  # said where its comparisons are read
+            lines += [f"The {arm} arm's reward was 0 at every step of its {n} run{'s' if n > 1 else ''}: no group "
+                      "carried a signal, nothing was trained, and its final accuracy is the base's; every "
+                      "comparison with it below is a comparison with the base.", ""]
         if st.get("paired"):
             lines += ["Paired differences of final accuracy (points; mean over seeds, 95% bootstrap interval "
                       "over problems and seeds):", "",
