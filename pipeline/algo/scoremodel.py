@@ -605,8 +605,8 @@ def fit_score_model(votes: np.ndarray, names: Sequence[str], *, sound: Sequence[
         # shared taste that some verifiers follow and others oppose, its score need not follow what
         # the verifiers say together (each score's quantile, averaged), and without labels nothing
         # says which way round it is. Only said: the fit and its ranking are unchanged.
-        grids = [_grid(v[act, j]) for j in range(v.shape[1])]
-        follow = _rank_corr(score[act], _rank_mean(v[act], grids))
+        # (the factor's grids are its columns' quantiles on these same rows, those no sound verifier fails)
+        follow = _rank_corr(score[act], _rank_mean(v[act], [np.asarray(g) for g in fac["grids"]]))
         if follow < FOLLOW:
             warnings.append(f"the common factor's score follows the verifiers' mean rank at rank correlation "
                             f"{follow:.2f} < {FOLLOW} (its loadings sum to {sum(fac['loadings']):.2f}): it may "
