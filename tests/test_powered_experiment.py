@@ -4,6 +4,7 @@ experiment itself takes tens of hours: `make powered-experiment`)."""
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -164,5 +165,5 @@ def test_a_fresh_run_is_expected_to_take_what_its_arm_took_else_the_longest_run(
     assert PX.expected_seconds(result, "single") == 4000.0
     assert PX.expected_seconds(result, "weaver") == 5600.0  # no weaver run yet: at least the longest
     with pytest.raises(DeadlineReached, match="not started: 60 min left"):
-        run_up("x", {}, runs_dir=tmp_path, deadline=__import__("time").time() + 3600, needs_s=5600.0)
+        run_up("x", {}, runs_dir=tmp_path, deadline=time.time() + 3600, needs_s=5600.0)
     assert not any(tmp_path.iterdir())
