@@ -41,6 +41,11 @@ class DeadlineReached(RunFailed):
     ``interrupted``, every stage stopped cleanly) and the bench's ``--resume`` continues it."""
 
 
+class NotStarted(DeadlineReached):
+    """A fresh run was not started: the time left before the bench's deadline is shorter than it is
+    expected to take (``needs_s``). A shorter run may still fit; nothing was written."""
+
+
 def deadline_of(hours: float | None) -> float | None:
     """``--hours`` of a bench as a wall-clock deadline (None: no limit)."""
     if hours is not None and hours <= 0:
@@ -59,7 +64,7 @@ def run_up(label: str, overrides: dict[str, object], *, runs_dir: Path, nice: in
     down`; SIGINT would be ignored by a driver a background shell started), and DeadlineReached raised
     when the run stopped short; a run that finished all the same is returned; none starts past it.
     ``needs_s`` (seconds, e.g. what a finished run of the same bench took): a fresh run is not started
-    when less time than that is left before ``deadline`` (DeadlineReached), as it could not finish; a
+    when less time than that is left before ``deadline`` (NotStarted), as it could not finish; a
     continuation (``resume``) still starts, since what it does is kept for the next ``--resume``.
 
     Raises RunFailed (a RuntimeError) if the run fails or leaves no summary.json.
@@ -68,7 +73,7 @@ def run_up(label: str, overrides: dict[str, object], *, runs_dir: Path, nice: in
     if left is not None and left <= 0:
         raise DeadlineReached("the bench's time ran out before this run started", runs_dir / "(not started)")
     if left is not None and needs_s and resume is None and left < needs_s:
-        raise DeadlineReached(f"not started: {left / 60:.0f} min left before the bench's deadline, and a run "
+        raise NotStarted(f"not started: {left / 60:.0f} min left before the bench's deadline, and a run "
                               f"takes about {needs_s / 60:.0f} min", runs_dir / "(not started)")
     if resume is not None:
         run_id = resume.name

@@ -21,7 +21,8 @@ problems and seeds, and each weaver arm's share of the single -> truth gap.
     python bench/powered_experiment.py --report-only # rewrite the report from powered.json
     python bench/powered_experiment.py --smoke       # the machinery on a tiny budget (not the experiment)
     python bench/powered_experiment.py --hours 2.5   # stop cleanly after 2.5 h; the same command goes on
-                                                     # (a run not expected to finish in the time left is not started)
+                                                     # (a run not expected to finish in the time left is skipped
+                                                     #  for a later, shorter one)
 
 Runs go seed-major (seed 0 of every arm of every task first), one at a time, niced; after each
 one bench/results/powered.json is rewritten, so an interrupted experiment keeps what finished
@@ -44,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_runs import (PIPELINE, RESULTS, ROOT, DeadlineReached, deadline_of, eval_series,  # noqa: E402
+from pipeline_runs import (PIPELINE, RESULTS, ROOT, DeadlineReached, NotStarted, deadline_of, eval_series,  # noqa: E402
                            md_table, read_run, run_up, unfinished_run)
 
 # The plan's constants (bench/results/powered-plan.md); changing one is an amendment of the plan.
@@ -194,14 +195,15 @@ def run_one(task: dict, arm: str, seed: int, *, config: Path, runs_dir: Path, st
             "label_model": label_model_fit(run_dir) if arm.startswith("weaver") else None}
 
 
-def expected_seconds(result: dict, arm: str) -> float | None:
-    """What a fresh run of ``arm`` is expected to take, for ``--hours``: the shortest finished run of
-    that arm (any task), else the longest finished run of any arm (an arm that scores the whole
-    panel takes at least as long as one that scores a single judge); None before any run finished."""
-    took = [(a, r["wall_seconds"]) for tr in result.get("tasks", {}).values()
+def expected_seconds(result: dict, task: str, arm: str) -> float | None:
+    """What a fresh run of ``arm`` on ``task`` is expected to take, for ``--hours``: the shortest
+    finished run of that arm on that task (another seed), else the longest finished run of any arm on
+    any task (an arm's time differs across tasks: a judge that never passes trains on nothing, and
+    runs in half the time, on one task and not on another); None before any run finished."""
+    took = [(k, a, r["wall_seconds"]) for k, tr in result.get("tasks", {}).items()
             for a, runs in tr.get("runs", {}).items() for r in runs.values() if r.get("wall_seconds")]
-    same = [w for a, w in took if a == arm]
-    every = [w for _, w in took]
+    same = [w for k, a, w in took if (k, a) == (task, arm)]
+    every = [w for _, _, w in took]
     return min(same) if same else (max(every) if every else None)
 
 
@@ -407,9 +409,10 @@ def main() -> int:
     ap.add_argument("--hours", type=float, default=None,
                     help="stop after this long: the run in progress is stopped cleanly (as `pipeline down` stops "
                          "it) and the next invocation continues it from its checkpoint; no new run or base "
-                         "evaluation starts after it, nor a fresh run when less time is left than the run is "
-                         "expected to take (the shortest finished run of its arm, else the longest of any arm); a "
-                         "run's final evaluation, minutes, is not cut: leave a margin")
+                         "evaluation starts after it, and a fresh run expected to take longer than the time left "
+                         "is skipped for a later one that fits (expected: the shortest finished run of its arm on "
+                         "its task, else the longest of any); a run's final evaluation, minutes, is not cut: "
+                         "leave a margin")
     ap.add_argument("--report-only", action="store_true", help="rewrite the report from <out>/powered.json")
     ap.add_argument("--smoke", action="store_true",
                     help="the machinery on a tiny budget (2 steps, 20 held-out problems, seed 0, small batches, "
@@ -478,7 +481,10 @@ def main() -> int:
             print(f"[powered] run {done + 1}/{len(todo)}: {t['key']} {arm} seed {s}{eta}", flush=True)
             try:
                 rec = run_one(t, arm, s, config=config, runs_dir=args.runs_dir, steps=steps, extra=extra,
-                              deadline=deadline, needs_s=expected_seconds(result, arm))
+                              deadline=deadline, needs_s=expected_seconds(result, t["key"], arm))
+            except NotStarted as e:  # a shorter run further down the list may still fit
+                print(f"[powered] {t['key']} {arm} seed {s}: {e}; trying the next run", flush=True)
+                continue
             except DeadlineReached as e:
                 print(f"[powered] {e}: stopping here; rerun the same command to go on", flush=True)
                 break

@@ -152,18 +152,24 @@ def test_every_arm_names_its_reward_and_label_model_and_the_config_accepts_it():
     assert PX.arm_overrides("weaver-128", "x")["verifier.labels"] == PX.LABELS
 
 
-def test_a_fresh_run_is_expected_to_take_what_its_arm_took_else_the_longest_run(tmp_path):
-    # --hours does not start a run that cannot finish in the time left (a run cut short is lost
-    # where the run directory does not outlive the session).
-    from pipeline_runs import DeadlineReached, run_up
+def test_a_fresh_run_is_expected_to_take_what_its_arm_took_on_its_task_else_the_longest_run(tmp_path):
+    # --hours skips a run that cannot finish in the time left (a run cut short is lost where the run
+    # directory does not outlive the session) and goes on to a later one that may fit.
+    from pipeline_runs import DeadlineReached, NotStarted, run_up
 
-    assert PX.expected_seconds({}, "truth") is None
+    assert PX.expected_seconds({}, "a", "truth") is None
     result = {"tasks": {"a": {"runs": {"truth": {"0": {"wall_seconds": 5300.0}, "1": {"wall_seconds": 5000.0}},
-                                       "single": {"0": {"wall_seconds": 4000.0}}}},
+                                       "single": {"0": {"wall_seconds": 2600.0}}}},
                         "b": {"runs": {"truth": {"0": {"wall_seconds": 5600.0}}}}}}
-    assert PX.expected_seconds(result, "truth") == 5000.0
-    assert PX.expected_seconds(result, "single") == 4000.0
-    assert PX.expected_seconds(result, "weaver") == 5600.0  # no weaver run yet: at least the longest
-    with pytest.raises(DeadlineReached, match="not started: 60 min left"):
+    assert PX.expected_seconds(result, "a", "truth") == 5000.0
+    assert PX.expected_seconds(result, "a", "single") == 2600.0
+    # The single arm took 43 min on a where its judge passed nothing; on b it may train: the longest.
+    assert PX.expected_seconds(result, "b", "single") == 5600.0
+    assert PX.expected_seconds(result, "a", "weaver") == 5600.0  # no weaver run yet: at least the longest
+    with pytest.raises(NotStarted, match="not started: 60 min left"):
         run_up("x", {}, runs_dir=tmp_path, deadline=time.time() + 3600, needs_s=5600.0)
     assert not any(tmp_path.iterdir())
+    # Past the deadline nothing starts, short or long: the driver stops instead of trying the next run.
+    with pytest.raises(DeadlineReached, match="before this run started") as past:
+        run_up("x", {}, runs_dir=tmp_path, deadline=time.time() - 1, needs_s=60.0)
+    assert not isinstance(past.value, NotStarted)
