@@ -74,7 +74,7 @@ def run_up(label: str, overrides: dict[str, object], *, runs_dir: Path, nice: in
         raise DeadlineReached("the bench's time ran out before this run started", runs_dir / "(not started)")
     if left is not None and needs_s and resume is None and left < needs_s:
         raise NotStarted(f"not started: {left / 60:.0f} min left before the bench's deadline, and a run "
-                              f"takes about {needs_s / 60:.0f} min", runs_dir / "(not started)")
+                         f"takes about {needs_s / 60:.0f} min", runs_dir / "(not started)")
     if resume is not None:
         run_id = resume.name
         cmd = [*PIPELINE, "up", "--resume", "--run-id", run_id, "--runs_dir", str(runs_dir)]
